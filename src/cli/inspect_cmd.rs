@@ -1,0 +1,47 @@
+use crate::model::{GgufFile, ModelConfig, WeightFormat};
+use crate::tokenize::{ChatTemplate, Tokenizer};
+use anyhow::Result;
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    /// Model key or GGUF path.
+    #[arg(default_value = "smollm2-135m")]
+    model: String,
+}
+
+pub fn run(args: InspectArgs) -> Result<()> {
+    let path = crate::fetch::resolve_model(&args.model, true)?;
+    let file = GgufFile::open(&path)?;
+    let c = ModelConfig::from_gguf(&file.content)?;
+    println!("file:          {}", path.display());
+    println!("architecture:  {}", c.arch.name());
+    println!("layers:        {}", c.n_layers);
+    println!("hidden:        {}", c.hidden);
+    println!("ffn:           {}", c.ffn);
+    println!("heads:         {} query / {} kv, head dim {}", c.n_heads, c.n_kv_heads, c.head_dim);
+    println!("vocab:         {}", c.vocab);
+    println!("context:       {}", c.context_len);
+    println!("rope:          theta {}, dims {}, {:?}", c.rope_theta, c.rope_dim, c.rope_style);
+    println!("rms eps:       {}", c.rms_eps);
+    println!("lm head:       {}", if c.tied_head { "tied to token_embd" } else { "separate" });
+    println!("qkv bias:      {}", c.qkv_bias);
+    let types: Vec<String> = file.type_counts().iter().map(|(t, n)| format!("{t}×{n}")).collect();
+    println!("tensor types:  {}", types.join(", "));
+    println!("default weights: {}", WeightFormat::default_for(&file).name());
+    let tok = Tokenizer::from_gguf(&file.content)?;
+    let name = |id: Option<u32>| id.and_then(|i| tok.token_text(i).map(|t| format!("{i} {t:?}"))).unwrap_or("-".into());
+    println!(
+        "tokenizer:     {} tokens, pre {:?}, bos {}, eos {}, add_bos {}",
+        tok.vocab_size(),
+        tok.pre_tokenizer(),
+        name(tok.bos_id()),
+        name(tok.eos_id()),
+        tok.add_bos()
+    );
+    println!("stop ids:      {:?}", tok.stop_ids());
+    match ChatTemplate::from_gguf(&file.content) {
+        Ok(t) => println!("chat template ({:?}):\n{}", t.origin(), t.source()),
+        Err(e) => println!("chat template: none ({e})"),
+    }
+    Ok(())
+}

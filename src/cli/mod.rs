@@ -1,0 +1,74 @@
+//! The `specula` command line: one subcommand per file.
+
+mod fetch_cmd;
+mod generate_cmd;
+mod inspect_cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "specula", version, about = "LLM inference with lossless speculative decoding")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download a model or data set (verified, resumable) into $SPECULA_HOME.
+    Fetch(fetch_cmd::FetchArgs),
+    /// Print a model's architecture, dimensions, quantisation types, tokenizer and template.
+    Inspect(inspect_cmd::InspectArgs),
+    /// Generate text from a prompt, streaming it, and print tokens/s.
+    Generate(generate_cmd::GenerateArgs),
+}
+
+/// Entry point; returns the process exit code. Errors print as one line.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    let result = match cli.command {
+        Command::Fetch(a) => fetch_cmd::run(a),
+        Command::Inspect(a) => inspect_cmd::run(a),
+        Command::Generate(a) => generate_cmd::run(a),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            1
+        }
+    }
+}
+
+/// The error and its causes on one line.
+fn one_line(e: &anyhow::Error) -> String {
+    format!("{e:#}").replace('\n', " ")
+}
+
+/// Shared model options.
+#[derive(clap::Args, Clone)]
+pub struct ModelArgs {
+    /// Model key (see `specula fetch --list`) or path to a GGUF file.
+    #[arg(long, short = 'm', default_value = "smollm2-135m")]
+    pub model: String,
+    /// Weight format in memory: native, q8_0, q4_0, f16, f32 (default: measured best for the file).
+    #[arg(long)]
+    pub weights: Option<String>,
+    /// KV cache capacity in tokens.
+    #[arg(long, default_value_t = 8192)]
+    pub kv_tokens: usize,
+}
+
+impl ModelArgs {
+    pub fn load(&self) -> anyhow::Result<crate::engine::LoadedModel> {
+        let path = crate::fetch::resolve_model(&self.model, true)?;
+        let weights = self.weights.as_deref().map(crate::model::WeightFormat::parse).transpose()?;
+        crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)
+    }
+}

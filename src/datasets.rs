@@ -1,0 +1,471 @@
+//! Evaluation and training prompt sets.
+//!
+//! Each set is fetched on first use ([`crate::fetch::fetch`]) and read into [`Prompt`]s in the
+//! file's own order, so every run sees the same prompts. The evaluation sets (gsm8k-100,
+//! gsm8k-fewshot, humaneval, mt-bench, math500) must never feed training: use
+//! [`is_training_set`] / [`is_evaluation_set`] to guard that.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use crate::fetch;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptKind {
+    /// A user message: apply the model's chat template.
+    Chat,
+    /// Raw text the model continues as-is (code completion).
+    Completion,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    /// Stable id, `<set>/<id in the source>` (e.g. `HumanEval/0` keeps the source's own form).
+    pub id: String,
+    pub text: String,
+    pub kind: PromptKind,
+    /// The expected final answer (gsm8k-100, math500) or reference solution (humaneval,
+    /// humaneval-rust), where the set has one.
+    pub reference: Option<String>,
+}
+
+/// Sets used to measure quality and speed: never train on them.
+pub const EVALUATION_SETS: &[&str] = &[
+    "gsm8k-100",
+    "gsm8k-fewshot",
+    "humaneval",
+    "mt-bench",
+    "math500",
+];
+
+/// Sets that may feed training (drafter heads and the like); prompts only.
+pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy", "humaneval-rust"];
+
+/// Sets [`load`] turns into prompts.
+pub const PROMPT_SETS: &[&str] = &[
+    "gsm8k-100",
+    "humaneval",
+    "mt-bench",
+    "math500",
+    "sharegpt",
+    "fastchat-dummy",
+    "humaneval-rust",
+];
+
+pub fn is_evaluation_set(key: &str) -> bool {
+    EVALUATION_SETS.contains(&key)
+}
+
+pub fn is_training_set(key: &str) -> bool {
+    TRAINING_SETS.contains(&key)
+}
+
+/// Loads up to `limit` prompts of a set, fetching it first when it is not cached yet.
+pub fn load(key: &str, limit: Option<usize>) -> Result<Vec<Prompt>> {
+    check_prompt_set(key)?;
+    let path = fetch::fetch(key, true)?;
+    load_from_path(key, &path, limit)
+}
+
+/// Like [`load`], from a file in the set's format at `path` (no fetching).
+pub fn load_from_path(key: &str, path: &Path, limit: Option<usize>) -> Result<Vec<Prompt>> {
+    check_prompt_set(key)?;
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    parse(key, &bytes, limit.unwrap_or(usize::MAX))
+        .with_context(|| format!("parsing {} ({key})", path.display()))
+}
+
+fn check_prompt_set(key: &str) -> Result<()> {
+    if key == "gsm8k-fewshot" {
+        bail!(
+            "gsm8k-fewshot holds few-shot examples, not prompts; its file is {}",
+            fetch_path_hint(key)
+        );
+    }
+    if !PROMPT_SETS.contains(&key) {
+        bail!(
+            "unknown prompt set `{key}`; known: {}",
+            PROMPT_SETS.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn fetch_path_hint(key: &str) -> String {
+    fetch::find_asset(key).map_or_else(|| key.to_string(), |a| a.path().display().to_string())
+}
+
+fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
+    let mut prompts = Vec::new();
+    match key {
+        "gsm8k-100" => {
+            #[derive(Deserialize)]
+            struct Row {
+                id: String,
+                question: String,
+                final_answer: String,
+            }
+            for_each_json_line(bytes, limit, |row: Row| {
+                prompts.push(chat(
+                    format!("gsm8k-100/{}", row.id),
+                    row.question,
+                    Some(row.final_answer),
+                ));
+                true
+            })?;
+        }
+        "humaneval" | "humaneval-rust" => {
+            #[derive(Deserialize)]
+            struct Row {
+                task_id: String,
+                prompt: String,
+                canonical_solution: Option<String>,
+            }
+            for_each_json_line(bytes, limit, |row: Row| {
+                prompts.push(Prompt {
+                    id: row.task_id,
+                    text: row.prompt,
+                    kind: PromptKind::Completion,
+                    reference: row.canonical_solution,
+                });
+                true
+            })?;
+        }
+        "mt-bench" => {
+            #[derive(Deserialize)]
+            struct Row {
+                question_id: u64,
+                turns: Vec<String>,
+            }
+            for_each_json_line(bytes, limit, |row: Row| {
+                if let Some(first) = row.turns.into_iter().next() {
+                    prompts.push(chat(format!("mt-bench/{}", row.question_id), first, None));
+                }
+                true
+            })?;
+        }
+        "math500" => {
+            #[derive(Deserialize)]
+            struct Row {
+                question: String,
+                answer: String,
+                data_source: String,
+                data_source_id: u64,
+            }
+            let rows: Vec<Row> =
+                serde_json::from_slice(bytes).context("expected a JSON array of problems")?;
+            prompts.extend(
+                rows.into_iter()
+                    .filter(|r| r.data_source == "MATH500")
+                    .take(limit)
+                    .map(|r| {
+                        chat(
+                            format!("math500/{}", r.data_source_id),
+                            r.question,
+                            Some(r.answer),
+                        )
+                    }),
+            );
+        }
+        "sharegpt" | "fastchat-dummy" => {
+            for_each_in_json_array(bytes, |conv: Conversation| {
+                let id = format!("{key}/{}", conv.id);
+                if let Some(text) = conv.first_user_turn() {
+                    prompts.push(chat(id, text, None));
+                }
+                prompts.len() < limit
+            })?;
+        }
+        _ => bail!("unknown prompt set `{key}`"),
+    }
+    Ok(prompts)
+}
+
+fn chat(id: String, text: String, reference: Option<String>) -> Prompt {
+    Prompt {
+        id,
+        text,
+        kind: PromptKind::Chat,
+        reference,
+    }
+}
+
+/// A ShareGPT-format chat (ShareGPT itself and FastChat's dummy conversations).
+#[derive(Deserialize)]
+struct Conversation {
+    id: String,
+    #[serde(default)]
+    conversations: Vec<Turn>,
+}
+
+#[derive(Deserialize)]
+struct Turn {
+    from: String,
+    value: String,
+}
+
+impl Conversation {
+    /// The first human turn with visible text; chats that open with a system or model turn
+    /// still count from their first human message.
+    fn first_user_turn(self) -> Option<String> {
+        self.conversations
+            .into_iter()
+            .find(|t| t.from == "human" || t.from == "user")
+            .map(|t| t.value)
+            .filter(|v| !v.trim().is_empty())
+    }
+}
+
+/// Calls `visit` for each non-blank JSON line until it returns false or `limit` rows were kept.
+fn for_each_json_line<T: DeserializeOwned>(
+    bytes: &[u8],
+    limit: usize,
+    mut visit: impl FnMut(T) -> bool,
+) -> Result<()> {
+    let mut seen = 0;
+    for (index, line) in bytes.split(|&b| b == b'\n').enumerate() {
+        if seen >= limit {
+            break;
+        }
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let row = serde_json::from_slice(line).with_context(|| format!("line {}", index + 1))?;
+        seen += 1;
+        if !visit(row) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Decodes the elements of a top-level JSON array one at a time, calling `visit` for each until
+/// it returns false. An array cut off mid-element (the ShareGPT file inside its wheel is) ends the
+/// walk quietly after the last complete element; any other malformation is an error. Returns how
+/// many elements were decoded.
+fn for_each_in_json_array<T: DeserializeOwned>(
+    bytes: &[u8],
+    mut visit: impl FnMut(T) -> bool,
+) -> Result<usize> {
+    let skip_ws = |mut pos: usize| {
+        while pos < bytes.len() && bytes[pos].is_ascii_whitespace() {
+            pos += 1;
+        }
+        pos
+    };
+    let mut pos = skip_ws(0);
+    if bytes.get(pos) != Some(&b'[') {
+        bail!("expected a JSON array at byte {pos}");
+    }
+    pos += 1;
+    let mut count = 0;
+    loop {
+        pos = skip_ws(pos);
+        match bytes.get(pos) {
+            None => return Ok(count), // cut off between elements
+            Some(b']') if count == 0 => return Ok(count),
+            _ => {}
+        }
+        let mut stream = serde_json::Deserializer::from_slice(&bytes[pos..]).into_iter::<T>();
+        match stream.next() {
+            None => return Ok(count),
+            Some(Err(err)) if err.is_eof() => return Ok(count), // cut off inside an element
+            Some(Err(err)) => {
+                return Err(err).with_context(|| format!("array element {count} at byte {pos}"))
+            }
+            Some(Ok(value)) => {
+                pos += stream.byte_offset();
+                count += 1;
+                if !visit(value) {
+                    return Ok(count);
+                }
+            }
+        }
+        pos = skip_ws(pos);
+        match bytes.get(pos) {
+            Some(b',') => pos += 1,
+            Some(b']') | None => return Ok(count),
+            Some(&other) => bail!(
+                "expected `,` or `]` after array element {count} at byte {pos}, found `{}`",
+                other as char
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncated_array_keeps_complete_elements_only() {
+        let text = br#"[
+  {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+  {"id": "b", "conversations": []},
+  {"id": "c", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "Why?"}]},
+  {"id": "d", "conversations": [{"from": "human", "value": "cut off mid-str"#;
+        let prompts = parse("sharegpt", text, usize::MAX).unwrap();
+        let ids: Vec<_> = prompts.iter().map(|p| p.id.as_str()).collect();
+        assert_eq!(ids, ["sharegpt/a", "sharegpt/c"]);
+        assert_eq!(prompts[1].text, "Why?");
+        assert!(prompts.iter().all(|p| p.kind == PromptKind::Chat));
+
+        let mut seen = Vec::new();
+        let n = for_each_in_json_array(text, |c: Conversation| {
+            seen.push(c.id);
+            true
+        })
+        .unwrap();
+        assert_eq!(
+            (n, seen),
+            (3, vec!["a".to_string(), "b".into(), "c".into()])
+        );
+    }
+
+    #[test]
+    fn array_walk_handles_complete_empty_and_cut_between_elements() {
+        let count =
+            |bytes: &[u8]| for_each_in_json_array(bytes, |_: serde_json::Value| true).unwrap();
+        assert_eq!(count(b" [ ] "), 0);
+        assert_eq!(count(b"[1, {\"a\": [2]}, \"x\"]"), 3);
+        assert_eq!(count(b"[{\"a\": 1},\n  "), 1);
+        assert_eq!(count(b"[{\"a\": 1}, {\"b\""), 1);
+        assert_eq!(count(b"["), 0);
+        // Stopping early decodes no further.
+        let mut n = 0;
+        assert_eq!(
+            for_each_in_json_array(b"[1, 2, 3]", |_: u32| {
+                n += 1;
+                n < 2
+            })
+            .unwrap(),
+            2
+        );
+        // Real malformations are errors, not silent truncation.
+        assert!(for_each_in_json_array(b"{\"a\": 1}", |_: serde_json::Value| true).is_err());
+        assert!(for_each_in_json_array(b"[1 2]", |_: serde_json::Value| true).is_err());
+        assert!(for_each_in_json_array(b"[1, }]", |_: serde_json::Value| true).is_err());
+    }
+
+    #[test]
+    fn sharegpt_limit_stops_after_enough_prompts() {
+        let text = br#"[{"id": "1", "conversations": [{"from": "human", "value": "one"}]},
+                        {"id": "2", "conversations": [{"from": "human", "value": "  "}]},
+                        {"id": "3", "conversations": [{"from": "human", "value": "three"}]},
+                        {"id": "4", "conversations": [{"from": "human", "value": "four"}]}]"#;
+        let prompts = parse("fastchat-dummy", text, 2).unwrap();
+        assert_eq!(
+            prompts.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(),
+            ["one", "three"]
+        );
+    }
+
+    #[test]
+    fn jsonl_sets_read_their_fields() {
+        let gsm = "{\"id\": \"0000\", \"id_orig\": 473, \"question\": \"Q?\", \"answer\": \"x\\n#### 10\", \"final_answer\": \"10\"}\n\n";
+        let p = parse("gsm8k-100", gsm.as_bytes(), usize::MAX).unwrap();
+        assert_eq!(
+            p,
+            vec![chat(
+                "gsm8k-100/0000".into(),
+                "Q?".into(),
+                Some("10".into())
+            )]
+        );
+
+        let he = "{\"task_id\": \"HumanEval/0\", \"prompt\": \"def f():\\n\", \"canonical_solution\": \"    return 1\\n\", \"entry_point\": \"f\"}\n";
+        let p = parse("humaneval", he.as_bytes(), usize::MAX).unwrap();
+        assert_eq!(p[0].id, "HumanEval/0");
+        assert_eq!(p[0].kind, PromptKind::Completion);
+        assert_eq!(p[0].text, "def f():\n");
+
+        let mt = "{\"question_id\": 81, \"category\": \"writing\", \"turns\": [\"first\", \"second\"]}\n{\"question_id\": 82, \"turns\": [\"a\", \"b\"]}\n";
+        let p = parse("mt-bench", mt.as_bytes(), 1).unwrap();
+        assert_eq!(p, vec![chat("mt-bench/81".into(), "first".into(), None)]);
+
+        let err = parse(
+            "mt-bench",
+            b"{\"question_id\": 1, \"turns\": [\"a\"]}\nnot json\n",
+            usize::MAX,
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("line 2"), "{err:#}");
+    }
+
+    #[test]
+    fn math500_keeps_only_math500_problems() {
+        let json = r#"[{"question": "AIME q", "answer": "204", "data_source": "AIME2024", "data_source_id": 0, "lang": "en", "gid": 1},
+                       {"question": "How many divisors does 196 have?", "answer": "9", "data_source": "MATH500", "data_source_id": 3, "lang": "en", "gid": 63}]"#;
+        let p = parse("math500", json.as_bytes(), usize::MAX).unwrap();
+        assert_eq!(
+            p,
+            vec![chat(
+                "math500/3".into(),
+                "How many divisors does 196 have?".into(),
+                Some("9".into())
+            )]
+        );
+    }
+
+    #[test]
+    fn evaluation_and_training_sets_are_disjoint() {
+        for key in ["gsm8k-100", "humaneval", "mt-bench", "math500"] {
+            assert!(is_evaluation_set(key) && !is_training_set(key), "{key}");
+        }
+        for key in TRAINING_SETS {
+            assert!(!is_evaluation_set(key), "{key}");
+        }
+        for key in EVALUATION_SETS.iter().chain(TRAINING_SETS) {
+            assert!(
+                fetch::find_asset(key).is_some(),
+                "{key} has no fetchable asset"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_or_non_prompt_sets_error_clearly() {
+        let err = load("no-such-set", None).unwrap_err().to_string();
+        assert!(
+            err.contains("unknown prompt set") && err.contains("sharegpt"),
+            "{err}"
+        );
+        let err = load("gsm8k-fewshot", None).unwrap_err().to_string();
+        assert!(err.contains("few-shot examples"), "{err}");
+    }
+
+    /// Runs against the real cached files: `cargo test --release --lib datasets -- --ignored`.
+    #[test]
+    #[ignore = "needs the fetched data sets"]
+    fn real_sets_have_the_documented_sizes() {
+        let expected = [
+            ("gsm8k-100", 100),
+            ("humaneval", 164),
+            ("humaneval-rust", 180),
+            ("mt-bench", 80),
+            ("math500", 311),
+            ("fastchat-dummy", 500),
+        ];
+        for (key, n) in expected {
+            let prompts = load(key, None).unwrap();
+            assert_eq!(prompts.len(), n, "{key}");
+            let mut ids: Vec<_> = prompts.iter().map(|p| &p.id).collect();
+            ids.sort();
+            ids.dedup();
+            assert_eq!(ids.len(), n, "{key}: ids are not unique");
+        }
+        let path = fetch::fetch("sharegpt", false).unwrap();
+        let bytes = std::fs::read(path).unwrap();
+        assert_eq!(
+            for_each_in_json_array(&bytes, |_: Conversation| true).unwrap(),
+            17_671
+        );
+        let sharegpt = load("sharegpt", None).unwrap();
+        // 17,671 complete chats, of which 17,384 have a non-blank first human turn.
+        assert_eq!(sharegpt.len(), 17_384);
+        assert_eq!(load("sharegpt", Some(10)).unwrap(), sharegpt[..10].to_vec());
+    }
+}

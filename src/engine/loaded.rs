@@ -1,0 +1,53 @@
+//! A model ready to serve: weights, tokenizer and chat template from one GGUF file.
+
+use crate::model::{GgufFile, Transformer, WeightFormat};
+use crate::tokenize::{ChatMessage, ChatTemplate, Tokenizer};
+use anyhow::{Context, Result};
+use candle_core::Device;
+use std::path::{Path, PathBuf};
+
+pub struct LoadedModel {
+    pub path: PathBuf,
+    pub model: Transformer,
+    pub tokenizer: Tokenizer,
+    /// None when the file has no template and ChatML cannot be assumed.
+    pub template: Option<ChatTemplate>,
+}
+
+impl LoadedModel {
+    /// Loads a GGUF file; `weights` None picks the measured default for its types.
+    pub fn load(path: &Path, weights: Option<WeightFormat>, device: &Device) -> Result<Self> {
+        let mut file = GgufFile::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&file.content)
+            .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
+        let template = ChatTemplate::from_gguf(&file.content).ok();
+        let format = weights.unwrap_or_else(|| WeightFormat::default_for(&file));
+        let model = Transformer::load(&mut file, format, device)?;
+        if tokenizer.vocab_size() > model.config.vocab {
+            anyhow::bail!(
+                "{}: the tokenizer has {} tokens but the embedding only {} rows",
+                path.display(),
+                tokenizer.vocab_size(),
+                model.config.vocab
+            );
+        }
+        Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
+    }
+
+    /// Token ids of a completion prompt (BOS added when the model asks for it).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text, true)
+    }
+
+    /// Token ids of a chat conversation rendered with the model's template.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let template = self.template.as_ref().context("this model has no chat template; use a completion prompt")?;
+        let text = template.render(messages, true)?;
+        self.tokenizer.encode(&text, true)
+    }
+
+    /// Token ids that end generation: the tokenizer's end-of-sequence / end-of-turn ids.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        self.tokenizer.stop_ids().to_vec()
+    }
+}

@@ -1,0 +1,77 @@
+//! Speculation counters, per request and in aggregate.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SpecMetrics {
+    /// Target forward steps after prefill (each verifies one block, possibly empty).
+    pub steps: u64,
+    /// Steps that carried a non-empty draft.
+    pub spec_steps: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    /// Tokens committed by decode steps (accepted drafts + one target token each).
+    pub committed: u64,
+    /// `drafted_at[i]` / `accepted_at[i]`: drafts that reached position i, and were accepted there.
+    pub drafted_at: Vec<u64>,
+    pub accepted_at: Vec<u64>,
+    pub draft_secs: f64,
+    pub verify_secs: f64,
+}
+
+impl SpecMetrics {
+    pub fn record(&mut self, drafted: usize, accepted: usize, committed: usize) {
+        self.steps += 1;
+        self.committed += committed as u64;
+        if drafted > 0 {
+            self.spec_steps += 1;
+        }
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+        if self.drafted_at.len() < drafted {
+            self.drafted_at.resize(drafted, 0);
+            self.accepted_at.resize(drafted, 0);
+        }
+        for i in 0..drafted {
+            self.drafted_at[i] += 1;
+            if i < accepted {
+                self.accepted_at[i] += 1;
+            }
+        }
+    }
+
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    /// Acceptance length τ: mean tokens committed per target verify step (accepted + 1).
+    pub fn tau(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            (self.accepted + self.steps) as f64 / self.steps as f64
+        }
+    }
+
+    pub fn merge(&mut self, other: &SpecMetrics) {
+        self.steps += other.steps;
+        self.spec_steps += other.spec_steps;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.committed += other.committed;
+        if self.drafted_at.len() < other.drafted_at.len() {
+            self.drafted_at.resize(other.drafted_at.len(), 0);
+            self.accepted_at.resize(other.drafted_at.len(), 0);
+        }
+        for (i, (&d, &a)) in other.drafted_at.iter().zip(&other.accepted_at).enumerate() {
+            self.drafted_at[i] += d;
+            self.accepted_at[i] += a;
+        }
+        self.draft_secs += other.draft_secs;
+        self.verify_secs += other.verify_secs;
+    }
+}

@@ -1,0 +1,9 @@
+//! Paged KV cache: a pool of fixed-size blocks shared by all sequences, a block table per
+//! sequence, append / truncate (rollback after rejected drafts), and freeing in `Drop` so a
+//! cancelled request can never leak blocks.
+
+mod attention;
+mod pool;
+
+pub use attention::{paged_attention, AttentionSeq};
+pub use pool::{KvLayout, KvPool, KvPoolStats, PoolExhausted, PoolStorage, SeqCache};

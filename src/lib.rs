@@ -1,0 +1,22 @@
+//! specula: an LLM inference engine built around lossless speculative decoding.
+//!
+//! Layers (each readable alone):
+//! - [`fetch`]: models and data sets from registry packages, verified and cached.
+//! - [`model`]: GGUF weights, architectures, a forward over a packed batch that returns
+//!   the logits rows and hidden-state taps asked for.
+//! - [`kv`]: paged KV block pool, per-sequence block tables, rollback, freeing in `Drop`.
+//! - [`tokenize`]: GGUF BPE tokenizers, chat templates, streaming detokenisation.
+//! - [`sample`]: sampling settings and the one sampler used by plain decoding and the verifier.
+//! - [`spec`]: the `Proposer` trait, one file per drafter, one pure verifier.
+//! - [`engine`]: the step loop (schedule → propose → forward → verify → commit).
+//! - [`cli`]: the `specula` command line.
+
+pub mod cli;
+pub mod datasets;
+pub mod engine;
+pub mod fetch;
+pub mod kv;
+pub mod model;
+pub mod sample;
+pub mod spec;
+pub mod tokenize;

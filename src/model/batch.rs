@@ -1,0 +1,76 @@
+//! What a forward is asked to compute, and what it returns.
+
+use crate::kv::SeqCache;
+use anyhow::Result;
+use candle_core::Tensor;
+use std::ops::Range;
+
+/// Which of a sequence's new rows need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsRows {
+    /// None: a prefill chunk that is not the last one.
+    None,
+    /// The last row: plain decoding and the end of a prefill.
+    Last,
+    /// Every new row: verifying a draft block.
+    All,
+}
+
+/// One sequence in a packed batch: the new tokens to run on top of what its cache holds.
+/// Row i of `tokens` is at position `cache.len() + i`.
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SeqCache,
+    pub logits: LogitsRows,
+}
+
+/// Several sequences packed into one forward, plus the layers whose outputs are wanted.
+#[derive(Default)]
+pub struct ForwardBatch<'a> {
+    pub seqs: Vec<SeqInput<'a>>,
+    /// Decoder layers (0-based) whose output hidden states are returned for every row.
+    pub tap_layers: Vec<usize>,
+}
+
+impl<'a> ForwardBatch<'a> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn push(&mut self, tokens: &'a [u32], cache: &'a mut SeqCache, logits: LogitsRows) {
+        self.seqs.push(SeqInput { tokens, cache, logits });
+    }
+
+    pub fn total_rows(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// Results of a forward: logits for the wanted rows, and taps for all rows.
+pub struct ForwardOutput {
+    /// `[wanted rows, vocab]`, sequences in batch order.
+    pub logits: Tensor,
+    /// Per sequence, its rows within `logits`.
+    pub logits_ranges: Vec<Range<usize>>,
+    /// Per sequence, its rows within the packed batch (and within each tap).
+    pub row_ranges: Vec<Range<usize>>,
+    /// One `[rows, hidden]` tensor per requested tap layer, in the order asked.
+    pub taps: Vec<Tensor>,
+}
+
+impl ForwardOutput {
+    /// Sequence `i`'s logits rows as plain vectors.
+    pub fn seq_logits(&self, i: usize) -> Result<Vec<Vec<f32>>> {
+        let r = self.logits_ranges[i].clone();
+        if r.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(self.logits.narrow(0, r.start, r.len())?.to_vec2::<f32>()?)
+    }
+
+    /// Sequence `i`'s rows of every tap.
+    pub fn seq_taps(&self, i: usize) -> Result<Vec<Tensor>> {
+        let r = self.row_ranges[i].clone();
+        Ok(self.taps.iter().map(|t| t.narrow(0, r.start, r.len())).collect::<candle_core::Result<_>>()?)
+    }
+}

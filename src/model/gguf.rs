@@ -1,0 +1,154 @@
+//! Opening GGUF files: header and bounds validation, tensor reading, and load-time
+//! re-quantisation into the weight format chosen for speed on this machine.
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::{gguf_file::Content, GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device};
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// How matmul weights are held in memory. `Native` keeps the file's types; the others
+/// convert at load time (candle runs Q4_1/Q5_0 with scalar code on x86, Q8_0/Q4_0 with AVX2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    Native,
+    Q8_0,
+    Q4_0,
+    F16,
+    F32,
+}
+
+impl WeightFormat {
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "native" => Self::Native,
+            "q8_0" => Self::Q8_0,
+            "q4_0" => Self::Q4_0,
+            "f16" => Self::F16,
+            "f32" => Self::F32,
+            other => bail!("unknown weight format `{other}` (expected native, q8_0, q4_0, f16 or f32)"),
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+            Self::F16 => "f16",
+            Self::F32 => "f32",
+        }
+    }
+
+    /// The default for a file, chosen by measurement (docs/performance.md): keep types
+    /// candle runs with AVX2 kernels; convert the ones it runs with scalar code.
+    pub fn default_for(file: &GgufFile) -> Self {
+        let slow = file
+            .content
+            .tensor_infos
+            .iter()
+            .filter(|(name, _)| name.starts_with("blk."))
+            .any(|(_, t)| matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1));
+        if slow {
+            Self::Q8_0
+        } else {
+            Self::Native
+        }
+    }
+}
+
+/// An open GGUF file whose header has been read and whose tensors are known to lie inside it.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub content: Content,
+    reader: BufReader<File>,
+}
+
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).with_context(|| format!("cannot open model file {}", path.display()))?;
+        let file_len = file.metadata()?.len();
+        let mut reader = BufReader::new(file);
+        let mut magic = [0u8; 4];
+        if reader.read_exact(&mut magic).is_err() || &magic != GGUF_MAGIC {
+            bail!("{} is not a GGUF file (bad magic bytes)", path.display());
+        }
+        reader.seek(SeekFrom::Start(0))?;
+        let content = Content::read(&mut reader)
+            .map_err(|e| anyhow::anyhow!("{} has a corrupt or truncated GGUF header: {e}", path.display()))?;
+        for (name, info) in &content.tensor_infos {
+            let elems = info.shape.elem_count();
+            let block = info.ggml_dtype.block_size();
+            if elems % block != 0 {
+                bail!("{}: tensor `{name}` has {elems} elements, not a multiple of its block size", path.display());
+            }
+            let bytes = (elems / block) as u64 * info.ggml_dtype.type_size() as u64;
+            let end = content.tensor_data_offset + info.offset + bytes;
+            if end > file_len {
+                bail!(
+                    "{} is truncated: tensor `{name}` ends at byte {end} but the file has {file_len} bytes",
+                    path.display()
+                );
+            }
+        }
+        Ok(Self { path: path.to_path_buf(), content, reader })
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    /// Reads one tensor in the file's own type.
+    pub fn qtensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
+        if !self.has_tensor(name) {
+            bail!("{}: missing tensor `{name}`", self.path.display());
+        }
+        self.content
+            .tensor(&mut self.reader, name, device)
+            .with_context(|| format!("{}: cannot read tensor `{name}`", self.path.display()))
+    }
+
+    /// Reads a small tensor (norm weights, biases) as dense f32.
+    pub fn dense(&mut self, name: &str, device: &Device) -> Result<candle_core::Tensor> {
+        Ok(self.qtensor(name, device)?.dequantize(device)?)
+    }
+
+    /// Reads a matmul weight in the requested format.
+    pub fn matmul_weight(&mut self, name: &str, format: WeightFormat, device: &Device) -> Result<QMatMul> {
+        let q = self.qtensor(name, device)?;
+        convert(Arc::new(q), format, device).with_context(|| format!("converting `{name}` to {}", format.name()))
+    }
+
+    /// Counts tensors per quantisation type, for `inspect`.
+    pub fn type_counts(&self) -> Vec<(String, usize)> {
+        let mut counts = std::collections::BTreeMap::new();
+        for info in self.content.tensor_infos.values() {
+            *counts.entry(format!("{:?}", info.ggml_dtype)).or_insert(0) += 1;
+        }
+        counts.into_iter().collect()
+    }
+}
+
+pub(crate) fn convert(q: Arc<QTensor>, format: WeightFormat, device: &Device) -> Result<QMatMul> {
+    let target = match format {
+        WeightFormat::Native => return Ok(QMatMul::from_arc(q)?),
+        WeightFormat::F32 => return Ok(QMatMul::Tensor(q.dequantize(device)?)),
+        WeightFormat::F16 => return Ok(QMatMul::TensorF16(q.dequantize(device)?.to_dtype(DType::F16)?)),
+        WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        WeightFormat::Q4_0 => GgmlDType::Q4_0,
+    };
+    if q.dtype() == target {
+        return Ok(QMatMul::from_arc(q)?);
+    }
+    let cols = q.shape().dims().last().copied().unwrap_or(0);
+    if cols % target.block_size() != 0 {
+        // Rows that do not split into whole blocks stay as they are.
+        return Ok(QMatMul::from_arc(q)?);
+    }
+    let dense = q.dequantize(device)?;
+    Ok(QMatMul::from_arc(Arc::new(QTensor::quantize(&dense, target)?))?)
+}

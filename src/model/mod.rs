@@ -1,0 +1,13 @@
+//! Models: GGUF weights, architectures, and one forward over a packed batch of sequences that
+//! returns the logits rows and hidden-state taps asked for.
+
+mod batch;
+mod config;
+mod gguf;
+mod rope;
+mod transformer;
+
+pub use batch::{ForwardBatch, ForwardOutput, LogitsRows, SeqInput};
+pub use config::{Arch, ModelConfig, RopeStyle};
+pub use gguf::{GgufFile, WeightFormat};
+pub use transformer::Transformer;

@@ -1,0 +1,251 @@
+//! The decoder shared by Llama and Qwen2: pre-norm attention with GQA over the paged KV
+//! cache and a SwiGLU MLP, run over a packed batch of sequences.
+
+use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
+use super::config::ModelConfig;
+use super::gguf::{GgufFile, WeightFormat};
+use super::rope::Rope;
+use crate::kv::{paged_attention, AttentionSeq, KvLayout, KvPool};
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::QMatMul;
+use candle_core::{Device, Module, Tensor};
+use std::sync::Arc;
+
+struct Linear {
+    weight: QMatMul,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.weight.forward(x)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+pub struct Transformer {
+    pub config: ModelConfig,
+    pub weight_format: WeightFormat,
+    device: Device,
+    /// Token embedding, kept in the file's type; rows are dequantised on lookup.
+    embedding: Arc<candle_core::quantized::QTensor>,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: QMatMul,
+    rope: Rope,
+}
+
+impl Transformer {
+    pub fn load(file: &mut GgufFile, format: WeightFormat, device: &Device) -> Result<Self> {
+        let config = ModelConfig::from_gguf(&file.content)?;
+        let embedding = Arc::new(file.qtensor("token_embd.weight", device)?);
+        let lm_head = if config.tied_head {
+            super::gguf::convert(embedding.clone(), format, device)?
+        } else {
+            file.matmul_weight("output.weight", format, device)?
+        };
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for i in 0..config.n_layers {
+            let mut linear = |name: &str, bias: bool| -> Result<Linear> {
+                let weight = file.matmul_weight(&format!("blk.{i}.{name}.weight"), format, device)?;
+                let bias_name = format!("blk.{i}.{name}.bias");
+                let bias = if bias { Some(file.dense(&bias_name, device)?) } else { None };
+                Ok(Linear { weight, bias })
+            };
+            let qkv_bias = config.qkv_bias;
+            let layer = Layer {
+                q: linear("attn_q", qkv_bias)?,
+                k: linear("attn_k", qkv_bias)?,
+                v: linear("attn_v", qkv_bias)?,
+                o: linear("attn_output", false)?,
+                gate: linear("ffn_gate", false)?,
+                up: linear("ffn_up", false)?,
+                down: linear("ffn_down", false)?,
+                attn_norm: file.dense(&format!("blk.{i}.attn_norm.weight"), device)?,
+                ffn_norm: file.dense(&format!("blk.{i}.ffn_norm.weight"), device)?,
+            };
+            check_shape(&layer.q.weight, config.n_heads * config.head_dim, config.hidden, i, "attn_q")?;
+            check_shape(&layer.k.weight, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_k")?;
+            check_shape(&layer.v.weight, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_v")?;
+            check_shape(&layer.gate.weight, config.ffn, config.hidden, i, "ffn_gate")?;
+            layers.push(layer);
+        }
+        let norm = file.dense("output_norm.weight", device)?;
+        let rope = Rope::new(config.rope_style, config.rope_theta, config.rope_dim, config.head_dim);
+        Ok(Self { config, weight_format: format, device: device.clone(), embedding, layers, norm, lm_head, rope })
+    }
+
+    /// Opens a GGUF file and loads it; `format` None picks the measured default.
+    pub fn from_path(path: &std::path::Path, format: Option<WeightFormat>, device: &Device) -> Result<Self> {
+        let mut file = GgufFile::open(path)?;
+        let format = format.unwrap_or_else(|| WeightFormat::default_for(&file));
+        Self::load(&mut file, format, device)
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout {
+            n_layers: self.config.n_layers,
+            n_kv_heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+        }
+    }
+
+    /// A block pool sized for `capacity_tokens` tokens of this model.
+    pub fn new_kv_pool(&self, capacity_tokens: usize) -> KvPool {
+        KvPool::new(self.kv_layout(16), capacity_tokens)
+    }
+
+    /// Runs every sequence's new tokens on top of its cache, appends their K/V, and returns
+    /// the wanted logits rows and taps. On error no cache has advanced.
+    pub fn forward(&self, batch: &mut ForwardBatch<'_>) -> Result<ForwardOutput> {
+        self.device.with_context(|| self.forward_inner(batch))
+    }
+
+    fn forward_inner(&self, batch: &mut ForwardBatch<'_>) -> Result<ForwardOutput> {
+        let cfg = &self.config;
+        for &l in &batch.tap_layers {
+            if l >= cfg.n_layers {
+                bail!("tap layer {l} is beyond the model's {} layers", cfg.n_layers);
+            }
+        }
+        let n_rows = batch.total_rows();
+        if n_rows == 0 {
+            bail!("forward called with no tokens");
+        }
+        let Some(pool) = batch.seqs.first().map(|s| s.cache.pool().clone()) else {
+            bail!("forward called with no sequences");
+        };
+        let mut storage = pool.lock();
+        if storage.layout != self.kv_layout(storage.layout.block_size) {
+            bail!("KV pool layout does not match this model");
+        }
+        let bs = storage.layout.block_size;
+
+        // Validate and reserve first, so a failure leaves every cache as it was.
+        let mut tokens = Vec::with_capacity(n_rows);
+        let mut positions = Vec::with_capacity(n_rows);
+        let mut row_ranges = Vec::with_capacity(batch.seqs.len());
+        let mut logit_rows = Vec::new();
+        let mut logits_ranges = Vec::with_capacity(batch.seqs.len());
+        for s in batch.seqs.iter_mut() {
+            if !s.cache.pool().same_pool(&pool) {
+                bail!("all sequences of one forward must share a KV pool");
+            }
+            if s.tokens.is_empty() {
+                bail!("a sequence in the batch has no new tokens");
+            }
+            let start = s.cache.len();
+            let end = start + s.tokens.len();
+            if end > cfg.context_len {
+                bail!("sequence of {end} tokens exceeds the model's context length {}", cfg.context_len);
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+                bail!("token id {bad} is outside the vocabulary ({} tokens)", cfg.vocab);
+            }
+            s.cache.reserve_locked(&mut storage, end)?;
+            let row0 = tokens.len();
+            tokens.extend_from_slice(s.tokens);
+            positions.extend(start..end);
+            row_ranges.push(row0..tokens.len());
+            let l0 = logit_rows.len();
+            match s.logits {
+                LogitsRows::None => {}
+                LogitsRows::Last => logit_rows.push((tokens.len() - 1) as u32),
+                LogitsRows::All => logit_rows.extend(row0 as u32..tokens.len() as u32),
+            }
+            logits_ranges.push(l0..logit_rows.len());
+        }
+        let attn_seqs: Vec<AttentionSeq<'_>> = batch
+            .seqs
+            .iter()
+            .zip(&row_ranges)
+            .map(|(s, r)| AttentionSeq { row_start: r.start, n_rows: r.len(), cached: s.cache.len(), blocks: s.cache.blocks() })
+            .collect();
+
+        let ids = Tensor::new(tokens.as_slice(), &self.device)?;
+        let mut x = self.embedding.embedding(&ids)?;
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let kv_width = nkv * hd;
+        let mut taps = vec![None; batch.tap_layers.len()];
+        let mut attn_out = vec![0f32; n_rows * nh * hd];
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
+            let mut q = layer.q.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut k = layer.k.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            let v = layer.v.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            for (row, &pos) in positions.iter().enumerate() {
+                self.rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], pos);
+                self.rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], pos);
+            }
+            // Write this layer's new K/V into each sequence's blocks.
+            for sq in &attn_seqs {
+                for i in 0..sq.n_rows {
+                    let row = sq.row_start + i;
+                    let (k_row, v_row) = (&k[row * kv_width..(row + 1) * kv_width], &v[row * kv_width..(row + 1) * kv_width]);
+                    storage.write(li, sq.blocks, sq.cached + i, k_row, v_row);
+                }
+            }
+            paged_attention(&storage, li, &q, nh, &attn_seqs, &mut attn_out);
+            let attn = Tensor::from_slice(&attn_out, (n_rows, nh * hd), &self.device)?;
+            x = (x + layer.o.forward(&attn)?)?;
+
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
+            let gated = (layer.gate.forward(&h)?.silu()? * layer.up.forward(&h)?)?;
+            x = (x + layer.down.forward(&gated)?)?;
+
+            for (slot, &tl) in taps.iter_mut().zip(&batch.tap_layers) {
+                if tl == li {
+                    *slot = Some(x.clone());
+                }
+            }
+        }
+        drop(attn_seqs);
+        drop(storage);
+
+        let logits = if logit_rows.is_empty() {
+            Tensor::zeros((0, cfg.vocab), candle_core::DType::F32, &self.device)?
+        } else {
+            let idx = Tensor::new(logit_rows.as_slice(), &self.device)?;
+            let h = x.index_select(&idx, 0)?;
+            let h = candle_nn::ops::rms_norm(&h, &self.norm, cfg.rms_eps as f32)?;
+            self.lm_head.forward(&h)?
+        };
+        for s in batch.seqs.iter_mut() {
+            s.cache.advance(s.tokens.len(), bs);
+        }
+        let taps = taps.into_iter().map(|t| t.context("tap layer not reached")).collect::<Result<Vec<_>>>()?;
+        Ok(ForwardOutput { logits, logits_ranges, row_ranges, taps })
+    }
+}
+
+fn check_shape(w: &QMatMul, rows: usize, cols: usize, layer: usize, name: &str) -> Result<()> {
+    let dims = match w {
+        QMatMul::QTensor(q) => q.shape().dims().to_vec(),
+        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims().to_vec(),
+    };
+    if dims != [rows, cols] {
+        bail!("blk.{layer}.{name}.weight has shape {dims:?}, expected [{rows}, {cols}]");
+    }
+    Ok(())
+}

@@ -1,0 +1,32 @@
+//! What every drafter implements.
+
+use super::verify::Draft;
+use anyhow::Result;
+use candle_core::Tensor;
+use std::ops::Range;
+
+/// A drafter for one sequence. The engine drives it once per step:
+/// `propose` → target verifies → `observe` with what was committed.
+pub trait Proposer: Send {
+    /// Short name for logs and reports (`ngram`, `draft-model`, `dflash`).
+    fn name(&self) -> &str;
+
+    /// Target decoder layers whose output hidden states this drafter needs for every token
+    /// that enters the target's KV cache. The engine asks the forward for exactly these.
+    fn tap_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    /// Starts a new sequence with its prompt.
+    fn begin(&mut self, prompt: &[u32]) -> Result<()>;
+
+    /// After a step: `tokens` is the whole committed sequence (prompt + output; its last
+    /// token is not yet in the target's cache), `cached` the range of `tokens` that entered
+    /// the target's KV cache in this step, and `taps` the target's hidden states for exactly
+    /// those tokens, one `[cached.len(), hidden]` tensor per tap layer. The drafter must
+    /// drop every trace of rejected draft tokens here (rollback of its own caches).
+    fn observe(&mut self, tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()>;
+
+    /// Proposes up to `max_len` tokens to follow `tokens` (the committed sequence).
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft>;
+}

@@ -11,6 +11,7 @@
 //! - [`engine`]: the step loop (schedule → propose → forward → verify → commit).
 //! - [`cli`]: the `specula` command line.
 
+pub mod bench;
 pub mod cli;
 pub mod datasets;
 pub mod engine;

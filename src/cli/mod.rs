@@ -1,5 +1,6 @@
 //! The `specula` command line: one subcommand per file.
 
+mod bench_cmd;
 mod fetch_cmd;
 mod generate_cmd;
 mod inspect_cmd;
@@ -21,6 +22,8 @@ enum Command {
     Inspect(inspect_cmd::InspectArgs),
     /// Generate text from a prompt, streaming it, and print tokens/s.
     Generate(generate_cmd::GenerateArgs),
+    /// Measure prefill/decode tokens/s and the verify-cost curve.
+    Bench(bench_cmd::BenchArgs),
 }
 
 /// Entry point; returns the process exit code. Errors print as one line.
@@ -36,6 +39,7 @@ pub fn main() -> i32 {
         Command::Fetch(a) => fetch_cmd::run(a),
         Command::Inspect(a) => inspect_cmd::run(a),
         Command::Generate(a) => generate_cmd::run(a),
+        Command::Bench(a) => bench_cmd::run(a),
     };
     match result {
         Ok(()) => 0,

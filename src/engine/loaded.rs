@@ -23,6 +23,7 @@ impl LoadedModel {
         let template = ChatTemplate::from_gguf(&file.content).ok();
         let format = weights.unwrap_or_else(|| WeightFormat::default_for(&file));
         let model = Transformer::load(&mut file, format, device)?;
+        model.warm_up()?;
         if tokenizer.vocab_size() > model.config.vocab {
             anyhow::bail!(
                 "{}: the tokenizer has {} tokens but the embedding only {} rows",

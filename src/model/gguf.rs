@@ -2,12 +2,11 @@
 //! re-quantisation into the weight format chosen for speed on this machine.
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::{gguf_file::Content, GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device};
+use candle_core::quantized::{gguf_file::Content, GgmlDType, QTensor};
+use candle_core::Device;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// How matmul weights are held in memory. `Native` keeps the file's types; the others
 /// convert at load time (candle runs Q4_1/Q5_0 with scalar code on x86, Q8_0/Q4_0 with AVX2).
@@ -42,15 +41,16 @@ impl WeightFormat {
         }
     }
 
-    /// The default for a file, chosen by measurement (docs/performance.md): keep types
-    /// candle runs with AVX2 kernels; convert the ones it runs with scalar code.
+    /// The default for a file, chosen by measurement (docs/performance.md): keep the file's
+    /// types where candle has fast kernels for them; otherwise convert to Q8_0, which
+    /// [`super::linear`] pads onto the repacked kernels. Q4_1/Q5_0/Q5_1 run scalar in candle,
+    /// and any width that is not a multiple of 256 misses the repacked kernels.
     pub fn default_for(file: &GgufFile) -> Self {
-        let slow = file
-            .content
-            .tensor_infos
-            .iter()
-            .filter(|(name, _)| name.starts_with("blk."))
-            .any(|(_, t)| matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1));
+        let slow = file.content.tensor_infos.iter().filter(|(name, _)| name.starts_with("blk.")).any(|(_, t)| {
+            let k = t.shape.dims().last().copied().unwrap_or(0);
+            matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q4_0)
+                || (t.shape.rank() == 2 && k % 256 != 0 && super::linear::repacked_q8_available())
+        });
         if slow {
             Self::Q8_0
         } else {
@@ -117,12 +117,6 @@ impl GgufFile {
         Ok(self.qtensor(name, device)?.dequantize(device)?)
     }
 
-    /// Reads a matmul weight in the requested format.
-    pub fn matmul_weight(&mut self, name: &str, format: WeightFormat, device: &Device) -> Result<QMatMul> {
-        let q = self.qtensor(name, device)?;
-        convert(Arc::new(q), format, device).with_context(|| format!("converting `{name}` to {}", format.name()))
-    }
-
     /// Counts tensors per quantisation type, for `inspect`.
     pub fn type_counts(&self) -> Vec<(String, usize)> {
         let mut counts = std::collections::BTreeMap::new();
@@ -131,24 +125,4 @@ impl GgufFile {
         }
         counts.into_iter().collect()
     }
-}
-
-pub(crate) fn convert(q: Arc<QTensor>, format: WeightFormat, device: &Device) -> Result<QMatMul> {
-    let target = match format {
-        WeightFormat::Native => return Ok(QMatMul::from_arc(q)?),
-        WeightFormat::F32 => return Ok(QMatMul::Tensor(q.dequantize(device)?)),
-        WeightFormat::F16 => return Ok(QMatMul::TensorF16(q.dequantize(device)?.to_dtype(DType::F16)?)),
-        WeightFormat::Q8_0 => GgmlDType::Q8_0,
-        WeightFormat::Q4_0 => GgmlDType::Q4_0,
-    };
-    if q.dtype() == target {
-        return Ok(QMatMul::from_arc(q)?);
-    }
-    let cols = q.shape().dims().last().copied().unwrap_or(0);
-    if cols % target.block_size() != 0 {
-        // Rows that do not split into whole blocks stay as they are.
-        return Ok(QMatMul::from_arc(q)?);
-    }
-    let dense = q.dequantize(device)?;
-    Ok(QMatMul::from_arc(Arc::new(QTensor::quantize(&dense, target)?))?)
 }

@@ -4,10 +4,12 @@
 mod batch;
 mod config;
 mod gguf;
+mod linear;
 mod rope;
 mod transformer;
 
 pub use batch::{ForwardBatch, ForwardOutput, LogitsRows, SeqInput};
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use gguf::{GgufFile, WeightFormat};
+pub use linear::{repacked_q8_available, Linear};
 pub use transformer::Transformer;

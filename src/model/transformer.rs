@@ -4,27 +4,12 @@
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, WeightFormat};
+use super::linear::Linear;
 use super::rope::Rope;
 use crate::kv::{paged_attention, AttentionSeq, KvLayout, KvPool};
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::QMatMul;
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Device, Tensor};
 use std::sync::Arc;
-
-struct Linear {
-    weight: QMatMul,
-    bias: Option<Tensor>,
-}
-
-impl Linear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.weight.forward(x)?;
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
-    }
-}
 
 struct Layer {
     attn_norm: Tensor,
@@ -46,7 +31,7 @@ pub struct Transformer {
     embedding: Arc<candle_core::quantized::QTensor>,
     layers: Vec<Layer>,
     norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: Linear,
     rope: Rope,
 }
 
@@ -55,18 +40,14 @@ impl Transformer {
         let config = ModelConfig::from_gguf(&file.content)?;
         let embedding = Arc::new(file.qtensor("token_embd.weight", device)?);
         let lm_head = if config.tied_head {
-            super::gguf::convert(embedding.clone(), format, device)?
+            Linear::from_qtensor(embedding.clone(), None, format, device)?
         } else {
-            file.matmul_weight("output.weight", format, device)?
+            Linear::load(file, "output", false, format, device)?
         };
         let mut layers = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
-            let mut linear = |name: &str, bias: bool| -> Result<Linear> {
-                let weight = file.matmul_weight(&format!("blk.{i}.{name}.weight"), format, device)?;
-                let bias_name = format!("blk.{i}.{name}.bias");
-                let bias = if bias { Some(file.dense(&bias_name, device)?) } else { None };
-                Ok(Linear { weight, bias })
-            };
+            let mut linear =
+                |name: &str, bias: bool| Linear::load(file, &format!("blk.{i}.{name}"), bias, format, device);
             let qkv_bias = config.qkv_bias;
             let layer = Layer {
                 q: linear("attn_q", qkv_bias)?,
@@ -79,10 +60,10 @@ impl Transformer {
                 attn_norm: file.dense(&format!("blk.{i}.attn_norm.weight"), device)?,
                 ffn_norm: file.dense(&format!("blk.{i}.ffn_norm.weight"), device)?,
             };
-            check_shape(&layer.q.weight, config.n_heads * config.head_dim, config.hidden, i, "attn_q")?;
-            check_shape(&layer.k.weight, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_k")?;
-            check_shape(&layer.v.weight, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_v")?;
-            check_shape(&layer.gate.weight, config.ffn, config.hidden, i, "ffn_gate")?;
+            check_shape(&layer.q, config.n_heads * config.head_dim, config.hidden, i, "attn_q")?;
+            check_shape(&layer.k, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_k")?;
+            check_shape(&layer.v, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_v")?;
+            check_shape(&layer.gate, config.ffn, config.hidden, i, "ffn_gate")?;
             layers.push(layer);
         }
         let norm = file.dense("output_norm.weight", device)?;
@@ -95,6 +76,17 @@ impl Transformer {
         let mut file = GgufFile::open(path)?;
         let format = format.unwrap_or_else(|| WeightFormat::default_for(&file));
         Self::load(&mut file, format, device)
+    }
+
+    /// Runs one throwaway token so lazily built kernel layouts (candle repacks weights on
+    /// first use) are ready before the first request is timed.
+    pub fn warm_up(&self) -> Result<()> {
+        let pool = self.new_kv_pool(16);
+        let mut cache = pool.new_sequence();
+        let mut batch = ForwardBatch::new();
+        batch.push(&[0], &mut cache, LogitsRows::Last);
+        self.forward(&mut batch)?;
+        Ok(())
     }
 
     pub fn device(&self) -> &Device {
@@ -239,13 +231,9 @@ impl Transformer {
     }
 }
 
-fn check_shape(w: &QMatMul, rows: usize, cols: usize, layer: usize, name: &str) -> Result<()> {
-    let dims = match w {
-        QMatMul::QTensor(q) => q.shape().dims().to_vec(),
-        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims().to_vec(),
-    };
-    if dims != [rows, cols] {
-        bail!("blk.{layer}.{name}.weight has shape {dims:?}, expected [{rows}, {cols}]");
+fn check_shape(w: &Linear, rows: usize, cols: usize, layer: usize, name: &str) -> Result<()> {
+    if (w.out_features(), w.in_features()) != (rows, cols) {
+        bail!("blk.{layer}.{name}.weight has shape [{}, {}], expected [{rows}, {cols}]", w.out_features(), w.in_features());
     }
     Ok(())
 }

@@ -1,0 +1,116 @@
+//! Autoregressive costs of one model: prefill and decode tokens/s at batch 1, and the
+//! verify-cost curve cost(m)/cost(1) — the time to run m new tokens (logits for all of them,
+//! as verification needs) on top of a fixed context, relative to one token. That curve caps
+//! every speculative speedup on a CPU.
+
+use super::median;
+use crate::model::{ForwardBatch, LogitsRows, Transformer};
+use anyhow::Result;
+use serde::Serialize;
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct ArSettings {
+    /// Prompt tokens for the prefill measurement.
+    pub prefill_tokens: usize,
+    /// Tokens generated for the decode measurement.
+    pub decode_tokens: usize,
+    /// Cached context under the verify measurements.
+    pub verify_depth: usize,
+    pub max_m: usize,
+    pub repeats: usize,
+}
+
+impl Default for ArSettings {
+    fn default() -> Self {
+        Self { prefill_tokens: 512, decode_tokens: 64, verify_depth: 256, max_m: 16, repeats: 5 }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyPoint {
+    pub m: usize,
+    pub ms: f64,
+    /// cost(m) / cost(1).
+    pub ratio: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ArReport {
+    pub prefill_tps: f64,
+    pub decode_tps: f64,
+    pub verify: Vec<VerifyPoint>,
+}
+
+/// Deterministic filler tokens: a repeating walk over ordinary vocabulary ids, so runs are
+/// comparable without depending on a tokenizer.
+fn filler(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| (1000 + (i * 7919) % (vocab.saturating_sub(1000)).max(1)) as u32).collect()
+}
+
+pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
+    let vocab = model.config.vocab;
+    let pool = model.new_kv_pool(s.prefill_tokens.max(s.verify_depth + s.max_m).max(s.decode_tokens + 8) + 64);
+
+    // Prefill: one chunk of `prefill_tokens`, last-row logits.
+    let prompt = filler(s.prefill_tokens, vocab);
+    let mut times = Vec::new();
+    for _ in 0..s.repeats {
+        let mut cache = pool.new_sequence();
+        let t = Instant::now();
+        let mut b = ForwardBatch::new();
+        b.push(&prompt, &mut cache, LogitsRows::Last);
+        model.forward(&mut b)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let prefill_tps = s.prefill_tokens as f64 / median(&mut times);
+
+    // Decode: one token at a time from a short context, last-row logits.
+    let mut times = Vec::new();
+    for _ in 0..s.repeats {
+        let mut cache = pool.new_sequence();
+        let mut b = ForwardBatch::new();
+        let start = filler(4, vocab);
+        b.push(&start, &mut cache, LogitsRows::Last);
+        model.forward(&mut b)?;
+        let t = Instant::now();
+        let mut tok = [start[3]];
+        for i in 0..s.decode_tokens {
+            let mut b = ForwardBatch::new();
+            b.push(&tok, &mut cache, LogitsRows::Last);
+            let out = model.forward(&mut b)?;
+            let row = out.seq_logits(0)?;
+            tok = [crate::sample::argmax(&row[0]).min(vocab as u32 - 1) ^ (i as u32 & 1)];
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let decode_tps = s.decode_tokens as f64 / median(&mut times);
+
+    // Verify curve: m tokens on top of `verify_depth` cached ones, all rows' logits, then
+    // roll back, exactly as a speculative step does.
+    let context = filler(s.verify_depth, vocab);
+    let mut cache = pool.new_sequence();
+    let mut b = ForwardBatch::new();
+    b.push(&context, &mut cache, LogitsRows::None);
+    model.forward(&mut b)?;
+    let block = filler(s.max_m, vocab.saturating_sub(7).max(1));
+    let mut verify = Vec::new();
+    for m in 1..=s.max_m {
+        let mut times = Vec::new();
+        for _ in 0..s.repeats.max(3) {
+            let t = Instant::now();
+            let mut b = ForwardBatch::new();
+            b.push(&block[..m], &mut cache, LogitsRows::All);
+            let out = model.forward(&mut b)?;
+            let _rows = out.seq_logits(0)?;
+            times.push(t.elapsed().as_secs_f64());
+            cache.truncate(s.verify_depth);
+        }
+        verify.push(VerifyPoint { m, ms: median(&mut times) * 1e3, ratio: 0.0 });
+    }
+    let base = verify[0].ms;
+    for p in verify.iter_mut() {
+        p.ratio = p.ms / base;
+    }
+    Ok(ArReport { prefill_tps, decode_tps, verify })
+}

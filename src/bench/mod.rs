@@ -1,0 +1,18 @@
+//! Benchmarks: the cost of the target's forward (`ar`) and, in later modes, speculative
+//! decoding over prompt suites. Speed is only ever reported from here, never asserted in tests.
+
+pub mod ar;
+
+/// Median of a non-empty sample (0 for an empty one).
+pub fn median(xs: &mut [f64]) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(|a, b| a.total_cmp(b));
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}

@@ -1,7 +1,13 @@
-//! Speculative decoding: the `Proposer` trait (one file per drafter) and one pure verifier.
+//! Speculative decoding: the `Proposer` trait (one file per drafter), one pure verifier, the
+//! draft-length policy, and a factory that builds a drafter from a `--drafter` string.
 
+pub mod draft_model;
+pub mod factory;
+pub mod ngram;
+pub mod policy;
 pub mod proposer;
 pub mod verify;
 
+pub use factory::{build_proposer, DrafterSpec};
 pub use proposer::Proposer;
 pub use verify::{verify, Draft, Verdict};

@@ -1,0 +1,1 @@
+//! Draft-model proposer: a smaller model with the same tokenizer, drafting autoregressively.

@@ -77,7 +77,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ..SamplingParams::default()
     };
     params.validate()?;
-    let pool = loaded.model.new_kv_pool(args.model.kv_tokens);
+    let pool = args.model.kv_pool(&loaded.model)?;
     let mut seq = Sequence::new(&prompt, pool.new_sequence(), params);
     let mut text = TextStream::new(args.stop.clone());
     let mut opts = GenerateOptions::default();

@@ -67,9 +67,17 @@ pub struct ModelArgs {
     /// KV cache capacity in tokens.
     #[arg(long, default_value_t = 8192)]
     pub kv_tokens: usize,
+    /// KV cache element type: f16 (like llama.cpp) or f32.
+    #[arg(long, default_value = "f16")]
+    pub kv_type: String,
 }
 
 impl ModelArgs {
+    pub fn kv_pool(&self, model: &crate::model::Transformer) -> anyhow::Result<crate::kv::KvPool> {
+        let dtype = crate::kv::KvDtype::parse(&self.kv_type).map_err(anyhow::Error::msg)?;
+        Ok(model.new_kv_pool_typed(self.kv_tokens, dtype))
+    }
+
     pub fn load(&self) -> anyhow::Result<crate::engine::LoadedModel> {
         let path = crate::fetch::resolve_model(&self.model, true)?;
         let weights = self.weights.as_deref().map(crate::model::WeightFormat::parse).transpose()?;

@@ -18,6 +18,8 @@ impl LoadedModel {
     /// Loads a GGUF file; `weights` None picks the measured default for its types.
     pub fn load(path: &Path, weights: Option<WeightFormat>, device: &Device) -> Result<Self> {
         let mut file = GgufFile::open(path)?;
+        // Architecture first: an unsupported model should say so, not fail on its tokenizer.
+        crate::model::ModelConfig::from_gguf(&file.content).with_context(|| format!("{}", path.display()))?;
         let tokenizer = Tokenizer::from_gguf(&file.content)
             .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
         let template = ChatTemplate::from_gguf(&file.content).ok();

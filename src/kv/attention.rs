@@ -5,7 +5,6 @@
 //! each sequence's cache into a contiguous tensor every step.
 
 use super::pool::PoolStorage;
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// One sequence's part of a packed batch, as attention sees it.
@@ -63,7 +62,7 @@ pub fn paged_attention(
                 let n = (n_keys - bi * bs).min(bs);
                 let off = storage.head_offset(block, kv_head);
                 let chunk = &mut block_f32[..n * hd];
-                keys[off..off + n * hd].convert_to_f32_slice(chunk);
+                keys.load(off, chunk);
                 for k in chunk.chunks_exact(hd) {
                     let s = dot(q_head, k) * scale;
                     max = max.max(s);
@@ -81,7 +80,7 @@ pub fn paged_attention(
                 let n = (n_keys - bi * bs).min(bs);
                 let off = storage.head_offset(block, kv_head);
                 let chunk = &mut block_f32[..n * hd];
-                values[off..off + n * hd].convert_to_f32_slice(chunk);
+                values.load(off, chunk);
                 for (j, v) in chunk.chunks_exact(hd).enumerate() {
                     axpy(scores[bi * bs + j] * inv, v, out_head);
                 }

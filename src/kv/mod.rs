@@ -6,4 +6,4 @@ mod attention;
 mod pool;
 
 pub use attention::{paged_attention, AttentionSeq};
-pub use pool::{KvLayout, KvPool, KvPoolStats, PoolExhausted, PoolStorage, SeqCache};
+pub use pool::{KvBuffer, KvDtype, KvLayout, KvPool, KvPoolStats, PoolExhausted, PoolStorage, SeqCache};

@@ -11,6 +11,65 @@ pub struct KvLayout {
     pub head_dim: usize,
     /// Tokens per block.
     pub block_size: usize,
+    pub dtype: KvDtype,
+}
+
+/// Element type of the cache. f16 is llama.cpp's default (half the memory traffic, and the
+/// same rounding, which small models are sensitive to); f32 keeps rollback and batching
+/// bit-for-bit comparable in tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    #[default]
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f16" => Ok(Self::F16),
+            "f32" => Ok(Self::F32),
+            other => Err(format!("unknown KV cache type `{other}` (expected f16 or f32)")),
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        match self {
+            Self::F16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
+
+/// One layer's K or V buffer.
+pub enum KvBuffer {
+    F16(Vec<f16>),
+    F32(Vec<f32>),
+}
+
+impl KvBuffer {
+    fn zeros(dtype: KvDtype, n: usize) -> Self {
+        match dtype {
+            KvDtype::F16 => Self::F16(vec![f16::ZERO; n]),
+            KvDtype::F32 => Self::F32(vec![0f32; n]),
+        }
+    }
+
+    fn store(&mut self, off: usize, src: &[f32]) {
+        match self {
+            Self::F16(b) => b[off..off + src.len()].convert_from_f32_slice(src),
+            Self::F32(b) => b[off..off + src.len()].copy_from_slice(src),
+        }
+    }
+
+    /// Copies `dst.len()` elements starting at `off` into `dst` as f32.
+    #[inline]
+    pub fn load(&self, off: usize, dst: &mut [f32]) {
+        match self {
+            Self::F16(b) => b[off..off + dst.len()].convert_to_f32_slice(dst),
+            Self::F32(b) => dst.copy_from_slice(&b[off..off + dst.len()]),
+        }
+    }
 }
 
 impl KvLayout {
@@ -21,7 +80,7 @@ impl KvLayout {
 
     /// Bytes of K and V for one token across all layers.
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim * std::mem::size_of::<f16>()
+        2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.size()
     }
 }
 
@@ -38,12 +97,10 @@ pub struct PoolExhausted {
 
 /// The pool's memory: per layer one K and one V buffer of `n_blocks` blocks, laid out as
 /// `[block][kv head][slot in block][head dim]` so one head's keys in a block are contiguous.
-/// Stored as f16 like llama.cpp's default cache: half the memory traffic, and the same
-/// rounding, which small models are sensitive to.
 pub struct PoolStorage {
     pub layout: KvLayout,
-    pub k: Vec<Vec<f16>>,
-    pub v: Vec<Vec<f16>>,
+    pub k: Vec<KvBuffer>,
+    pub v: Vec<KvBuffer>,
     free: Vec<u32>,
     n_blocks: usize,
 }
@@ -64,8 +121,8 @@ impl PoolStorage {
         let block = blocks[pos / bs];
         for h in 0..self.layout.n_kv_heads {
             let off = self.head_offset(block, h) + (pos % bs) * hd;
-            self.k[layer][off..off + hd].convert_from_f32_slice(&k[h * hd..(h + 1) * hd]);
-            self.v[layer][off..off + hd].convert_from_f32_slice(&v[h * hd..(h + 1) * hd]);
+            self.k[layer].store(off, &k[h * hd..(h + 1) * hd]);
+            self.v[layer].store(off, &v[h * hd..(h + 1) * hd]);
         }
     }
 }
@@ -92,8 +149,8 @@ impl KvPool {
         let floats = n_blocks * layout.block_floats();
         let storage = PoolStorage {
             layout,
-            k: (0..layout.n_layers).map(|_| vec![f16::ZERO; floats]).collect(),
-            v: (0..layout.n_layers).map(|_| vec![f16::ZERO; floats]).collect(),
+            k: (0..layout.n_layers).map(|_| KvBuffer::zeros(layout.dtype, floats)).collect(),
+            v: (0..layout.n_layers).map(|_| KvBuffer::zeros(layout.dtype, floats)).collect(),
             // Pop from the end: hand out low block ids first.
             free: (0..n_blocks as u32).rev().collect(),
             n_blocks,
@@ -219,7 +276,7 @@ mod tests {
     use super::*;
 
     fn layout() -> KvLayout {
-        KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 4, block_size: 4 }
+        KvLayout { n_layers: 2, n_kv_heads: 1, head_dim: 4, block_size: 4, dtype: KvDtype::F16 }
     }
 
     #[test]

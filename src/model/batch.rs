@@ -47,6 +47,7 @@ impl<'a> ForwardBatch<'a> {
 }
 
 /// Results of a forward: logits for the wanted rows, and taps for all rows.
+#[derive(Debug)]
 pub struct ForwardOutput {
     /// `[wanted rows, vocab]`, sequences in batch order.
     pub logits: Tensor,

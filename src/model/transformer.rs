@@ -6,7 +6,7 @@ use super::config::ModelConfig;
 use super::gguf::{GgufFile, WeightFormat};
 use super::linear::Linear;
 use super::rope::Rope;
-use crate::kv::{paged_attention, AttentionSeq, KvLayout, KvPool};
+use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
@@ -93,8 +93,9 @@ impl Transformer {
         &self.device
     }
 
-    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
+    pub fn kv_layout(&self, block_size: usize, dtype: KvDtype) -> KvLayout {
         KvLayout {
+            dtype,
             n_layers: self.config.n_layers,
             n_kv_heads: self.config.n_kv_heads,
             head_dim: self.config.head_dim,
@@ -102,9 +103,13 @@ impl Transformer {
         }
     }
 
-    /// A block pool sized for `capacity_tokens` tokens of this model.
+    /// A block pool sized for `capacity_tokens` tokens of this model (f16 cache).
     pub fn new_kv_pool(&self, capacity_tokens: usize) -> KvPool {
-        KvPool::new(self.kv_layout(16), capacity_tokens)
+        self.new_kv_pool_typed(capacity_tokens, KvDtype::F16)
+    }
+
+    pub fn new_kv_pool_typed(&self, capacity_tokens: usize, dtype: KvDtype) -> KvPool {
+        KvPool::new(self.kv_layout(16, dtype), capacity_tokens)
     }
 
     /// Runs every sequence's new tokens on top of its cache, appends their K/V, and returns
@@ -128,7 +133,7 @@ impl Transformer {
             bail!("forward called with no sequences");
         };
         let mut storage = pool.lock();
-        if storage.layout != self.kv_layout(storage.layout.block_size) {
+        if storage.layout != self.kv_layout(storage.layout.block_size, storage.layout.dtype) {
             bail!("KV pool layout does not match this model");
         }
         let bs = storage.layout.block_size;

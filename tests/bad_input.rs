@@ -1,0 +1,89 @@
+//! Bad input gives one clear error line and a non-zero exit, never a panic.
+
+mod common;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use std::path::Path;
+use std::process::Command;
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_specula")).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Asserts a failed run whose stderr is exactly one `error:` line containing `needle`.
+fn assert_clean_error(args: &[&str], needle: &str) {
+    let (code, _, err) = run(args);
+    assert_ne!(code, 0, "{args:?} should fail");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{args:?} should print one line, got: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(lines[0].contains(needle), "{args:?}: expected `{needle}` in `{}`", lines[0]);
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn missing_model_file() {
+    assert_clean_error(&["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"], "neither an existing file nor a known model");
+}
+
+#[test]
+fn file_that_is_not_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("notes.gguf");
+    std::fs::write(&p, "this is a text file, not a model\n").unwrap();
+    assert_clean_error(&["generate", "-m", path_str(&p), "-p", "hi"], "not a GGUF file");
+    assert_clean_error(&["inspect", path_str(&p)], "not a GGUF file");
+}
+
+#[test]
+fn truncated_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = std::fs::read(common::smollm2_path()).unwrap();
+    // Cut inside the tensor data, and inside the header.
+    for (name, len, needle) in [("data.gguf", real.len() / 2, "truncated"), ("head.gguf", 100_000, "truncated")] {
+        let p = dir.path().join(name);
+        std::fs::write(&p, &real[..len]).unwrap();
+        assert_clean_error(&["generate", "-m", path_str(&p), "-p", "hi"], needle);
+    }
+    let p = dir.path().join("tiny.gguf");
+    std::fs::write(&p, &real[..64]).unwrap();
+    assert_clean_error(&["generate", "-m", path_str(&p), "-p", "hi"], "corrupt or truncated");
+}
+
+#[test]
+fn unknown_architecture() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("mamba.gguf");
+    let w = QTensor::quantize(&Tensor::zeros((4, 8), candle_core::DType::F32, &Device::Cpu).unwrap(), candle_core::quantized::GgmlDType::F32).unwrap();
+    let arch = Value::String("mamba".into());
+    let mut f = std::fs::File::create(&p).unwrap();
+    gguf_file::write(&mut f, &[("general.architecture", &arch)], &[("token_embd.weight", &w)]).unwrap();
+    drop(f);
+    assert_clean_error(&["generate", "-m", path_str(&p), "-p", "hi"], "unsupported architecture `mamba`");
+}
+
+#[test]
+fn prompt_longer_than_the_context() {
+    let long = "word ".repeat(400);
+    let model = path_str(&common::smollm2_path()).to_string();
+    assert_clean_error(&["generate", "-m", &model, "--kv-tokens", "64", "-p", &long], "context");
+}
+
+#[test]
+fn bad_arguments() {
+    let model = path_str(&common::smollm2_path()).to_string();
+    assert_clean_error(&["generate", "-m", &model, "-p", "hi", "--top-p", "0"], "top_p");
+    assert_clean_error(&["generate", "-m", &model, "-p", "hi", "--weights", "q3"], "unknown weight format");
+    assert_clean_error(&["generate", "-m", &model, "--prompt-ids", "1,999999"], "outside the vocabulary");
+}

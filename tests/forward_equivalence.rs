@@ -1,0 +1,167 @@
+//! The forward's batching, verification and rollback must not change any logit.
+
+mod common;
+
+use candle_core::Device;
+use specula::kv::KvDtype;
+use specula::model::{ForwardBatch, LogitsRows, Transformer, WeightFormat};
+
+fn model(format: WeightFormat) -> Transformer {
+    Transformer::from_path(&common::smollm2_path(), Some(format), &Device::Cpu).unwrap()
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 200 + (seed * 7919 + i * 104_729) % 40_000).collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Runs `new` on top of `ctx` for one sequence alone; returns all new rows' logits.
+fn alone(m: &Transformer, ctx: &[u32], new: &[u32]) -> Vec<Vec<f32>> {
+    let pool = m.new_kv_pool_typed(512, KvDtype::F32);
+    let mut cache = pool.new_sequence();
+    if !ctx.is_empty() {
+        let mut b = ForwardBatch::new();
+        b.push(ctx, &mut cache, LogitsRows::None);
+        m.forward(&mut b).unwrap();
+    }
+    let mut b = ForwardBatch::new();
+    b.push(new, &mut cache, LogitsRows::All);
+    m.forward(&mut b).unwrap().seq_logits(0).unwrap()
+}
+
+#[test]
+fn packed_batch_equals_each_sequence_alone() {
+    for format in [WeightFormat::F32, WeightFormat::Q8_0] {
+        let m = model(format);
+        // Three sequences with different cached lengths and different numbers of new rows:
+        // a prefill, a decode step and a verification block, packed into one forward.
+        let cases = [(vec![], tokens(1, 9)), (tokens(2, 21), tokens(3, 1)), (tokens(4, 40), tokens(5, 16))];
+        let pool = m.new_kv_pool_typed(512, KvDtype::F32);
+        let mut caches: Vec<_> = cases.iter().map(|_| pool.new_sequence()).collect();
+        for ((ctx, _), cache) in cases.iter().zip(caches.iter_mut()) {
+            if !ctx.is_empty() {
+                let mut b = ForwardBatch::new();
+                b.push(ctx, cache, LogitsRows::None);
+                m.forward(&mut b).unwrap();
+            }
+        }
+        let mut b = ForwardBatch::new();
+        for ((_, new), cache) in cases.iter().zip(caches.iter_mut()) {
+            b.push(new, cache, LogitsRows::All);
+        }
+        let out = m.forward(&mut b).unwrap();
+        let tol = if format == WeightFormat::F32 { 1e-4 } else { 1e-3 };
+        for (i, (ctx, new)) in cases.iter().enumerate() {
+            let packed = out.seq_logits(i).unwrap();
+            let single = alone(&m, ctx, new);
+            assert_eq!(packed.len(), new.len());
+            for (r, (p, s)) in packed.iter().zip(&single).enumerate() {
+                let d = max_abs_diff(p, s);
+                assert!(d <= tol, "{format:?} seq {i} row {r}: packed vs alone differ by {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn verifying_16_tokens_at_once_equals_16_single_steps() {
+    let m = model(WeightFormat::F32);
+    let ctx = tokens(7, 30);
+    let block = tokens(8, 16);
+    let all = alone(&m, &ctx, &block);
+    let pool = m.new_kv_pool_typed(512, KvDtype::F32);
+    let mut cache = pool.new_sequence();
+    let mut b = ForwardBatch::new();
+    b.push(&ctx, &mut cache, LogitsRows::None);
+    m.forward(&mut b).unwrap();
+    for (i, t) in block.iter().enumerate() {
+        let mut b = ForwardBatch::new();
+        let one = [*t];
+        b.push(&one, &mut cache, LogitsRows::Last);
+        let row = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
+        let d = max_abs_diff(&row, &all[i]);
+        assert!(d <= 1e-4, "row {i}: one-at-a-time vs block differ by {d}");
+    }
+}
+
+#[test]
+fn truncate_then_recompute_equals_never_appended() {
+    let m = model(WeightFormat::F32);
+    let ctx = tokens(9, 37); // crosses block boundaries (16 tokens per block)
+    let rejected = tokens(10, 12);
+    let accepted = tokens(11, 5);
+    let pool = m.new_kv_pool_typed(512, KvDtype::F32);
+
+    let mut cache = pool.new_sequence();
+    let mut b = ForwardBatch::new();
+    b.push(&ctx, &mut cache, LogitsRows::None);
+    m.forward(&mut b).unwrap();
+    let free_before = pool.stats().free_blocks;
+    let mut b = ForwardBatch::new();
+    b.push(&rejected, &mut cache, LogitsRows::All);
+    m.forward(&mut b).unwrap();
+    cache.truncate(ctx.len());
+    assert_eq!(cache.len(), ctx.len());
+    assert_eq!(pool.stats().free_blocks, free_before, "rollback returns whole blocks");
+    let mut b = ForwardBatch::new();
+    b.push(&accepted, &mut cache, LogitsRows::All);
+    let after_rollback = m.forward(&mut b).unwrap().seq_logits(0).unwrap();
+
+    let fresh = alone(&m, &ctx, &accepted);
+    for (r, (a, f)) in after_rollback.iter().zip(&fresh).enumerate() {
+        let d = max_abs_diff(a, f);
+        assert!(d <= 1e-4, "row {r}: after rollback vs fresh differ by {d}");
+    }
+}
+
+#[test]
+fn taps_are_the_residual_stream_after_each_requested_layer() {
+    let m = model(WeightFormat::F32);
+    let pool = m.new_kv_pool_typed(64, KvDtype::F32);
+    let toks = tokens(12, 6);
+    let mut cache = pool.new_sequence();
+    let mut b = ForwardBatch::new();
+    b.tap_layers = vec![0, 14, 29];
+    b.push(&toks, &mut cache, LogitsRows::Last);
+    let out = m.forward(&mut b).unwrap();
+    assert_eq!(out.taps.len(), 3);
+    for t in &out.taps {
+        assert_eq!(t.dims(), &[6, m.config.hidden]);
+    }
+    // Deeper layers move the residual stream further from the embedding.
+    let t0 = out.taps[0].to_vec2::<f32>().unwrap();
+    let t29 = out.taps[2].to_vec2::<f32>().unwrap();
+    assert!(max_abs_diff(&t0[5], &t29[5]) > 1e-2);
+    // Asking for a layer beyond the model is an error, and the cache does not advance.
+    let mut b = ForwardBatch::new();
+    b.tap_layers = vec![30];
+    let more = [1u32];
+    b.push(&more, &mut cache, LogitsRows::Last);
+    assert!(m.forward(&mut b).is_err());
+    assert_eq!(cache.len(), 6);
+}
+
+#[test]
+fn kv_pool_exhaustion_is_an_error_that_changes_nothing() {
+    let m = model(WeightFormat::Q8_0);
+    let pool = m.new_kv_pool_typed(32, KvDtype::F16); // two blocks of 16
+    let mut a = pool.new_sequence();
+    let mut b = ForwardBatch::new();
+    let t = tokens(13, 20);
+    b.push(&t, &mut a, LogitsRows::Last);
+    m.forward(&mut b).unwrap();
+    let mut c = pool.new_sequence();
+    let t2 = tokens(14, 20);
+    let mut b = ForwardBatch::new();
+    b.push(&t2, &mut c, LogitsRows::Last);
+    let err = m.forward(&mut b).unwrap_err();
+    assert!(format!("{err:#}").contains("KV cache exhausted"), "{err:#}");
+    assert_eq!(c.len(), 0);
+    assert_eq!(pool.stats().free_blocks, 0);
+    drop(a);
+    assert_eq!(pool.stats().free_blocks, 2, "dropping a sequence frees its blocks");
+}

@@ -8,7 +8,7 @@
 
 use super::gguf::{GgufFile, WeightFormat};
 use anyhow::{Context, Result};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::sync::Arc;
 
@@ -100,5 +100,76 @@ impl Linear {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+/// Several projections of the same input run as one matmul (q/k/v, gate/up): one parallel
+/// region and one activation quantisation instead of several. Falls back to separate
+/// matmuls when the file stores the parts in different types.
+pub struct FusedLinear {
+    parts: Vec<Linear>,
+    /// Output width of each logical projection.
+    widths: Vec<usize>,
+}
+
+impl FusedLinear {
+    pub fn load(file: &mut GgufFile, names: &[String], bias: bool, format: WeightFormat, device: &Device) -> Result<Self> {
+        let mut qs = Vec::with_capacity(names.len());
+        let mut biases = Vec::with_capacity(names.len());
+        for name in names {
+            qs.push(file.qtensor(&format!("{name}.weight"), device)?);
+            biases.push(if bias { Some(file.dense(&format!("{name}.bias"), device)?) } else { None });
+        }
+        let widths: Vec<usize> = qs.iter().map(|q| q.shape().dims()[0]).collect();
+        let k = qs[0].shape().dims2()?.1;
+        let same_type = qs.iter().all(|q| q.dtype() == qs[0].dtype() && q.shape().dims2().map(|d| d.1).ok() == Some(k));
+        if !same_type {
+            let parts = qs
+                .into_iter()
+                .zip(biases)
+                .map(|(q, b)| Linear::from_qtensor(Arc::new(q), b, format, device))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Self { parts, widths });
+        }
+        // GGML rows are independent runs of blocks, so stacking the raw bytes stacks the rows.
+        let dtype = qs[0].dtype();
+        let mut bytes = Vec::new();
+        for q in &qs {
+            bytes.extend_from_slice(&q.data()?);
+        }
+        let rows: usize = widths.iter().sum();
+        let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), device, dtype)?;
+        let stacked = Arc::new(QTensor::new(storage, (rows, k))?);
+        let bias = if bias {
+            let bs: Vec<Tensor> = biases.into_iter().flatten().collect();
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        Ok(Self { parts: vec![Linear::from_qtensor(stacked, bias, format, device)?], widths })
+    }
+
+    /// Output widths of the logical projections.
+    pub fn widths(&self) -> &[usize] {
+        &self.widths
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.parts[0].in_features()
+    }
+
+    /// One output per logical projection.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        if self.parts.len() > 1 {
+            return self.parts.iter().map(|p| p.forward(x)).collect();
+        }
+        let y = self.parts[0].forward(x)?;
+        let mut out = Vec::with_capacity(self.widths.len());
+        let mut start = 0;
+        for &w in &self.widths {
+            out.push(y.narrow(1, start, w)?);
+            start += w;
+        }
+        Ok(out)
     }
 }

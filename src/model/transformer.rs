@@ -4,7 +4,7 @@
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, WeightFormat};
-use super::linear::Linear;
+use super::linear::{FusedLinear, Linear};
 use super::rope::Rope;
 use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
 use anyhow::{bail, Context, Result};
@@ -13,13 +13,12 @@ use std::sync::Arc;
 
 struct Layer {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k, v projections as one matmul.
+    qkv: FusedLinear,
     o: Linear,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    /// gate and up projections as one matmul.
+    gate_up: FusedLinear,
     down: Linear,
 }
 
@@ -46,24 +45,20 @@ impl Transformer {
         };
         let mut layers = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
-            let mut linear =
-                |name: &str, bias: bool| Linear::load(file, &format!("blk.{i}.{name}"), bias, format, device);
-            let qkv_bias = config.qkv_bias;
+            let names = |parts: &[&str]| parts.iter().map(|p| format!("blk.{i}.{p}")).collect::<Vec<_>>();
             let layer = Layer {
-                q: linear("attn_q", qkv_bias)?,
-                k: linear("attn_k", qkv_bias)?,
-                v: linear("attn_v", qkv_bias)?,
-                o: linear("attn_output", false)?,
-                gate: linear("ffn_gate", false)?,
-                up: linear("ffn_up", false)?,
-                down: linear("ffn_down", false)?,
+                qkv: FusedLinear::load(file, &names(&["attn_q", "attn_k", "attn_v"]), config.qkv_bias, format, device)?,
+                o: Linear::load(file, &format!("blk.{i}.attn_output"), false, format, device)?,
+                gate_up: FusedLinear::load(file, &names(&["ffn_gate", "ffn_up"]), false, format, device)?,
+                down: Linear::load(file, &format!("blk.{i}.ffn_down"), false, format, device)?,
                 attn_norm: file.dense(&format!("blk.{i}.attn_norm.weight"), device)?,
                 ffn_norm: file.dense(&format!("blk.{i}.ffn_norm.weight"), device)?,
             };
-            check_shape(&layer.q, config.n_heads * config.head_dim, config.hidden, i, "attn_q")?;
-            check_shape(&layer.k, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_k")?;
-            check_shape(&layer.v, config.n_kv_heads * config.head_dim, config.hidden, i, "attn_v")?;
-            check_shape(&layer.gate, config.ffn, config.hidden, i, "ffn_gate")?;
+            let (q, kv) = (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim);
+            check_shape(layer.qkv.widths(), layer.qkv.in_features(), &[q, kv, kv], config.hidden, i, "attn_q/k/v")?;
+            check_shape(layer.gate_up.widths(), layer.gate_up.in_features(), &[config.ffn, config.ffn], config.hidden, i, "ffn_gate/up")?;
+            check_shape(&[layer.o.out_features()], layer.o.in_features(), &[config.hidden], q, i, "attn_output")?;
+            check_shape(&[layer.down.out_features()], layer.down.in_features(), &[config.hidden], config.ffn, i, "ffn_down")?;
             layers.push(layer);
         }
         let norm = file.dense("output_norm.weight", device)?;
@@ -188,9 +183,10 @@ impl Transformer {
 
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
-            let mut q = layer.q.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
-            let mut k = layer.k.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
-            let v = layer.v.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            let qkv = layer.qkv.forward(&h)?;
+            let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
+            let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
+            let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
             for (row, &pos) in positions.iter().enumerate() {
                 self.rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], pos);
                 self.rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], pos);
@@ -208,7 +204,8 @@ impl Transformer {
             x = (x + layer.o.forward(&attn)?)?;
 
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
-            let gated = (layer.gate.forward(&h)?.silu()? * layer.up.forward(&h)?)?;
+            let gate_up = layer.gate_up.forward(&h)?;
+            let gated = (gate_up[0].silu()? * &gate_up[1])?;
             x = (x + layer.down.forward(&gated)?)?;
 
             for (slot, &tl) in taps.iter_mut().zip(&batch.tap_layers) {
@@ -236,9 +233,9 @@ impl Transformer {
     }
 }
 
-fn check_shape(w: &Linear, rows: usize, cols: usize, layer: usize, name: &str) -> Result<()> {
-    if (w.out_features(), w.in_features()) != (rows, cols) {
-        bail!("blk.{layer}.{name}.weight has shape [{}, {}], expected [{rows}, {cols}]", w.out_features(), w.in_features());
+fn check_shape(widths: &[usize], cols: usize, want: &[usize], want_cols: usize, layer: usize, name: &str) -> Result<()> {
+    if widths != want || cols != want_cols {
+        bail!("blk.{layer}.{name}: output widths {widths:?} × input {cols}, expected {want:?} × {want_cols}");
     }
     Ok(())
 }

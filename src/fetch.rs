@@ -342,7 +342,8 @@ pub fn fetch(key: &str, progress: bool) -> Result<PathBuf> {
 /// A model given as an existing file path is used as-is; a known model key is fetched on first use.
 pub fn resolve_model(key_or_path: &str, progress: bool) -> Result<PathBuf> {
     let as_path = Path::new(key_or_path);
-    if as_path.is_file() {
+    // A GGUF file, or a Hugging Face model directory (config.json + safetensors).
+    if as_path.is_file() || (as_path.is_dir() && as_path.join("config.json").is_file()) {
         return Ok(as_path.to_path_buf());
     }
     match find_asset(key_or_path) {
@@ -351,7 +352,9 @@ pub fn resolve_model(key_or_path: &str, progress: bool) -> Result<PathBuf> {
             "`{key_or_path}` is a data set, not a model; known models: {}",
             known_keys(AssetKind::Model)
         ),
-        None if as_path.exists() => bail!("model path `{key_or_path}` is not a regular file"),
+        None if as_path.exists() => {
+            bail!("model path `{key_or_path}` is neither a GGUF file nor a model directory with config.json")
+        }
         None => bail!(
             "`{key_or_path}` is neither an existing file nor a known model; known models: {}",
             known_keys(AssetKind::Model)

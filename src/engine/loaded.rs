@@ -1,6 +1,6 @@
 //! A model ready to serve: weights, tokenizer and chat template from one GGUF file.
 
-use crate::model::{GgufFile, Transformer, WeightFormat};
+use crate::model::{GgufFile, HfModelDir, Transformer, WeightFormat};
 use crate::tokenize::{ChatMessage, ChatTemplate, Tokenizer};
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -15,8 +15,12 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    /// Loads a GGUF file; `weights` None picks the measured default for its types.
+    /// Loads a GGUF file or a Hugging Face model directory; `weights` None picks the
+    /// measured default for the file's types.
     pub fn load(path: &Path, weights: Option<WeightFormat>, device: &Device) -> Result<Self> {
+        if HfModelDir::is_model_dir(path) {
+            return Self::load_hf(path, weights, device);
+        }
         let mut file = GgufFile::open(path)?;
         // Architecture first: an unsupported model should say so, not fail on its tokenizer.
         crate::model::ModelConfig::from_gguf(&file.content).with_context(|| format!("{}", path.display()))?;
@@ -34,6 +38,19 @@ impl LoadedModel {
                 model.config.vocab
             );
         }
+        Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
+    }
+
+    fn load_hf(path: &Path, weights: Option<WeightFormat>, device: &Device) -> Result<Self> {
+        let mut dir = HfModelDir::open(path)?;
+        let config = dir.config()?;
+        let model_type = dir.config_json["model_type"].as_str().unwrap_or("").to_string();
+        let vocab = crate::tokenize::hf_json::content_from_hf_dir(path, &model_type)?;
+        let tokenizer = Tokenizer::from_gguf(&vocab)
+            .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
+        let template = ChatTemplate::from_gguf(&vocab).ok();
+        let model = Transformer::load_from(&mut dir, config, weights.unwrap_or(WeightFormat::Native), device)?;
+        model.warm_up()?;
         Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
     }
 

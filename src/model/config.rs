@@ -9,6 +9,8 @@ use candle_core::quantized::gguf_file::{Content, Value};
 pub enum Arch {
     Llama,
     Qwen2,
+    /// Qwen2 without q/k/v biases, with per-head RMSNorm on queries and keys.
+    Qwen3,
 }
 
 impl Arch {
@@ -16,6 +18,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
 }
@@ -46,6 +49,8 @@ pub struct ModelConfig {
     /// The LM head reuses the token embedding.
     pub tied_head: bool,
     pub qkv_bias: bool,
+    /// Per-head RMSNorm on queries and keys before RoPE (Qwen3).
+    pub qk_norm: bool,
 }
 
 fn get<'a>(content: &'a Content, key: &str) -> Result<&'a Value> {
@@ -83,7 +88,8 @@ impl ModelConfig {
         let arch = match arch_name.as_str() {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
-            other => bail!("unsupported architecture `{other}` (supported: llama, qwen2)"),
+            "qwen3" => Arch::Qwen3,
+            other => bail!("unsupported architecture `{other}` (supported: llama, qwen2, qwen3)"),
         };
         let a = arch.name();
         let hidden = get_usize(content, &format!("{a}.embedding_length"))?;
@@ -126,11 +132,12 @@ impl ModelConfig {
             rope_dim,
             rope_style: match arch {
                 Arch::Llama => RopeStyle::Interleaved,
-                Arch::Qwen2 => RopeStyle::Halves,
+                Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Halves,
             },
             rms_eps: get_f32(content, &format!("{a}.attention.layer_norm_rms_epsilon"))? as f64,
             tied_head: !content.tensor_infos.contains_key("output.weight"),
             qkv_bias: content.tensor_infos.contains_key("blk.0.attn_q.bias"),
+            qk_norm: content.tensor_infos.contains_key("blk.0.attn_q_norm.weight"),
         })
     }
 }

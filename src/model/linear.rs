@@ -6,7 +6,8 @@
 //! multiple and activations padded to match: ~30% more multiply-adds, 3–9× less time
 //! (docs/performance.md).
 
-use super::gguf::{GgufFile, WeightFormat};
+use super::gguf::WeightFormat;
+use super::source::TensorSource;
 use anyhow::{Context, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -38,7 +39,7 @@ pub struct Linear {
 
 impl Linear {
     /// Reads `name.weight` (and `name.bias` when `bias`) from the file.
-    pub fn load(file: &mut GgufFile, name: &str, bias: bool, format: WeightFormat, device: &Device) -> Result<Self> {
+    pub fn load(file: &mut dyn TensorSource, name: &str, bias: bool, format: WeightFormat, device: &Device) -> Result<Self> {
         let q = Arc::new(file.qtensor(&format!("{name}.weight"), device)?);
         let bias = if bias { Some(file.dense(&format!("{name}.bias"), device)?) } else { None };
         Self::from_qtensor(q, bias, format, device).with_context(|| format!("loading `{name}.weight`"))
@@ -113,7 +114,7 @@ pub struct FusedLinear {
 }
 
 impl FusedLinear {
-    pub fn load(file: &mut GgufFile, names: &[String], bias: bool, format: WeightFormat, device: &Device) -> Result<Self> {
+    pub fn load(file: &mut dyn TensorSource, names: &[String], bias: bool, format: WeightFormat, device: &Device) -> Result<Self> {
         let mut qs = Vec::with_capacity(names.len());
         let mut biases = Vec::with_capacity(names.len());
         for name in names {

@@ -4,12 +4,16 @@
 mod batch;
 mod config;
 mod gguf;
+mod hf;
 mod linear;
 mod rope;
+mod source;
 mod transformer;
 
 pub use batch::{ForwardBatch, ForwardOutput, LogitsRows, SeqInput};
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use gguf::{GgufFile, WeightFormat};
+pub use hf::HfModelDir;
+pub use source::TensorSource;
 pub use linear::{repacked_q8_available, Linear};
 pub use transformer::Transformer;

@@ -4,6 +4,7 @@
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, WeightFormat};
+use super::source::TensorSource;
 use super::linear::{FusedLinear, Linear};
 use super::rope::Rope;
 use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
@@ -13,6 +14,8 @@ use std::sync::Arc;
 
 struct Layer {
     attn_norm: Tensor,
+    /// Per-head query/key RMSNorm weights `[head_dim]` (Qwen3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     /// q, k, v projections as one matmul.
     qkv: FusedLinear,
     o: Linear,
@@ -37,6 +40,11 @@ pub struct Transformer {
 impl Transformer {
     pub fn load(file: &mut GgufFile, format: WeightFormat, device: &Device) -> Result<Self> {
         let config = ModelConfig::from_gguf(&file.content)?;
+        Self::load_from(file, config, format, device)
+    }
+
+    /// Loads from any tensor source with an already-read config.
+    pub fn load_from(file: &mut dyn TensorSource, config: ModelConfig, format: WeightFormat, device: &Device) -> Result<Self> {
         let embedding = Arc::new(file.qtensor("token_embd.weight", device)?);
         let lm_head = if config.tied_head {
             Linear::from_qtensor(embedding.clone(), None, format, device)?
@@ -53,6 +61,16 @@ impl Transformer {
                 down: Linear::load(file, &format!("blk.{i}.ffn_down"), false, format, device)?,
                 attn_norm: file.dense(&format!("blk.{i}.attn_norm.weight"), device)?,
                 ffn_norm: file.dense(&format!("blk.{i}.ffn_norm.weight"), device)?,
+                qk_norm: if config.qk_norm {
+                    let q = file.dense(&format!("blk.{i}.attn_q_norm.weight"), device)?.to_vec1::<f32>()?;
+                    let k = file.dense(&format!("blk.{i}.attn_k_norm.weight"), device)?.to_vec1::<f32>()?;
+                    if q.len() != config.head_dim || k.len() != config.head_dim {
+                        bail!("blk.{i}: q/k norm weights should have {} elements", config.head_dim);
+                    }
+                    Some((q, k))
+                } else {
+                    None
+                },
             };
             let (q, kv) = (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim);
             check_shape(layer.qkv.widths(), layer.qkv.in_features(), &[q, kv, kv], config.hidden, i, "attn_q/k/v")?;
@@ -66,8 +84,14 @@ impl Transformer {
         Ok(Self { config, weight_format: format, device: device.clone(), embedding, layers, norm, lm_head, rope })
     }
 
-    /// Opens a GGUF file and loads it; `format` None picks the measured default.
+    /// Opens a GGUF file or a Hugging Face model directory and loads it; `format` None picks
+    /// the measured default.
     pub fn from_path(path: &std::path::Path, format: Option<WeightFormat>, device: &Device) -> Result<Self> {
+        if super::hf::HfModelDir::is_model_dir(path) {
+            let mut dir = super::hf::HfModelDir::open(path)?;
+            let config = dir.config()?;
+            return Self::load_from(&mut dir, config, format.unwrap_or(WeightFormat::Native), device);
+        }
         let mut file = GgufFile::open(path)?;
         let format = format.unwrap_or_else(|| WeightFormat::default_for(&file));
         Self::load(&mut file, format, device)
@@ -82,6 +106,17 @@ impl Transformer {
         batch.push(&[0], &mut cache, LogitsRows::Last);
         self.forward(&mut batch)?;
         Ok(())
+    }
+
+    /// Token embeddings `[ids, hidden]` (drafters such as DFlash share the target's).
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let ids = Tensor::new(ids, &self.device)?;
+        Ok(self.embedding.embedding(&ids)?)
+    }
+
+    /// The LM head alone, on already-normalised hidden states `[rows, hidden]` → logits.
+    pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)
     }
 
     pub fn device(&self) -> &Device {
@@ -187,6 +222,10 @@ impl Transformer {
             let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
             let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
             let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
+            if let Some((qn, kn)) = &layer.qk_norm {
+                head_rms_norm(&mut q, qn, cfg.rms_eps as f32);
+                head_rms_norm(&mut k, kn, cfg.rms_eps as f32);
+            }
             for (row, &pos) in positions.iter().enumerate() {
                 self.rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], pos);
                 self.rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], pos);
@@ -238,4 +277,15 @@ fn check_shape(widths: &[usize], cols: usize, want: &[usize], want_cols: usize, 
         bail!("blk.{layer}.{name}: output widths {widths:?} × input {cols}, expected {want:?} × {want_cols}");
     }
     Ok(())
+}
+
+/// RMSNorm over each `weight.len()`-wide head of `x`, in place.
+fn head_rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
+    for head in x.chunks_exact_mut(weight.len()) {
+        let ms = head.iter().map(|v| v * v).sum::<f32>() / weight.len() as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (v, w) in head.iter_mut().zip(weight) {
+            *v = *v * inv * w;
+        }
+    }
 }

@@ -8,6 +8,7 @@
 pub mod chat_template;
 pub mod detok_stream;
 pub mod gguf_bpe;
+pub mod hf_json;
 
 pub use chat_template::{ChatMessage, ChatTemplate, TemplateOrigin};
 pub use detok_stream::StreamDecoder;

@@ -9,6 +9,7 @@
 //! - [`sample`]: sampling settings and the one sampler used by plain decoding and the verifier.
 //! - [`spec`]: the `Proposer` trait, one file per drafter, one pure verifier.
 //! - [`engine`]: the step loop (schedule → propose → forward → verify → commit).
+//! - [`server`]: the OpenAI-compatible HTTP server, its playground page and load tool.
 //! - [`cli`]: the `specula` command line.
 
 pub mod bench;
@@ -19,5 +20,6 @@ pub mod fetch;
 pub mod kv;
 pub mod model;
 pub mod sample;
+pub mod server;
 pub mod spec;
 pub mod tokenize;

@@ -1,7 +1,9 @@
-//! Benchmarks: the cost of the target's forward (`ar`) and, in later modes, speculative
+//! Benchmarks: the cost of the target's forward (`ar`) and speculative
 //! decoding over prompt suites. Speed is only ever reported from here, never asserted in tests.
 
 pub mod ar;
+pub mod report;
+pub mod spec;
 
 /// Median of a non-empty sample (0 for an empty one).
 pub fn median(xs: &mut [f64]) -> f64 {

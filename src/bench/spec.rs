@@ -5,41 +5,21 @@
 //! verify-cost curve; at temperature 0 it also checks that speculative output equals plain
 //! output token for token.
 
-use crate::datasets::{self, PromptKind};
+use crate::datasets::{self, Prompt, PromptKind};
 use crate::engine::{generate, GenerateOptions, LoadedModel, Sequence, SpecMetrics};
 use crate::sample::SamplingParams;
-use crate::spec::policy::{measure_verify_curve, DraftPolicy};
+use crate::spec::policy::{measure_verify_curve, DraftLen, DraftPolicy};
 use crate::spec::{build_proposer, DrafterSpec};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
 
-/// Draft length of a speculative mode: fixed, or chosen per step by the adaptive policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DraftLen {
-    Fixed(usize),
-    Auto,
-}
-
-impl DraftLen {
-    /// `N` (1..=64) or `auto`.
-    pub fn parse(s: &str) -> Result<Self> {
-        let s = s.trim();
-        if s.eq_ignore_ascii_case("auto") {
-            return Ok(DraftLen::Auto);
-        }
-        match s.parse::<usize>() {
-            Ok(n) if (1..=64).contains(&n) => Ok(DraftLen::Fixed(n)),
-            _ => bail!("draft length `{s}` is neither a number in 1..=64 nor `auto`"),
-        }
-    }
-
-    pub fn label(&self) -> String {
-        match self {
-            DraftLen::Fixed(n) => n.to_string(),
-            DraftLen::Auto => "auto".to_string(),
-        }
+/// `4` or `auto`, as a report label.
+pub fn draft_len_label(k: DraftLen) -> String {
+    match k {
+        DraftLen::Fixed(n) => n.to_string(),
+        DraftLen::Auto => "auto".to_string(),
     }
 }
 
@@ -64,7 +44,7 @@ impl Mode {
     pub fn label(&self) -> String {
         match (&self.drafter, &self.draft_len) {
             (None, _) => "plain".to_string(),
-            (Some(d), Some(k)) => format!("{d} k={}", k.label()),
+            (Some(d), Some(k)) => format!("{d} k={}", draft_len_label(*k)),
             (Some(d), None) => d.clone(),
         }
     }
@@ -95,8 +75,10 @@ impl SpecBenchSettings {
     pub fn modes(&self) -> Vec<Mode> {
         let mut modes = vec![Mode::plain()];
         for d in &self.drafters {
+            // The canonical form names defaults (`ngram` → `ngram:3`); parse errors surface in validate.
+            let name = DrafterSpec::parse(d).map_or_else(|_| d.clone(), |spec| spec.label());
             for k in &self.draft_lens {
-                modes.push(Mode { drafter: Some(d.clone()), draft_len: Some(*k) });
+                modes.push(Mode { drafter: Some(name.clone()), draft_len: Some(*k) });
             }
         }
         modes
@@ -334,7 +316,7 @@ pub fn summarize(
         temperature,
         mode: mode.label(),
         drafter: mode.drafter.clone(),
-        draft_len: mode.draft_len.map(|k| k.label()),
+        draft_len: mode.draft_len.map(draft_len_label),
         prompts: runs.len(),
         tokens,
         prefill_secs: prefill,
@@ -390,13 +372,9 @@ struct EncodedPrompt {
     ids: Vec<u32>,
 }
 
-fn encode_set(loaded: &LoadedModel, key: &str, limit: Option<usize>) -> Result<Vec<EncodedPrompt>> {
-    let prompts = datasets::load(key, limit)?;
-    if prompts.is_empty() {
-        bail!("data set {key} has no prompts");
-    }
+fn encode_set(loaded: &LoadedModel, key: &str, prompts: &[Prompt]) -> Result<Vec<EncodedPrompt>> {
     prompts
-        .into_iter()
+        .iter()
         .map(|p| {
             let ids = match p.kind {
                 PromptKind::Chat => loaded.encode_chat(&[ChatMessage::user(p.text.clone())]),
@@ -406,7 +384,7 @@ fn encode_set(loaded: &LoadedModel, key: &str, limit: Option<usize>) -> Result<V
             if ids.is_empty() {
                 bail!("{key}: prompt {} encodes to no tokens", p.id);
             }
-            Ok(EncodedPrompt { id: p.id, ids })
+            Ok(EncodedPrompt { id: p.id.clone(), ids })
         })
         .collect()
 }
@@ -419,6 +397,17 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         modes.iter().map(|m| m.drafter.as_deref().map(DrafterSpec::parse).transpose()).collect::<Result<_>>()?;
     let threads =
         std::env::var("CANDLE_NUM_THREADS").or_else(|_| std::env::var("RAYON_NUM_THREADS")).unwrap_or("all".into());
+    // All prompts first: a missing or empty set fails before any model loads.
+    let mut sets: Vec<(String, Vec<Prompt>)> = Vec::new();
+    for key in &settings.datasets {
+        let prompts = datasets::load(key, settings.limit)?;
+        if prompts.is_empty() {
+            bail!("data set {key} has no prompts");
+        }
+        sets.push((key.clone(), prompts));
+    }
+    let runs_per_model: usize = sets.iter().map(|(_, p)| p.len()).sum::<usize>() * settings.temperatures.len() * modes.len();
+    progress.set_length((runs_per_model * settings.models.len()) as u64);
     let mut models = Vec::new();
     let mut greedy_mismatches = 0;
 
@@ -427,6 +416,11 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         let path: PathBuf = crate::fetch::resolve_model(model_key, false)?;
         let weights = settings.weights.as_deref().map(crate::model::WeightFormat::parse).transpose()?;
         let loaded = LoadedModel::load(&path, weights, &candle_core::Device::Cpu)?;
+        // A drafter that cannot draft for this target (another vocabulary) fails here, before
+        // any time is spent measuring.
+        for spec in drafters.iter().flatten() {
+            build_proposer(spec, &loaded).with_context(|| format!("drafter {} for {model_key}", spec.label()))?;
+        }
         let curve_max_m = settings
             .curve_max_m
             .max(settings.max_auto_draft_len + 1)
@@ -436,8 +430,8 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         let stop_ids = loaded.stop_ids();
         let mut runs: Vec<PromptRun> = Vec::new();
 
-        for ds in &settings.datasets {
-            let prompts = encode_set(&loaded, ds, settings.limit)?;
+        for (ds, raw_prompts) in &sets {
+            let prompts = encode_set(&loaded, ds, raw_prompts)?;
             let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
             // Room for the prompt, the output, and one verify block past the committed tokens.
             let pool = loaded.model.new_kv_pool(longest + settings.max_tokens + curve_max_m + 64);
@@ -575,15 +569,6 @@ mod tests {
     }
 
     #[test]
-    fn draft_len_parses_numbers_and_auto() {
-        assert_eq!(DraftLen::parse("4").unwrap(), DraftLen::Fixed(4));
-        assert_eq!(DraftLen::parse("AUTO").unwrap(), DraftLen::Auto);
-        assert!(DraftLen::parse("0").is_err());
-        assert!(DraftLen::parse("65").is_err());
-        assert!(DraftLen::parse("four").is_err());
-    }
-
-    #[test]
     fn histogram_counts_steps_by_exact_draft_length() {
         // Two steps drafting 4, one drafting 2, one plain step.
         let m = metrics_of(&[(4, 1), (4, 4), (2, 0), (0, 0)]);
@@ -671,7 +656,7 @@ mod tests {
             curve_max_m: 16,
         };
         let labels: Vec<String> = s.modes().iter().map(Mode::label).collect();
-        assert_eq!(labels, ["plain", "ngram k=4", "ngram k=auto", "draft-model:x k=4", "draft-model:x k=auto"]);
+        assert_eq!(labels, ["plain", "ngram:3 k=4", "ngram:3 k=auto", "draft-model:x k=4", "draft-model:x k=auto"]);
         assert!(s.validate().is_ok());
         assert!(SpecBenchSettings { drafters: vec!["bogus".into()], ..s.clone() }.validate().is_err());
         assert!(SpecBenchSettings { datasets: vec!["nope".into()], ..s }.validate().is_err());

@@ -1,9 +1,12 @@
 use crate::bench::ar::{self, ArSettings};
+use crate::bench::{report, spec};
+use crate::spec::policy::{parse_draft_len, DEFAULT_ADAPTIVE_MAX, MAX_DRAFT_LEN};
 use anyhow::{bail, Result};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// What to measure: `ar` = prefill/decode tokens/s and the verify-cost curve.
+    /// What to measure: `ar` = prefill/decode tokens/s and the verify-cost curve; `spec` =
+    /// plain vs speculative decoding over prompt suites (table, JSON and chart in --out-dir).
     #[arg(long, default_value = "ar")]
     mode: String,
     /// Models (keys or paths); repeatable.
@@ -18,19 +21,103 @@ pub struct BenchArgs {
     decode_tokens: usize,
     #[arg(long, default_value_t = 256)]
     verify_depth: usize,
+    /// Largest block of the verify-cost curve (`spec` extends it to cover the draft lengths).
     #[arg(long, default_value_t = 16)]
     max_m: usize,
     #[arg(long, default_value_t = 5)]
     repeats: usize,
-    /// Write every number as JSON here.
+    /// Write every number as JSON here (`ar`).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+
+    // --- `--mode spec` ---
+    /// Drafter to compare with plain decoding: ngram[:N] or draft-model:KEY|PATH; repeatable.
+    #[arg(long)]
+    drafter: Vec<String>,
+    /// Draft length per step: a number or `auto` (adaptive); repeatable, each is its own mode.
+    #[arg(long, default_values_t = vec!["auto".to_string()])]
+    draft_len: Vec<String>,
+    /// Longest draft the adaptive policy may choose.
+    #[arg(long, default_value_t = DEFAULT_ADAPTIVE_MAX)]
+    max_draft_len: usize,
+    /// Prompt set: gsm8k-100, humaneval, mt-bench, math500; repeatable.
+    #[arg(long, default_values_t = vec!["humaneval".to_string(), "gsm8k-100".to_string()])]
+    dataset: Vec<String>,
+    /// Prompts per data set (default: all).
+    #[arg(long)]
+    limit: Option<usize>,
+    /// New tokens per prompt (the same in every mode).
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Temperatures to run, comma-separated; 0 = greedy (output checked against plain).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![0.0f32, 1.0])]
+    temperatures: Vec<f32>,
+    /// Prompt i samples with seed SEED + i (temperature > 0), the same in every mode.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Where `spec` writes report.md, report.json and chart.png.
+    #[arg(long, default_value = "bench-out")]
+    out_dir: std::path::PathBuf,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    if args.mode != "ar" {
-        bail!("unknown bench mode `{}` (available: ar)", args.mode);
+    match args.mode.as_str() {
+        "ar" => run_ar(args),
+        "spec" => run_spec(args),
+        other => bail!("unknown bench mode `{other}` (available: ar, spec)"),
     }
+}
+
+fn run_spec(args: BenchArgs) -> Result<()> {
+    if args.weights.len() > 1 {
+        bail!("--mode spec takes at most one --weights");
+    }
+    if args.max_draft_len > MAX_DRAFT_LEN {
+        bail!("--max-draft-len {} is too long (at most {MAX_DRAFT_LEN})", args.max_draft_len);
+    }
+    let settings = spec::SpecBenchSettings {
+        models: args.model.clone(),
+        weights: args.weights.first().cloned(),
+        drafters: args.drafter.clone(),
+        draft_lens: args.draft_len.iter().map(|s| parse_draft_len(s)).collect::<Result<_>>()?,
+        max_auto_draft_len: args.max_draft_len,
+        datasets: args.dataset.clone(),
+        limit: args.limit,
+        max_tokens: args.max_tokens,
+        temperatures: args.temperatures.clone(),
+        seed: args.seed,
+        curve_max_m: args.max_m.clamp(1, 64),
+    };
+    settings.validate()?;
+    let progress = indicatif::ProgressBar::new(0);
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} runs, eta {eta} · {msg}")?
+            .progress_chars("=> "),
+    );
+    progress.enable_steady_tick(std::time::Duration::from_millis(500));
+    let result = spec::run(&settings, &progress);
+    progress.finish_and_clear();
+    let bench = result?;
+    let markdown = report::render_markdown(&bench);
+    print!("{markdown}");
+    let written = report::write_all(&bench, &markdown, &args.out_dir)?;
+    eprintln!(
+        "wrote {}, {}, {}",
+        written.markdown.display(),
+        written.json.display(),
+        written.chart.display()
+    );
+    if bench.greedy_mismatches > 0 {
+        bail!(
+            "{} greedy speculative output(s) differ from plain decoding (see {})",
+            bench.greedy_mismatches,
+            written.json.display()
+        );
+    }
+    Ok(())
+}
+
+fn run_ar(args: BenchArgs) -> Result<()> {
     let settings = ArSettings {
         prefill_tokens: args.prefill_tokens,
         decode_tokens: args.decode_tokens,

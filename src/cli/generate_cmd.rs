@@ -1,9 +1,13 @@
 use super::ModelArgs;
 use crate::engine::{generate, GenerateOptions, Sequence, TextStream};
+use crate::engine::{Generation, SpecMetrics};
 use crate::sample::SamplingParams;
+use crate::spec::policy::{measure_verify_curve, parse_draft_len, DraftLen, DraftPolicy, DEFAULT_ADAPTIVE_MAX};
+use crate::spec::{build_proposer, DrafterSpec, Proposer};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
 use std::io::Write;
+use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -40,6 +44,18 @@ pub struct GenerateArgs {
     /// Print one JSON object (text, token ids, timings) instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Speculative decoding drafter: `ngram[:N]` (prompt lookup, n-grams up to N tokens) or
+    /// `draft-model:MODEL` (a smaller model with the same tokenizer). Output is identical to
+    /// decoding without one; only the speed changes.
+    #[arg(long)]
+    drafter: Option<String>,
+    /// Draft tokens per step with --drafter: a number, or `auto` (measure this model's verify
+    /// cost once, then choose 0..=15 per step from it and the acceptance so far).
+    #[arg(long, default_value = "auto", value_parser = parse_draft_len)]
+    draft_len: DraftLen,
+    /// Write one JSON line per decode step here (draft tokens, accepted count, next token).
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
@@ -80,7 +96,33 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let pool = args.model.kv_pool(&loaded.model)?;
     let mut seq = Sequence::new(&prompt, pool.new_sequence(), params);
     let mut text = TextStream::new(args.stop.clone());
-    let mut opts = GenerateOptions::default();
+    let mut opts = GenerateOptions { trace: args.trace.is_some(), ..GenerateOptions::default() };
+    let spec = args.drafter.as_deref().map(DrafterSpec::parse).transpose().context("--drafter")?;
+    let mut proposer: Option<Box<dyn Proposer>> = match &spec {
+        Some(spec) => Some(build_proposer(spec, &loaded)?),
+        None => None,
+    };
+    let mut curve = None;
+    if spec.is_some() {
+        let policy = match args.draft_len {
+            DraftLen::Fixed(n) => DraftPolicy::Fixed(n),
+            DraftLen::Auto => {
+                let t = Instant::now();
+                let c = measure_verify_curve(&loaded.model, DEFAULT_ADAPTIVE_MAX + 1)?;
+                eprintln!(
+                    "[verify cost measured in {:.1} s: cost(2) {:.2}, cost(4) {:.2}, cost(8) {:.2}, cost(16) {:.2} × one token]",
+                    t.elapsed().as_secs_f64(),
+                    c[1],
+                    c[3],
+                    c[7],
+                    c[15]
+                );
+                curve = Some(c.clone());
+                DraftPolicy::Adaptive { max: DEFAULT_ADAPTIVE_MAX, curve: c }
+            }
+        };
+        opts.draft_len = policy.draft_len_fn();
+    }
     let stdout = std::io::stdout();
     let json = args.json;
     let tokenizer = &loaded.tokenizer;
@@ -93,9 +135,35 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
         !text.stopped()
     };
-    let gen = generate(&loaded.model, &mut seq, &loaded.stop_ids(), None, &mut opts, &mut on_token)
+    let proposer_ref = proposer.as_mut().map(|p| &mut **p as &mut dyn Proposer);
+    let gen = generate(&loaded.model, &mut seq, &loaded.stop_ids(), proposer_ref, &mut opts, &mut on_token)
         .context("generation failed")?;
     let tail = text.finish();
+    if let Some(path) = &args.trace {
+        write_trace(path, &gen).with_context(|| format!("writing the trace to {}", path.display()))?;
+    }
+    let draft_len = match args.draft_len {
+        DraftLen::Auto => serde_json::json!("auto"),
+        DraftLen::Fixed(n) => serde_json::json!(n),
+    };
+    let speculation = spec.as_ref().map(|s| {
+        serde_json::json!({
+            "drafter": s.label(),
+            "draft_len": draft_len,
+            "verify_curve": curve,
+            "steps": gen.metrics.steps,
+            "spec_steps": gen.metrics.spec_steps,
+            "drafted": gen.metrics.drafted,
+            "accepted": gen.metrics.accepted,
+            "acceptance_rate": gen.metrics.acceptance_rate(),
+            "tau": gen.metrics.tau(),
+            "per_position_acceptance": gen.metrics.per_position_acceptance(),
+            "drafted_at": gen.metrics.drafted_at,
+            "accepted_at": gen.metrics.accepted_at,
+            "draft_secs": gen.metrics.draft_secs,
+            "verify_secs": gen.metrics.verify_secs,
+        })
+    });
     if json {
         let out = serde_json::json!({
             "model": loaded.path.display().to_string(),
@@ -107,7 +175,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "prompt_tokens": gen.prompt_tokens,
             "prefill_tokens_per_s": gen.prefill_tps(),
             "decode_tokens_per_s": gen.decode_tps(),
-            "speculation": gen.metrics,
+            "decode_secs": gen.decode_secs,
+            "speculation": speculation,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -121,6 +190,46 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             gen.finish.openai(),
             loaded.model.weight_format.name()
         );
+        if let Some(spec) = &spec {
+            eprintln!("{}", speculation_summary(&spec.label(), &gen.metrics));
+        }
     }
+    Ok(())
+}
+
+/// One line of speculation metrics for stderr.
+fn speculation_summary(drafter: &str, m: &SpecMetrics) -> String {
+    let per_position: Vec<String> = m.per_position_acceptance().iter().map(|a| format!("{a:.2}")).collect();
+    format!(
+        "[speculation {drafter}: {} steps ({} with a draft), drafted {}, accepted {} ({:.1}%), τ {:.2} tokens/step | \
+         per position: {} | draft {:.2} s, verify {:.2} s]",
+        m.steps,
+        m.spec_steps,
+        m.drafted,
+        m.accepted,
+        100.0 * m.acceptance_rate(),
+        m.tau(),
+        if per_position.is_empty() { "-".to_string() } else { per_position.join(" ") },
+        m.draft_secs,
+        m.verify_secs
+    )
+}
+
+/// `--trace`: one JSON object per decode step.
+fn write_trace(path: &std::path::Path, gen: &Generation) -> Result<()> {
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for (step, t) in gen.trace.iter().enumerate() {
+        let line = serde_json::json!({
+            "step": step,
+            "draft": t.draft,
+            "accepted": t.accepted,
+            // The target's token after the accepted drafts: a bonus when all were accepted.
+            "next_token": t.next_token,
+            "bonus": !t.draft.is_empty() && t.accepted == t.draft.len(),
+        });
+        serde_json::to_writer(&mut out, &line)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()?;
     Ok(())
 }

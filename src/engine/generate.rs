@@ -205,7 +205,7 @@ pub fn generate(
 /// Appends committed tokens one by one, stopping at a stop token (not kept), `max_tokens`,
 /// the context end, or a consumer that stops listening. The first `from_draft` tokens were
 /// accepted drafts.
-fn commit(
+pub(super) fn commit(
     seq: &mut Sequence,
     tokens: &[u32],
     from_draft: usize,

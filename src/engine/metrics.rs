@@ -57,6 +57,16 @@ impl SpecMetrics {
         }
     }
 
+    /// Per draft position i: the share of drafts that reached position i whose token there
+    /// was accepted (`accepted_at[i] / drafted_at[i]`).
+    pub fn per_position_acceptance(&self) -> Vec<f64> {
+        self.drafted_at
+            .iter()
+            .zip(&self.accepted_at)
+            .map(|(&d, &a)| if d == 0 { 0.0 } else { a as f64 / d as f64 })
+            .collect()
+    }
+
     pub fn merge(&mut self, other: &SpecMetrics) {
         self.steps += other.steps;
         self.spec_steps += other.spec_steps;

@@ -5,14 +5,22 @@
 //! commits the accepted prefix plus one target token, and rolls the KV cache back to the
 //! committed length.
 
+mod batch_step;
+mod draft_budget;
 mod generate;
 mod loaded;
 mod metrics;
+mod request;
+mod scheduler;
 mod sequence;
 mod text_stream;
 
+pub use batch_step::{Engine, EngineConfig, EngineSnapshot};
+pub use draft_budget::{allocate_drafts, DraftBid, StepCostModel};
 pub use generate::{generate, GenerateOptions, Generation, StepTrace, TokenEvent, TokenSource};
 pub use loaded::LoadedModel;
 pub use metrics::SpecMetrics;
+pub use request::{Completion, EngineEvent, EngineRequest, SubmitError, TokenChunk, Usage};
+pub use scheduler::{SchedSeq, Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};
 pub use sequence::{FinishReason, Sequence};
 pub use text_stream::TextStream;

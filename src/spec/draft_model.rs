@@ -1,1 +1,153 @@
 //! Draft-model proposer: a smaller model with the same tokenizer, drafting autoregressively.
+//!
+//! The drafter keeps its own paged KV cache over a prefix of the committed tokens. On
+//! `propose` it first catches up (feeds the committed tokens it has not seen, in one forward),
+//! then drafts greedily, one token per forward. The last draft token is never fed: the next
+//! step's catch-up feeds it if the target accepted it. On `observe` it truncates its cache to
+//! the longest prefix it shares with the committed tokens, so no rejected draft token survives.
+//!
+//! Drafts are greedy (deterministic, `probs` None) at every temperature: the verifier treats
+//! them as one-hot, which keeps sampling exact, and greedy drafts are accepted more often than
+//! sampled ones.
+
+use super::proposer::Proposer;
+use super::verify::Draft;
+use crate::kv::{PoolExhausted, SeqCache};
+use crate::model::{ForwardBatch, LogitsRows, Transformer};
+use crate::tokenize::Tokenizer;
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Rows per catch-up forward (a long prompt is fed in chunks like a prefill).
+const CATCH_UP_CHUNK: usize = 512;
+
+pub struct DraftModelProposer {
+    model: Arc<Transformer>,
+    cache: SeqCache,
+    /// The tokens whose K/V `cache` holds (`cache.len() == fed.len()`).
+    fed: Vec<u32>,
+    /// Draft tokens past which the target's generation ends (not drafted beyond).
+    stop_ids: Vec<u32>,
+}
+
+impl DraftModelProposer {
+    /// A drafter over `model` with its own KV pool of `kv_tokens` tokens. `stop_ids`: tokens
+    /// that end generation; drafting stops after proposing one.
+    pub fn new(model: Arc<Transformer>, kv_tokens: usize, stop_ids: Vec<u32>) -> Self {
+        let pool = model.new_kv_pool(kv_tokens.max(16));
+        Self { cache: pool.new_sequence(), model, fed: Vec::new(), stop_ids }
+    }
+
+    /// The tokens whose K/V the drafter's cache holds: always a prefix of the committed
+    /// tokens after `observe`, followed by its own draft tokens during `propose`.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.fed
+    }
+
+    /// Forgets everything after the first `len` fed tokens.
+    fn truncate(&mut self, len: usize) {
+        self.fed.truncate(len);
+        self.cache.truncate(len);
+    }
+
+    /// Feeds `tokens` on top of the cache, returning the logits of the last one.
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut last = None;
+        for chunk in tokens.chunks(CATCH_UP_CHUNK) {
+            let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
+            let mut batch = ForwardBatch::new();
+            batch.push(chunk, &mut self.cache, if is_last { LogitsRows::Last } else { LogitsRows::None });
+            let out = self.model.forward(&mut batch)?;
+            self.fed.extend_from_slice(chunk);
+            if is_last {
+                last = out.seq_logits(0)?.pop();
+            }
+        }
+        last.ok_or_else(|| anyhow::anyhow!("draft model returned no logits"))
+    }
+
+    fn draft(&mut self, tokens: &[u32], max_len: usize) -> Result<Vec<u32>> {
+        // Keep the shared prefix, but always re-feed at least the last committed token: its
+        // logits give the first draft token.
+        let shared = common_prefix(&self.fed, tokens).min(tokens.len() - 1);
+        self.truncate(shared);
+        let mut logits = self.feed(&tokens[shared..])?;
+        let mut draft = Vec::with_capacity(max_len);
+        loop {
+            let next = crate::sample::argmax(&logits);
+            draft.push(next);
+            if draft.len() == max_len || self.stop_ids.contains(&next) {
+                return Ok(draft);
+            }
+            logits = self.feed(&[next])?;
+        }
+    }
+}
+
+/// Length of the longest common prefix.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Proposer for DraftModelProposer {
+    fn name(&self) -> &str {
+        "draft-model"
+    }
+
+    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
+        // The prompt is fed lazily by the first propose, so a request that never drafts
+        // (draft length 0) costs the drafter nothing.
+        self.truncate(0);
+        Ok(())
+    }
+
+    fn observe(&mut self, tokens: &[u32], _cached: Range<usize>, _taps: &[Tensor]) -> Result<()> {
+        let shared = common_prefix(&self.fed, tokens);
+        self.truncate(shared);
+        Ok(())
+    }
+
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
+        let ctx = self.model.config.context_len;
+        if max_len == 0 || tokens.is_empty() || tokens.len() + max_len > ctx {
+            return Ok(Draft::default());
+        }
+        match self.draft(tokens, max_len) {
+            Ok(draft) => Ok(Draft::deterministic(draft)),
+            // The drafter's own pool is full: draft nothing rather than fail the request.
+            // Whatever was fed stays consistent (a failed forward changes no cache).
+            Err(e) if e.is::<PoolExhausted>() => Ok(Draft::default()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Checks that a draft model's vocabulary is the target's: same size, same special ids, same
+/// text for every token. The first difference is the error.
+pub fn check_vocab_compatible(target: &Tokenizer, draft: &Tokenizer) -> Result<()> {
+    if target.vocab_size() != draft.vocab_size() {
+        bail!("vocabulary sizes differ: target {} tokens, draft {}", target.vocab_size(), draft.vocab_size());
+    }
+    let specials = [
+        ("BOS", target.bos_id(), draft.bos_id()),
+        ("EOS", target.eos_id(), draft.eos_id()),
+        ("end-of-turn", target.eot_id(), draft.eot_id()),
+    ];
+    for (name, t, d) in specials {
+        if t != d {
+            bail!("{name} token ids differ: target {t:?}, draft {d:?}");
+        }
+    }
+    if target.stop_ids() != draft.stop_ids() {
+        bail!("stop token ids differ: target {:?}, draft {:?}", target.stop_ids(), draft.stop_ids());
+    }
+    for id in 0..target.vocab_size() as u32 {
+        let (t, d) = (target.token_text(id), draft.token_text(id));
+        if t != d {
+            bail!("token {id} differs: target {:?}, draft {:?}", t.unwrap_or(""), d.unwrap_or(""));
+        }
+    }
+    Ok(())
+}

@@ -8,7 +8,7 @@
 //! + r·k)`; plain decoding (k = 0) scores 1, so k = 0 wins whenever speculation would not pay.
 //! α is an exponentially weighted estimate from recent steps. While it stays at k = 0 it probes
 //! with a short draft now and then (with exponential back-off), otherwise it could never learn
-//! that acceptance has improved.
+//! that acceptance has improved; a probe's outcome replaces the stale estimate.
 
 use crate::engine::SpecMetrics;
 use crate::model::{ForwardBatch, LogitsRows, Transformer};
@@ -99,6 +99,9 @@ pub struct AdaptiveState {
     probe_after: u32,
     /// A probe was asked for and the drafter has not produced a draft yet.
     probing: bool,
+    /// The acceptance evidence predates a stretch of plain decoding: the probe that ends the
+    /// stretch replaces it instead of being averaged into it.
+    stale: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -130,6 +133,7 @@ impl AdaptiveState {
             probe_after: tuning::PROBE_AFTER,
             // Start with a probe: nothing is known about this drafter on this text yet.
             probing: true,
+            stale: false,
         }
     }
 
@@ -199,6 +203,10 @@ impl AdaptiveState {
         // position was left). Exact for a single step; an approximation over several.
         let tried = (accepted + steps as f64).min(drafted);
         let decay = tuning::DECAY.powi(steps as i32);
+        if std::mem::take(&mut self.stale) {
+            self.accepted = 0.0;
+            self.trials = 0.0;
+        }
         self.accepted = self.accepted * decay + accepted;
         self.trials = self.trials * decay + tried;
 
@@ -236,6 +244,7 @@ impl AdaptiveState {
             self.zero_streak = 0;
             self.probe_after = (self.probe_after * 2).min(tuning::PROBE_AFTER_MAX);
             self.probing = true;
+            self.stale = true;
             return tuning::PROBE_LEN.min(self.max);
         }
         0

@@ -1,0 +1,79 @@
+//! What a client hands the serving engine, and what streams back to it.
+
+use super::generate::TokenSource;
+use super::sequence::FinishReason;
+use crate::sample::SamplingParams;
+use serde::Serialize;
+
+/// One generation request: prompt token ids and sampling settings (already validated).
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Let the server-wide drafter speculate for this request (when there is one).
+    pub speculate: bool,
+}
+
+/// Tokens one step committed for one request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenChunk {
+    pub ids: Vec<u32>,
+    pub sources: Vec<TokenSource>,
+    /// `pieces[i]`: text that became safe to show after `ids[i]` (stop strings and split
+    /// UTF-8 characters hold text back, so a piece can be empty or carry earlier text).
+    pub pieces: Vec<String>,
+}
+
+impl TokenChunk {
+    pub fn text(&self) -> String {
+        self.pieces.concat()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// Token counts of a finished request; `draft_n` / `draft_n_accepted` count speculation like
+/// llama.cpp's `timings`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Draft tokens proposed for this request.
+    pub draft_n: u64,
+    /// Draft tokens the target accepted.
+    pub draft_n_accepted: u64,
+    /// Target forward steps after the first token (each commits accepted drafts + 1).
+    pub verify_steps: u64,
+    /// Times the request's KV cache was dropped to make room and recomputed later.
+    pub preemptions: u32,
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub finish: FinishReason,
+    /// Text released at the end (held back until then in case a stop string began there).
+    pub tail: String,
+    pub usage: Usage,
+}
+
+/// Streamed to the request's receiver, in order: any number of `Tokens`, then one `Done` or
+/// one `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    Tokens(TokenChunk),
+    Done(Completion),
+    /// The request could not be completed (a drafter error, a forward error, shutdown).
+    Failed(String),
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is overloaded: {0} requests are already waiting")]
+    QueueFull(usize),
+    #[error("the engine has stopped")]
+    Stopped,
+}

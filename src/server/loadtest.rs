@@ -1,0 +1,290 @@
+//! Load generator: N concurrent streaming chat clients against a server on this machine, for
+//! a bounded number of requests and time. Reports aggregate tokens/s, time to first token
+//! and inter-token latency percentiles, and errors.
+//!
+//! Inter-token latency is counted per token: when a chunk brings several tokens at once (an
+//! accepted draft), the gap since the previous chunk is shared among them, as the server's
+//! `/metrics` histogram does.
+
+use super::http_client::{loopback_addr, send};
+use anyhow::{bail, Result};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Prompts the clients cycle through: a mix of open questions and tasks that repeat text
+/// (where prompt-lookup drafting shines).
+pub const DEFAULT_PROMPTS: &[&str] = &[
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash map works, step by step, for a beginner programmer.",
+    "List ten fruits, one per line, each with its colour.",
+    "Repeat the following sentence five times: The quick brown fox jumps over the lazy dog.",
+    "Write a Python function that checks whether a string is a palindrome, and explain it.",
+    "What are the main differences between TCP and UDP?",
+    "Describe the water cycle in simple terms.",
+    "Translate to French: Good morning, how are you today? I am fine, thank you.",
+];
+
+#[derive(Debug, Clone)]
+pub struct LoadConfig {
+    /// `http://127.0.0.1:PORT` (loopback only).
+    pub url: String,
+    pub clients: usize,
+    /// Requests in total (shared by the clients).
+    pub requests: usize,
+    /// Stop starting requests after this long.
+    pub max_duration: Duration,
+    pub max_tokens: usize,
+    pub temperature: f64,
+    pub api_key: Option<String>,
+    /// Send `"speculate": false` (compare with and without the server's drafter).
+    pub no_speculate: bool,
+    /// Model id to send (None = the server's default).
+    pub model: Option<String>,
+    pub prompts: Vec<String>,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self {
+            url: "http://127.0.0.1:8080".into(),
+            clients: 4,
+            requests: 16,
+            max_duration: Duration::from_secs(300),
+            max_tokens: 64,
+            temperature: 0.0,
+            api_key: None,
+            no_speculate: false,
+            model: None,
+            prompts: DEFAULT_PROMPTS.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LoadReport {
+    pub clients: usize,
+    pub requests_ok: usize,
+    pub errors: usize,
+    /// First few error messages.
+    pub error_samples: Vec<String>,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub wall_secs: f64,
+    /// Completion tokens per second of wall time, all clients together.
+    pub tokens_per_s: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
+    pub draft_n: u64,
+    pub draft_n_accepted: u64,
+}
+
+#[derive(Default)]
+struct Samples {
+    ok: usize,
+    errors: Vec<String>,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    ttft: Vec<f64>,
+    itl: Vec<f64>,
+    draft_n: u64,
+    draft_n_accepted: u64,
+}
+
+/// One streamed request's measurements.
+struct OneResult {
+    ttft: Option<f64>,
+    itl: Vec<f64>,
+    usage: Value,
+}
+
+/// Runs the load and returns the report.
+pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
+    let addr = loopback_addr(&cfg.url)?;
+    if cfg.clients == 0 || cfg.requests == 0 {
+        bail!("--clients and --requests must be at least 1");
+    }
+    if cfg.prompts.is_empty() {
+        bail!("no prompts");
+    }
+    let next = Arc::new(AtomicUsize::new(0));
+    let samples = Arc::new(Mutex::new(Samples::default()));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..cfg.clients {
+        let (next, samples, cfg, addr) = (next.clone(), samples.clone(), cfg.clone(), addr.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= cfg.requests || started.elapsed() >= cfg.max_duration {
+                    return;
+                }
+                let prompt = &cfg.prompts[i % cfg.prompts.len()];
+                let deadline = cfg.max_duration.saturating_sub(started.elapsed()) + Duration::from_secs(5);
+                let result = tokio::time::timeout(deadline, one_request(&addr, &cfg, prompt)).await;
+                let mut s = samples.lock().unwrap_or_else(|e| e.into_inner());
+                match result {
+                    Ok(Ok(r)) => {
+                        s.ok += 1;
+                        s.ttft.extend(r.ttft);
+                        s.itl.extend(r.itl);
+                        let u = |k: &str| r.usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+                        s.prompt_tokens += u("prompt_tokens");
+                        s.completion_tokens += u("completion_tokens");
+                        s.draft_n += u("draft_n");
+                        s.draft_n_accepted += u("draft_n_accepted");
+                    }
+                    Ok(Err(e)) => s.errors.push(format!("{e:#}")),
+                    Err(_) => s.errors.push("timed out".into()),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let mut s = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
+    s.ttft.sort_by(f64::total_cmp);
+    s.itl.sort_by(f64::total_cmp);
+    Ok(LoadReport {
+        clients: cfg.clients,
+        requests_ok: s.ok,
+        errors: s.errors.len(),
+        error_samples: s.errors.iter().take(5).cloned().collect(),
+        prompt_tokens: s.prompt_tokens,
+        completion_tokens: s.completion_tokens,
+        wall_secs: wall,
+        tokens_per_s: s.completion_tokens as f64 / wall.max(1e-9),
+        ttft_p50_ms: percentile(&s.ttft, 0.50) * 1e3,
+        ttft_p99_ms: percentile(&s.ttft, 0.99) * 1e3,
+        itl_p50_ms: percentile(&s.itl, 0.50) * 1e3,
+        itl_p99_ms: percentile(&s.itl, 0.99) * 1e3,
+        draft_n: s.draft_n,
+        draft_n_accepted: s.draft_n_accepted,
+    })
+}
+
+/// Nearest-rank percentile of sorted values (0 when empty).
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &str) -> Result<OneResult> {
+    let mut body = json!({
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let Some(m) = &cfg.model {
+        body["model"] = json!(m);
+    }
+    if cfg.no_speculate {
+        body["speculate"] = json!(false);
+    }
+    let auth = cfg.api_key.as_ref().map(|k| format!("Bearer {k}"));
+    let mut headers = vec![("Content-Type", "application/json")];
+    if let Some(a) = &auth {
+        headers.push(("Authorization", a.as_str()));
+    }
+    let sent = Instant::now();
+    let mut stream = send(addr, "POST", "/v1/chat/completions", &headers, body.to_string().as_bytes()).await?;
+    if stream.status != 200 {
+        let status = stream.status;
+        let resp = stream.into_response().await?;
+        bail!("HTTP {status}: {}", resp.text());
+    }
+    let mut ttft = None;
+    let mut last = sent;
+    let mut itl = Vec::new();
+    let mut usage = Value::Null;
+    let mut finished = false;
+    while let Some(data) = stream.next_event().await? {
+        if data == "[DONE]" {
+            finished = true;
+            break;
+        }
+        let v: Value = serde_json::from_str(&data)?;
+        if let Some(e) = v.get("error") {
+            bail!("stream error: {e}");
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            usage = u.clone();
+        }
+        let tokens = v.pointer("/specula/token_ids").and_then(Value::as_array).map_or(0, Vec::len);
+        if tokens == 0 {
+            continue;
+        }
+        let now = Instant::now();
+        if ttft.is_none() {
+            ttft = Some((now - sent).as_secs_f64());
+        } else {
+            let each = (now - last).as_secs_f64() / tokens as f64;
+            itl.extend(std::iter::repeat_n(each, tokens));
+        }
+        last = now;
+    }
+    if !finished {
+        bail!("the stream ended without [DONE]");
+    }
+    Ok(OneResult { ttft, itl, usage })
+}
+
+impl LoadReport {
+    /// A one-line summary and a small table.
+    pub fn render(&self) -> String {
+        let accept = if self.draft_n > 0 { self.draft_n_accepted as f64 / self.draft_n as f64 } else { 0.0 };
+        let mut s = format!(
+            "clients {:>3} | ok {:>4} | errors {:>3} | {:>8.1} tok/s | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>7.1} ms p99 {:>7.1} ms | drafted {} accepted {} ({:.0}%) | {} tokens in {:.1} s",
+            self.clients,
+            self.requests_ok,
+            self.errors,
+            self.tokens_per_s,
+            self.ttft_p50_ms,
+            self.ttft_p99_ms,
+            self.itl_p50_ms,
+            self.itl_p99_ms,
+            self.draft_n,
+            self.draft_n_accepted,
+            accept * 100.0,
+            self.completion_tokens,
+            self.wall_secs,
+        );
+        for e in &self.error_samples {
+            s.push_str(&format!("\n  error: {e}"));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&v, 1.0), 100.0);
+        assert_eq!(percentile(&[3.0], 0.99), 3.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn refuses_non_loopback_targets() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let cfg = LoadConfig { url: "http://192.168.1.10:8080".into(), ..LoadConfig::default() };
+        let err = rt.block_on(run(&cfg)).unwrap_err();
+        assert!(err.to_string().contains("loopback"), "{err}");
+    }
+}

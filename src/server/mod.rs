@@ -1,0 +1,167 @@
+//! OpenAI-compatible HTTP server over the batching engine.
+//!
+//! - `POST /v1/chat/completions`, `POST /v1/completions`: streamed (SSE) or not; every
+//!   streamed chunk that carries tokens also carries a `specula` extension object:
+//!   `{"token_ids": [...], "pieces": [...], "sources": ["draft" | "target", ...]}` — per token
+//!   its id, the text it released (the pieces concatenate to the chunk's content) and whether
+//!   it was an accepted draft token or sampled from the target. `usage` carries `draft_n` and
+//!   `draft_n_accepted`.
+//! - `GET /v1/models`, `GET /health` (engine and KV pool state as JSON), `GET /metrics`
+//!   (Prometheus), `GET /` (the playground page).
+//!
+//! A client that goes away cancels its request: the response body (or the handler future)
+//! is dropped, which drops the engine's event receiver; the engine frees the request's KV
+//! blocks at the next step boundary.
+
+mod api_error;
+pub mod http_client;
+pub mod loadtest;
+mod metrics;
+mod openai_types;
+mod routes;
+
+pub use api_error::ApiError;
+pub use metrics::{Histogram, ServerMetrics};
+pub use openai_types::{parse_request, CompletionRequest, Endpoint, PromptInput};
+
+use crate::engine::Engine;
+use anyhow::{Context, Result};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Settings of the HTTP layer.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The id `/v1/models` lists and requests name.
+    pub model_id: String,
+    /// Other names accepted for the model (file name, path).
+    pub model_aliases: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on the API routes.
+    pub api_key: Option<String>,
+    /// Larger request bodies get 413.
+    pub max_body_bytes: usize,
+    /// After a shutdown signal, in-flight requests get this long to finish before they are
+    /// ended with an error event.
+    pub shutdown_grace: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(model_id: impl Into<String>) -> Self {
+        Self {
+            model_id: model_id.into(),
+            model_aliases: Vec::new(),
+            api_key: None,
+            max_body_bytes: 1 << 20,
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Shared by all handlers.
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub config: ServerConfig,
+    pub metrics: ServerMetrics,
+    pub shutting_down: AtomicBool,
+    next_id: AtomicU64,
+    created: u64,
+}
+
+impl AppState {
+    pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Arc<Self> {
+        Arc::new(Self {
+            engine,
+            config,
+            metrics: ServerMetrics::default(),
+            shutting_down: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            created: openai_types::unix_now(),
+        })
+    }
+}
+
+/// Serves on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
+/// requests finish for the grace period, ends the rest cleanly, and returns.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let app = routes::router(state.clone());
+    let st = state.clone();
+    let signal = async move {
+        shutdown.await;
+        st.shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
+        let engine = st.engine.clone();
+        let grace = st.config.shutdown_grace;
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            engine.abort_all("the server is shutting down");
+        });
+    };
+    axum::serve(listener, app).with_graceful_shutdown(signal).await.context("HTTP server failed")?;
+    Ok(())
+}
+
+/// A server running on its own thread (and tokio runtime); stops when dropped.
+pub struct ServerHandle {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl ServerHandle {
+    /// Binds `addr` (port 0 = any free port) and starts serving.
+    pub fn spawn(engine: Arc<Engine>, config: ServerConfig, addr: SocketAddr) -> Result<Self> {
+        let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let state = AppState::new(engine, config);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let st = state.clone();
+        let thread = std::thread::Builder::new().name("specula-http".into()).spawn(move || -> Result<()> {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                serve(listener, st, async move {
+                    let _ = rx.await;
+                })
+                .await
+            })
+        })?;
+        Ok(Self { addr, state, shutdown: Some(tx), thread: Some(thread) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// Signals shutdown and waits for the server to finish.
+    pub fn stop(mut self) -> Result<()> {
+        self.stop_inner()
+    }
+
+    fn stop_inner(&mut self) -> Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        match self.thread.take() {
+            Some(t) => t.join().map_err(|_| anyhow::anyhow!("the server thread panicked"))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        let _ = self.stop_inner();
+    }
+}

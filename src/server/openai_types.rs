@@ -1,0 +1,511 @@
+//! OpenAI request bodies → validated settings, and engine results → OpenAI response bodies.
+//!
+//! Requests are read field by field from a JSON value (not a derived struct) so each wrong
+//! field gets its own 400 naming it, `null` means "not given" like in OpenAI's API, and fields
+//! this server ignores (`user`, `metadata`, …) do no harm.
+
+use super::api_error::ApiError;
+use crate::engine::{FinishReason, TokenChunk, TokenSource, Usage};
+use crate::sample::SamplingParams;
+use crate::tokenize::ChatMessage;
+use serde_json::{json, Map, Value};
+
+/// Which API a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+impl Endpoint {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completion => "completion",
+        }
+    }
+}
+
+/// The prompt as given.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+/// A parsed, type-checked request (ranges that depend on the prompt are checked later).
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    /// `max_tokens` is `None` when not given.
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Extension: `"speculate": false` turns the server's drafter off for this request.
+    pub speculate: bool,
+}
+
+/// Most stop strings per request.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Parses a request body (already known to be within the size limit).
+pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionRequest, ApiError> {
+    let text = std::str::from_utf8(body).map_err(|e| {
+        ApiError::bad_request(format!("The request body is not valid UTF-8 (at byte {})", e.valid_up_to()))
+    })?;
+    if text.trim().is_empty() {
+        return Err(ApiError::bad_request("The request body is empty; send a JSON object"));
+    }
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| ApiError::bad_request(format!("We could not parse the JSON body of your request: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::bad_request("The request body must be a JSON object"));
+    };
+    let f = Fields(&obj);
+
+    let model = f.string("model")?;
+    let prompt = match endpoint {
+        Endpoint::Chat => PromptInput::Chat(parse_messages(obj.get("messages"))?),
+        Endpoint::Completion => parse_prompt(obj.get("prompt"))?,
+    };
+    if let Some(n) = f.integer("n")? {
+        if n != 1 {
+            return Err(ApiError::invalid("n", format!("Only n = 1 is supported, got {n}")));
+        }
+    }
+    if let Some(b) = f.integer("best_of")? {
+        if b != 1 {
+            return Err(ApiError::invalid("best_of", format!("Only best_of = 1 is supported, got {b}")));
+        }
+    }
+    if f.boolean("echo")? == Some(true) {
+        return Err(ApiError::invalid("echo", "echo is not supported"));
+    }
+    match obj.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(Value::Number(n)) if n.as_u64() == Some(0) => {}
+        Some(_) => return Err(ApiError::invalid("logprobs", "logprobs are not supported")),
+    }
+
+    let mut max_tokens = f.integer("max_tokens")?;
+    if let Some(m) = f.integer("max_completion_tokens")? {
+        max_tokens = Some(m);
+    }
+    let param_name = if obj.get("max_completion_tokens").is_some_and(|v| !v.is_null()) {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let max_tokens = match max_tokens {
+        None => None,
+        Some(m) if m <= 0 => {
+            return Err(ApiError::invalid(param_name, format!("`{param_name}` must be at least 1, got {m}")))
+        }
+        Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+    };
+
+    let temperature = f.number("temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid("temperature", format!("`temperature` must be in [0, 2], got {temperature}")));
+    }
+    let top_k = match f.integer("top_k")? {
+        None | Some(-1) => 0,
+        Some(k) if k < 0 => return Err(ApiError::invalid("top_k", format!("`top_k` must be >= 0 (or -1 = off), got {k}"))),
+        Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+    };
+    let seed = match obj.get("seed") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => Some(u),
+            // Negative seeds are valid in OpenAI's API; any fixed mapping keeps them reproducible.
+            (None, Some(i)) => Some(i as u64),
+            _ => return Err(ApiError::invalid("seed", "`seed` must be an integer")),
+        },
+        Some(_) => return Err(ApiError::invalid("seed", "`seed` must be an integer")),
+    };
+    let stop_strings = match obj.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for item in items {
+                match item {
+                    Value::String(s) => out.push(s.clone()),
+                    _ => return Err(ApiError::invalid("stop", "`stop` must be a string or an array of strings")),
+                }
+            }
+            out
+        }
+        Some(_) => return Err(ApiError::invalid("stop", "`stop` must be a string or an array of strings")),
+    };
+    if stop_strings.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid("stop", format!("At most {MAX_STOP_STRINGS} stop sequences are supported")));
+    }
+    let params = SamplingParams {
+        temperature: temperature as f32,
+        top_k,
+        top_p: f.number("top_p")?.unwrap_or(1.0) as f32,
+        min_p: f.number("min_p")?.unwrap_or(0.0) as f32,
+        seed,
+        max_tokens,
+        stop_strings,
+        stop_token_ids: Vec::new(),
+        presence_penalty: f.number("presence_penalty")?.unwrap_or(0.0) as f32,
+        frequency_penalty: f.number("frequency_penalty")?.unwrap_or(0.0) as f32,
+    };
+    params.validate().map_err(|e| {
+        let param = if e.field == "max_tokens" { param_name } else { e.field };
+        ApiError::invalid(param, format!("`{param}` {}", e.reason))
+    })?;
+
+    let stream = f.boolean("stream")?.unwrap_or(false);
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => Fields(o).boolean("include_usage").map_err(|mut e| {
+            e.param = Some("stream_options.include_usage".into());
+            e
+        })?
+        .unwrap_or(false),
+        Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` must be an object")),
+    };
+    let speculate = f.boolean("speculate")?.unwrap_or(true);
+    Ok(CompletionRequest { endpoint, model, prompt, params, stream, include_usage: stream && include_usage, speculate })
+}
+
+/// Typed access to a request's fields; `null` reads as absent.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn number(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(_) => Err(ApiError::invalid(name, format!("`{name}` must be a number"))),
+        }
+    }
+
+    fn integer(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Number(n)) => match (n.as_i64(), n.as_u64()) {
+                (Some(i), _) => Ok(Some(i)),
+                (None, Some(_)) => Ok(Some(i64::MAX)),
+                _ => Err(ApiError::invalid(name, format!("`{name}` must be an integer"))),
+            },
+            Some(_) => Err(ApiError::invalid(name, format!("`{name}` must be an integer"))),
+        }
+    }
+
+    fn boolean(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(ApiError::invalid(name, format!("`{name}` must be a boolean"))),
+        }
+    }
+
+    fn string(&self, name: &str) -> Result<Option<String>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(ApiError::invalid(name, format!("`{name}` must be a string"))),
+        }
+    }
+}
+
+fn parse_messages(value: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = match value {
+        None | Some(Value::Null) => return Err(ApiError::invalid("messages", "Missing required parameter: `messages`")),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(ApiError::invalid("messages", "`messages` must be an array")),
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must contain at least one message"));
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let param = format!("messages[{i}]");
+        let Value::Object(m) = item else {
+            return Err(ApiError::invalid(&param, format!("`{param}` must be an object")));
+        };
+        let role = match m.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            _ => return Err(ApiError::invalid(&format!("{param}.role"), format!("`{param}.role` must be a string"))),
+        };
+        let role = match role {
+            "system" | "user" | "assistant" | "tool" => role,
+            // OpenAI's newer name for system instructions.
+            "developer" => "system",
+            other => {
+                return Err(ApiError::invalid(
+                    &format!("{param}.role"),
+                    format!("`{param}.role` must be one of system, developer, user, assistant, tool; got `{other}`"),
+                ))
+            }
+        };
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            None | Some(Value::Null) if role == "assistant" => String::new(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                &format!("{param}.content[{j}]"),
+                                "Only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    &format!("{param}.content"),
+                    format!("`{param}.content` must be a string or an array of text parts"),
+                ))
+            }
+        };
+        out.push(ChatMessage::new(role, content));
+    }
+    Ok(out)
+}
+
+fn parse_prompt(value: Option<&Value>) -> Result<PromptInput, ApiError> {
+    let bad = || ApiError::invalid("prompt", "`prompt` must be a string, an array of token ids, or an array holding one of these");
+    let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
+        items.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(bad)).collect()
+    };
+    match value {
+        None | Some(Value::Null) => Err(ApiError::invalid("prompt", "Missing required parameter: `prompt`")),
+        Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
+        Some(Value::Array(items)) => match items.first() {
+            None => Err(ApiError::invalid("prompt", "`prompt` is empty")),
+            Some(Value::Number(_)) => Ok(PromptInput::Ids(ids(items)?)),
+            Some(_) if items.len() > 1 => Err(ApiError::invalid("prompt", "Only one prompt per request is supported (n = 1)")),
+            Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
+            Some(Value::Array(inner)) if !inner.is_empty() => Ok(PromptInput::Ids(ids(inner)?)),
+            Some(_) => Err(bad()),
+        },
+        Some(_) => Err(bad()),
+    }
+}
+
+/// Unix seconds, for `created`.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "draft_n": u.draft_n,
+        "draft_n_accepted": u.draft_n_accepted,
+    })
+}
+
+/// Identity of one response, repeated in every chunk.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub endpoint: Endpoint,
+}
+
+impl ResponseMeta {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+
+    /// The whole (non-streamed) response.
+    pub fn response(&self, text: &str, finish: FinishReason, usage: &Usage) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish.openai(),
+            }),
+            Endpoint::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish.openai(),
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": [choice],
+            "usage": usage_json(usage),
+        })
+    }
+
+    /// A streamed chunk carrying text (and, as the `specula` extension, each token's id,
+    /// text piece and source), or the final one with `finish` set.
+    pub fn chunk(&self, text: &str, tokens: Option<&TokenChunk>, finish: Option<FinishReason>, role: bool) -> Value {
+        let finish_reason = finish.map(|f| f.openai());
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = match (role, finish.is_some() && text.is_empty()) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, true) => json!({}),
+                    (false, false) => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason})
+            }
+            Endpoint::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}),
+        };
+        let mut chunk = json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": [choice],
+        });
+        if let Some(t) = tokens.filter(|t| !t.is_empty()) {
+            let sources: Vec<&str> = t
+                .sources
+                .iter()
+                .map(|s| match s {
+                    TokenSource::Draft => "draft",
+                    TokenSource::Target => "target",
+                })
+                .collect();
+            chunk["specula"] = json!({"token_ids": t.ids, "pieces": t.pieces, "sources": sources});
+        }
+        chunk
+    }
+
+    /// The usage chunk sent after the last one when `stream_options.include_usage` is set.
+    pub fn usage_chunk(&self, usage: &Usage) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": [],
+            "usage": usage_json(usage),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: &str, endpoint: Endpoint) -> Result<CompletionRequest, ApiError> {
+        parse_request(body.as_bytes(), endpoint)
+    }
+
+    fn param_of(body: &str, endpoint: Endpoint) -> Option<String> {
+        parse(body, endpoint).unwrap_err().param
+    }
+
+    #[test]
+    fn parses_a_full_chat_request() {
+        let r = parse(
+            r#"{"model":"m","messages":[{"role":"developer","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],
+               "temperature":0.5,"top_p":0.9,"top_k":-1,"min_p":0.1,"seed":-3,"stop":"x","max_completion_tokens":7,
+               "presence_penalty":0.5,"frequency_penalty":-0.5,"stream":true,"stream_options":{"include_usage":true},"user":"u"}"#,
+            Endpoint::Chat,
+        )
+        .unwrap();
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert_eq!(r.prompt, PromptInput::Chat(vec![ChatMessage::system("be brief"), ChatMessage::user("hi")]));
+        assert_eq!(r.params.max_tokens, Some(7));
+        assert_eq!(r.params.top_k, 0);
+        assert_eq!(r.params.seed, Some((-3i64) as u64));
+        assert_eq!(r.params.stop_strings, vec!["x".to_string()]);
+        assert!(r.stream && r.include_usage && r.speculate);
+    }
+
+    #[test]
+    fn completion_prompts_in_every_shape() {
+        let p = |s: &str| parse(&format!(r#"{{"prompt":{s}}}"#), Endpoint::Completion).map(|r| r.prompt);
+        assert_eq!(p(r#""hi""#).unwrap(), PromptInput::Text("hi".into()));
+        assert_eq!(p(r#"["hi"]"#).unwrap(), PromptInput::Text("hi".into()));
+        assert_eq!(p("[1,2]").unwrap(), PromptInput::Ids(vec![1, 2]));
+        assert_eq!(p("[[1,2]]").unwrap(), PromptInput::Ids(vec![1, 2]));
+        assert!(p(r#"["a","b"]"#).is_err());
+        assert!(p("[]").is_err());
+        assert!(p("[-1]").is_err());
+        assert!(p("3").is_err());
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let chat = |extra: &str| format!(r#"{{"messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+        assert_eq!(param_of(&chat(r#","temperature":"hot""#), Endpoint::Chat).as_deref(), Some("temperature"));
+        assert_eq!(param_of(&chat(r#","temperature":3"#), Endpoint::Chat).as_deref(), Some("temperature"));
+        assert_eq!(param_of(&chat(r#","max_tokens":0"#), Endpoint::Chat).as_deref(), Some("max_tokens"));
+        assert_eq!(param_of(&chat(r#","max_completion_tokens":-5"#), Endpoint::Chat).as_deref(), Some("max_completion_tokens"));
+        assert_eq!(param_of(&chat(r#","max_tokens":1.5"#), Endpoint::Chat).as_deref(), Some("max_tokens"));
+        assert_eq!(param_of(&chat(r#","top_p":0"#), Endpoint::Chat).as_deref(), Some("top_p"));
+        assert_eq!(param_of(&chat(r#","stop":[1]"#), Endpoint::Chat).as_deref(), Some("stop"));
+        assert_eq!(param_of(&chat(r#","stop":[""]"#), Endpoint::Chat).as_deref(), Some("stop"));
+        assert_eq!(param_of(&chat(r#","n":2"#), Endpoint::Chat).as_deref(), Some("n"));
+        assert_eq!(param_of(&chat(r#","stream":"yes""#), Endpoint::Chat).as_deref(), Some("stream"));
+        assert_eq!(param_of(&chat(r#","model":5"#), Endpoint::Chat).as_deref(), Some("model"));
+        assert_eq!(param_of(&chat(r#","presence_penalty":9"#), Endpoint::Chat).as_deref(), Some("presence_penalty"));
+        assert_eq!(param_of(r#"{"messages":[]}"#, Endpoint::Chat).as_deref(), Some("messages"));
+        assert_eq!(param_of(r#"{"messages":"hi"}"#, Endpoint::Chat).as_deref(), Some("messages"));
+        assert_eq!(param_of(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, Endpoint::Chat).as_deref(), Some("messages[0].role"));
+        assert_eq!(param_of(r#"{"messages":[{"role":"user"}]}"#, Endpoint::Chat).as_deref(), Some("messages[0].content"));
+        assert_eq!(param_of(r#"{}"#, Endpoint::Completion).as_deref(), Some("prompt"));
+    }
+
+    #[test]
+    fn body_level_errors() {
+        for (body, needle) in [
+            (&b"{\"messages\": [}"[..], "parse the JSON"),
+            (&b"[1,2]"[..], "JSON object"),
+            (&b""[..], "empty"),
+            (&b"{\"prompt\": \"\xff\xfe\"}"[..], "UTF-8"),
+        ] {
+            let e = parse_request(body, Endpoint::Completion).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert!(e.message.contains(needle), "{}", e.message);
+            assert_eq!(e.param, None);
+        }
+    }
+
+    #[test]
+    fn chunks_carry_the_token_sources() {
+        let meta = ResponseMeta { id: "x".into(), created: 1, model: "m".into(), endpoint: Endpoint::Chat };
+        let t = TokenChunk {
+            ids: vec![5, 6],
+            sources: vec![TokenSource::Draft, TokenSource::Target],
+            pieces: vec!["a".into(), "b".into()],
+        };
+        let c = meta.chunk("ab", Some(&t), None, false);
+        assert_eq!(c["choices"][0]["delta"]["content"], "ab");
+        assert_eq!(c["specula"]["sources"], json!(["draft", "target"]));
+        assert_eq!(c["object"], "chat.completion.chunk");
+        let last = meta.chunk("", None, Some(FinishReason::Length), false);
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert_eq!(last["choices"][0]["delta"], json!({}));
+        assert!(last.get("specula").is_none());
+    }
+}

@@ -1,0 +1,354 @@
+//! HTTP handlers: body limits, auth, request → engine → JSON or SSE.
+
+use super::api_error::ApiError;
+use super::openai_types::{parse_request, unix_now, CompletionRequest, Endpoint, PromptInput, ResponseMeta};
+use super::AppState;
+use crate::engine::{EngineEvent, EngineRequest, SubmitError};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::json;
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_stream::StreamExt;
+
+const PLAYGROUND: &str = include_str!("playground.html");
+
+/// Completion tokens when a legacy completion request gives no `max_tokens` (OpenAI's default).
+const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/", get(playground))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+fn json_response(status: StatusCode, body: &serde_json::Value) -> Response {
+    let mut resp = (status, body.to_string()).into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+async fn playground() -> Html<&'static str> {
+    Html(PLAYGROUND)
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let s = state.engine.snapshot();
+    let shutting_down = state.shutting_down.load(Ordering::SeqCst);
+    let body = json!({
+        "status": if shutting_down { "shutting_down" } else { "ok" },
+        "model": state.config.model_id,
+        "drafter": state.engine.config().drafter.as_ref().map(|d| d.label()),
+        "context_length": state.engine.context_limit(),
+        "waiting": s.waiting,
+        "running": s.running,
+        "kv": {
+            "total_blocks": s.kv_total_blocks,
+            "free_blocks": s.kv_free_blocks,
+            "used_blocks": s.kv_total_blocks - s.kv_free_blocks,
+            "block_size": s.kv_block_size,
+        },
+    });
+    json_response(if shutting_down { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK }, &body)
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let text = state.metrics.render(&state.engine.snapshot());
+    let mut resp = text.into_response();
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+    resp
+}
+
+async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    let body = json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.model_id,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "specula",
+            "context_length": state.engine.context_limit(),
+            "drafter": state.engine.config().drafter.as_ref().map(|d| d.label()),
+        }],
+    });
+    json_response(StatusCode::OK, &body)
+}
+
+async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(state, Endpoint::Chat, headers, body).await
+}
+
+async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(state, Endpoint::Completion, headers, body).await
+}
+
+async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let arrived = Instant::now();
+    match start(&state, endpoint, &headers, body, arrived).await {
+        Ok(resp) => {
+            state.metrics.request(endpoint.label(), resp.status().as_u16());
+            resp
+        }
+        Err(e) => {
+            state.metrics.request(endpoint.label(), e.status.as_u16());
+            e.into_response()
+        }
+    }
+}
+
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = state.config.api_key.as_deref() else { return Ok(()) };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim);
+    // Compare without an early exit, so timing does not tell how much of a guess was right.
+    let ok = given.is_some_and(|g| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0);
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::unauthorized())
+    }
+}
+
+/// Reads the body, refusing it once it passes the limit (whatever Content-Length claims).
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Vec<u8>, ApiError> {
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::body_too_large(limit));
+    }
+    let mut stream = body.into_data_stream();
+    let mut out = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("could not read the request body: {e}")))?;
+        if out.len() + chunk.len() > limit {
+            return Err(ApiError::body_too_large(limit));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+/// Validates a request, queues it, and answers (the stream starts once it is queued).
+async fn start(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    authorize(state, headers)?;
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err(ApiError::shutting_down());
+    }
+    let body = read_body(body, headers, state.config.max_body_bytes).await?;
+    let req = parse_request(&body, endpoint)?;
+    if let Some(model) = req.model.as_deref() {
+        if model != state.config.model_id && !state.config.model_aliases.iter().any(|a| a == model) {
+            return Err(ApiError::model_not_found(model));
+        }
+    }
+    let engine_req = prepare(state, &req)?;
+    let rx = state.engine.submit(engine_req).map_err(|e| match e {
+        SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string()),
+        SubmitError::Stopped => ApiError::shutting_down(),
+    })?;
+    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let meta = ResponseMeta {
+        id: match endpoint {
+            Endpoint::Chat => format!("chatcmpl-{id}"),
+            Endpoint::Completion => format!("cmpl-{id}"),
+        },
+        created: unix_now(),
+        model: state.config.model_id.clone(),
+        endpoint,
+    };
+    if req.stream {
+        Ok(stream_response(state.clone(), rx, meta, req.include_usage, arrived))
+    } else {
+        collect_response(state, rx, meta, arrived).await
+    }
+}
+
+/// Tokenizes the prompt and checks it and `max_tokens` against the context.
+fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, ApiError> {
+    let loaded = state.engine.model();
+    let prompt = match &req.prompt {
+        PromptInput::Chat(messages) => loaded.encode_chat(messages).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?,
+        PromptInput::Text(text) => loaded.encode_prompt(text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?,
+        PromptInput::Ids(ids) => {
+            let vocab = loaded.model.config.vocab;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary ({vocab} tokens)")));
+            }
+            ids.clone()
+        }
+    };
+    let prompt_param = if req.endpoint == Endpoint::Chat { "messages" } else { "prompt" };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(prompt_param, "The prompt is empty"));
+    }
+    let limit = state.engine.context_limit();
+    if prompt.len() >= limit {
+        return Err(ApiError::context_exceeded(
+            format!(
+                "This model's maximum context length is {limit} tokens, but the prompt has {} tokens (no room for a completion)",
+                prompt.len()
+            ),
+            prompt_param,
+        ));
+    }
+    let room = limit - prompt.len();
+    let mut params = req.params.clone();
+    params.max_tokens = match params.max_tokens {
+        Some(m) if m > room => {
+            return Err(ApiError::context_exceeded(
+                format!(
+                    "This model's maximum context length is {limit} tokens. However, you requested {} tokens ({} in the prompt, {m} for the completion)",
+                    prompt.len() + m,
+                    prompt.len()
+                ),
+                "max_tokens",
+            ))
+        }
+        Some(m) => Some(m),
+        None if req.endpoint == Endpoint::Completion => Some(COMPLETION_DEFAULT_MAX_TOKENS.min(room)),
+        None => Some(room),
+    };
+    Ok(EngineRequest { prompt, params, speculate: req.speculate })
+}
+
+async fn collect_response(
+    state: &Arc<AppState>,
+    mut rx: UnboundedReceiver<EngineEvent>,
+    meta: ResponseMeta,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut last: Option<Instant> = None;
+    while let Some(event) = rx.recv().await {
+        match event {
+            EngineEvent::Tokens(chunk) => {
+                observe_tokens(state, &mut last, arrived, chunk.ids.len());
+                text.push_str(&chunk.text());
+            }
+            EngineEvent::Done(done) => {
+                text.push_str(&done.tail);
+                return Ok(json_response(StatusCode::OK, &meta.response(&text, done.finish, &done.usage)));
+            }
+            EngineEvent::Failed(message) => return Err(failure(state, message)),
+        }
+    }
+    Err(failure(state, "the engine stopped".into()))
+}
+
+fn failure(state: &AppState, message: String) -> ApiError {
+    if state.shutting_down.load(Ordering::SeqCst) {
+        ApiError::shutting_down()
+    } else {
+        ApiError::internal(message)
+    }
+}
+
+fn observe_tokens(state: &AppState, last: &mut Option<Instant>, arrived: Instant, n: usize) {
+    let now = Instant::now();
+    match *last {
+        None => state.metrics.first_token(now - arrived),
+        Some(prev) => state.metrics.tokens_after(now - prev, n),
+    }
+    state.metrics.delivered(n);
+    *last = Some(now);
+}
+
+fn sse(value: &serde_json::Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// An SSE response fed by a task that turns engine events into chunks. When the client goes
+/// away hyper drops the body, the task sees its channel close and returns, and dropping the
+/// engine receiver cancels the request.
+fn stream_response(
+    state: Arc<AppState>,
+    mut rx: UnboundedReceiver<EngineEvent>,
+    meta: ResponseMeta,
+    include_usage: bool,
+    arrived: Instant,
+) -> Response {
+    let (tx, body_rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    tokio::spawn(async move {
+        let mut last: Option<Instant> = None;
+        if meta.endpoint == Endpoint::Chat && tx.send(sse(&meta.chunk("", None, None, true))).await.is_err() {
+            return;
+        }
+        loop {
+            let event = tokio::select! {
+                _ = tx.closed() => return,
+                event = rx.recv() => event,
+            };
+            let out: Vec<Bytes> = match event {
+                Some(EngineEvent::Tokens(chunk)) => {
+                    observe_tokens(&state, &mut last, arrived, chunk.ids.len());
+                    vec![sse(&meta.chunk(&chunk.text(), Some(&chunk), None, false))]
+                }
+                Some(EngineEvent::Done(done)) => {
+                    let mut out = Vec::new();
+                    if !done.tail.is_empty() {
+                        out.push(sse(&meta.chunk(&done.tail, None, None, false)));
+                    }
+                    out.push(sse(&meta.chunk("", None, Some(done.finish), false)));
+                    if include_usage {
+                        out.push(sse(&meta.usage_chunk(&done.usage)));
+                    }
+                    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                    out
+                }
+                Some(EngineEvent::Failed(message)) => {
+                    vec![sse(&failure(&state, message).body()), Bytes::from_static(b"data: [DONE]\n\n")]
+                }
+                None => vec![sse(&failure(&state, "the engine stopped".into()).body()), Bytes::from_static(b"data: [DONE]\n\n")],
+            };
+            let end = out.last().is_some_and(|b| b.as_ref() == b"data: [DONE]\n\n");
+            for bytes in out {
+                if tx.send(bytes).await.is_err() {
+                    return;
+                }
+            }
+            if end {
+                return;
+            }
+        }
+    });
+    let stream = tokio_stream::wrappers::ReceiverStream::new(body_rx).map(Ok::<Bytes, Infallible>);
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}

@@ -1,0 +1,540 @@
+//! Speculative decoding is lossless, through the real engine path (`engine::generate`):
+//!
+//! - greedy: for random, perfect, partly right and adversarial drafters, and every draft
+//!   length 1..16, the output equals plain greedy decoding token for token, with rollbacks
+//!   across blocks; the same for the n-gram and draft-model proposers. On the real
+//!   SmolLM2-135M, and exhaustively on a tiny random model written as a GGUF fixture.
+//! - T > 0: the joint distribution of the first three sampled tokens under speculation
+//!   (draft length 2: accept/accept, accept/reject and reject paths) matches the target's exact
+//!   distribution (chi-square at a fixed seed set, thousands of samples), on the tiny model.
+//! - a draft model with another vocabulary is refused with a clear error.
+
+mod common;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use specula::engine::{generate, GenerateOptions, Generation, LoadedModel, Sequence};
+use specula::model::{ForwardBatch, LogitsRows, Transformer, WeightFormat};
+use specula::sample::{self, SamplerRng, SamplingParams};
+use specula::spec::draft_model::DraftModelProposer;
+use specula::spec::ngram::NgramProposer;
+use specula::spec::policy::DraftPolicy;
+use specula::spec::{build_proposer, Draft, DrafterSpec, Proposer};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+// ---------------------------------------------------------------------------------------------
+// Test drafters
+// ---------------------------------------------------------------------------------------------
+
+/// How a [`TestDrafter`] builds its drafts.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    /// Uniform random token ids: almost always wrong.
+    Random,
+    /// The plain greedy continuation: always right.
+    Perfect,
+    /// A right prefix of random length, then random tokens.
+    Partial,
+    /// A right prefix of random length, then the target's second-best token there (likely
+    /// but wrong), then the reference continuation.
+    Adversarial,
+}
+
+/// A drafter that knows the plain greedy output (`reference`) and the target's second-best
+/// token at each of its positions.
+struct TestDrafter {
+    kind: Kind,
+    vocab: u32,
+    prompt_len: usize,
+    reference: Vec<u32>,
+    second_best: Vec<u32>,
+    rng: SamplerRng,
+}
+
+impl TestDrafter {
+    fn new(kind: Kind, vocab: usize, prompt_len: usize, reference: &[u32], second_best: &[u32], seed: u64) -> Self {
+        Self {
+            kind,
+            vocab: vocab as u32,
+            prompt_len,
+            reference: reference.to_vec(),
+            second_best: second_best.to_vec(),
+            rng: SamplerRng::from_seed(seed),
+        }
+    }
+
+    fn random_token(&mut self) -> u32 {
+        (self.rng.next_u64() % self.vocab as u64) as u32
+    }
+}
+
+impl Proposer for TestDrafter {
+    fn name(&self) -> &str {
+        "test"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn observe(&mut self, _tokens: &[u32], _cached: Range<usize>, _taps: &[Tensor]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
+        let at = tokens.len() - self.prompt_len;
+        let right: Vec<u32> = self.reference.iter().skip(at).take(max_len).copied().collect();
+        let prefix = (self.rng.next_u64() % (max_len as u64 + 1)) as usize;
+        let draft = match self.kind {
+            Kind::Random => (0..max_len).map(|_| self.random_token()).collect(),
+            Kind::Perfect => right,
+            Kind::Partial => {
+                let mut d: Vec<u32> = right.iter().take(prefix).copied().collect();
+                while d.len() < max_len {
+                    let t = self.random_token();
+                    d.push(t);
+                }
+                d
+            }
+            Kind::Adversarial => {
+                let mut d: Vec<u32> = right.iter().take(prefix).copied().collect();
+                if let Some(&wrong) = self.second_best.get(at + d.len()) {
+                    d.push(wrong);
+                }
+                d.extend(self.reference.iter().skip(at + d.len()).take(max_len.saturating_sub(d.len())));
+                d.truncate(max_len);
+                d
+            }
+        };
+        Ok(Draft::deterministic(draft))
+    }
+}
+
+/// Wraps a draft-model proposer and checks after every step that its cache holds only
+/// committed tokens (rollback of the drafter's own KV).
+struct CheckedDraftModel(DraftModelProposer);
+
+impl Proposer for CheckedDraftModel {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn begin(&mut self, prompt: &[u32]) -> anyhow::Result<()> {
+        self.0.begin(prompt)
+    }
+    fn observe(&mut self, tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> anyhow::Result<()> {
+        self.0.observe(tokens, cached, taps)?;
+        let fed = self.0.cached_tokens();
+        assert!(fed.len() <= tokens.len() && fed == &tokens[..fed.len()], "drafter cache holds uncommitted tokens");
+        Ok(())
+    }
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
+        self.0.propose(tokens, max_len)
+    }
+}
+
+/// Samples each draft token from a fixed distribution `q` over the first 8 ids (not the
+/// target's), reporting `q`: exercises the verifier's non-one-hot path.
+struct StochasticDrafter {
+    rng: SamplerRng,
+    q: Vec<f32>,
+}
+
+impl Proposer for StochasticDrafter {
+    fn name(&self) -> &str {
+        "stochastic"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn observe(&mut self, _tokens: &[u32], _cached: Range<usize>, _taps: &[Tensor]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn propose(&mut self, _tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
+        let tokens: Vec<u32> = (0..max_len).map(|_| sample::sample_from_weights(&self.q, &mut self.rng).unwrap()).collect();
+        Ok(Draft { probs: Some(vec![self.q.clone(); tokens.len()]), tokens })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running the engine
+// ---------------------------------------------------------------------------------------------
+
+fn run(
+    model: &Transformer,
+    prompt: &[u32],
+    params: SamplingParams,
+    stop_ids: &[u32],
+    proposer: Option<&mut dyn Proposer>,
+    mut opts: GenerateOptions,
+) -> Generation {
+    let pool = model.new_kv_pool(prompt.len() + params.max_tokens.unwrap_or(64) + 64);
+    let mut seq = Sequence::new(prompt, pool.new_sequence(), params);
+    let gen = generate(model, &mut seq, stop_ids, proposer, &mut opts, &mut |_| true).expect("generate");
+    // The target's cache holds exactly the committed tokens (all but the pending last one,
+    // or all of them when a stop token ended the run): no rejected draft survives, and the
+    // pool holds no block beyond them.
+    let (cached, committed) = (seq.cache.len(), seq.tokens.len());
+    assert!(cached + 1 == committed || cached == committed, "cache {cached} vs {committed} committed tokens");
+    let stats = pool.stats();
+    assert_eq!(stats.total_blocks - stats.free_blocks, cached.div_ceil(stats.block_size), "blocks beyond the cache");
+    gen
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { max_tokens: Some(max_tokens), ..SamplingParams::greedy() }
+}
+
+/// The target's second-best token at each position of `reference` after `prompt`
+/// (teacher-forced, one forward).
+fn second_best(model: &Transformer, prompt: &[u32], reference: &[u32]) -> Vec<u32> {
+    let pool = model.new_kv_pool(prompt.len() + reference.len() + 16);
+    let mut cache = pool.new_sequence();
+    let mut input = prompt.to_vec();
+    input.extend_from_slice(reference);
+    let mut batch = ForwardBatch::new();
+    batch.push(&input, &mut cache, LogitsRows::All);
+    let rows = model.forward(&mut batch).unwrap().seq_logits(0).unwrap();
+    rows[prompt.len() - 1..]
+        .iter()
+        .map(|row| {
+            let best = sample::argmax(row) as usize;
+            let mut masked = row.clone();
+            masked[best] = f32::NEG_INFINITY;
+            sample::argmax(&masked)
+        })
+        .collect()
+}
+
+/// Runs every test drafter at every draft length 1..=16 and checks each output against plain
+/// greedy decoding. Prompt `k % prompts.len()` is used for draft length k.
+fn check_test_drafters(model: &Transformer, prompts: &[Vec<u32>], stop_ids: &[u32], max_tokens: usize, kinds: &[Kind]) {
+    let references: Vec<(Vec<u32>, Vec<u32>)> = prompts
+        .iter()
+        .map(|p| {
+            let plain = run(model, p, greedy(max_tokens), stop_ids, None, GenerateOptions::default());
+            let second = second_best(model, p, &plain.tokens);
+            (plain.tokens, second)
+        })
+        .collect();
+    for &kind in kinds {
+        let mut total = specula::engine::SpecMetrics::default();
+        for k in 1..=16usize {
+            let which = k % prompts.len();
+            let (prompt, (reference, second)) = (&prompts[which], &references[which]);
+            let mut drafter = TestDrafter::new(kind, model.config.vocab, prompt.len(), reference, second, k as u64);
+            let gen = run(model, prompt, greedy(max_tokens), stop_ids, Some(&mut drafter), GenerateOptions::fixed_draft(k));
+            assert_eq!(&gen.tokens, reference, "{kind:?} drafter, draft length {k}, prompt {which}");
+            total.merge(&gen.metrics);
+        }
+        assert!(total.drafted > 0);
+        match kind {
+            // Never a rejection: the drafts are the output.
+            Kind::Perfect => assert_eq!(total.accepted, total.drafted, "{kind:?}"),
+            // Rejections (rollbacks) happened, and for the partly right ones acceptances too.
+            Kind::Random => assert!(total.accepted < total.drafted / 4, "{kind:?}: {total:?}"),
+            Kind::Partial | Kind::Adversarial => {
+                assert!(total.accepted > 0 && total.accepted < total.drafted, "{kind:?}: {total:?}")
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A tiny random model as a GGUF fixture
+// ---------------------------------------------------------------------------------------------
+
+const TINY_VOCAB: usize = 32;
+
+/// Writes a 2-layer Llama with random weights (hidden 64, 4 heads of 16, 2 KV heads, vocab
+/// 32, tied head; embedding entries within ±`scale`) and loads it with f32 weights. Different
+/// seeds give different models; `noise` = (seed, relative size) perturbs every weight, for a
+/// drafter that agrees with the target only part of the time.
+fn tiny_model(dir: &Path, seed: u64, scale: f32, noise: Option<(u64, f32)>) -> Transformer {
+    let (hidden, ffn, n_layers, n_heads, n_kv, head_dim) = (64usize, 128usize, 2usize, 4usize, 2usize, 16usize);
+    let mut rng = SamplerRng::from_seed(seed);
+    let mut noise_rng = SamplerRng::from_seed(noise.map_or(0, |(s, _)| s));
+    let noise_size = noise.map_or(0.0, |(_, size)| size);
+    let mut tensor = |shape: &[usize], scale: f32, offset: f32| -> QTensor {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                let x = scale * (rng.next_f64() as f32 * 2.0 - 1.0);
+                let e = noise_size * scale * (noise_rng.next_f64() as f32 * 2.0 - 1.0);
+                offset + x + e
+            })
+            .collect();
+        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
+        QTensor::quantize(&t, GgmlDType::F32).unwrap()
+    };
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        ("token_embd.weight".into(), tensor(&[TINY_VOCAB, hidden], scale, 0.0)),
+        ("output_norm.weight".into(), tensor(&[hidden], 0.1, 1.0)),
+    ];
+    let w = 1.0 / (hidden as f32).sqrt();
+    for i in 0..n_layers {
+        let b = |name: &str| format!("blk.{i}.{name}.weight");
+        tensors.push((b("attn_norm"), tensor(&[hidden], 0.1, 1.0)));
+        tensors.push((b("ffn_norm"), tensor(&[hidden], 0.1, 1.0)));
+        tensors.push((b("attn_q"), tensor(&[n_heads * head_dim, hidden], 2.0 * w, 0.0)));
+        tensors.push((b("attn_k"), tensor(&[n_kv * head_dim, hidden], 2.0 * w, 0.0)));
+        tensors.push((b("attn_v"), tensor(&[n_kv * head_dim, hidden], 2.0 * w, 0.0)));
+        tensors.push((b("attn_output"), tensor(&[hidden, n_heads * head_dim], 2.0 * w, 0.0)));
+        tensors.push((b("ffn_gate"), tensor(&[ffn, hidden], 2.0 * w, 0.0)));
+        tensors.push((b("ffn_up"), tensor(&[ffn, hidden], 2.0 * w, 0.0)));
+        tensors.push((b("ffn_down"), tensor(&[hidden, ffn], 2.0 / (ffn as f32).sqrt(), 0.0)));
+    }
+    use gguf_file::Value;
+    let metadata: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.embedding_length", Value::U32(hidden as u32)),
+        ("llama.feed_forward_length", Value::U32(ffn as u32)),
+        ("llama.block_count", Value::U32(n_layers as u32)),
+        ("llama.attention.head_count", Value::U32(n_heads as u32)),
+        ("llama.attention.head_count_kv", Value::U32(n_kv as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.context_length", Value::U32(512)),
+        ("llama.rope.freq_base", Value::F32(10_000.0)),
+    ];
+    let path = dir.join(format!("tiny-{seed}-{}.gguf", noise.map_or(0, |(s, _)| s)));
+    let mut file = std::fs::File::create(&path).unwrap();
+    let meta_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    gguf_file::write(&mut file, &meta_refs, &tensor_refs).unwrap();
+    drop(file);
+    Transformer::from_path(&path, Some(WeightFormat::F32), &Device::Cpu).unwrap()
+}
+
+/// The target and a perturbed copy that drafts for it, built once per test binary.
+fn tiny_models() -> &'static (Arc<Transformer>, Arc<Transformer>) {
+    static MODELS: OnceLock<(Arc<Transformer>, Arc<Transformer>)> = OnceLock::new();
+    MODELS.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let target = Arc::new(tiny_model(dir.path(), 1, 0.25, None));
+        let other = Arc::new(tiny_model(dir.path(), 1, 0.25, Some((2, 0.25))));
+        (target, other)
+    })
+}
+
+fn tiny_prompt(seed: u64, len: usize) -> Vec<u32> {
+    let mut rng = SamplerRng::from_seed(1000 + seed);
+    (0..len).map(|_| (rng.next_u64() % TINY_VOCAB as u64) as u32).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Greedy: tiny model (exhaustive) and real SmolLM2
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn tiny_model_greedy_speculation_equals_plain_greedy() {
+    let (target, other) = tiny_models();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|s| tiny_prompt(s, 3 + s as usize * 5)).collect();
+    check_test_drafters(target, &prompts, &[], 48, &[Kind::Random, Kind::Perfect, Kind::Partial, Kind::Adversarial]);
+
+    // Real proposers over every prompt and length: n-gram (the tiny model loops, so it
+    // matches), the target drafting for itself, and an unrelated model.
+    for prompt in &prompts {
+        let plain = run(target, prompt, greedy(48), &[], None, GenerateOptions::default()).tokens;
+        for k in 1..=16 {
+            let mut ngram = NgramProposer::new(1, 3).unwrap();
+            let gen = run(target, prompt, greedy(48), &[], Some(&mut ngram), GenerateOptions::fixed_draft(k));
+            assert_eq!(gen.tokens, plain, "ngram, k = {k}");
+            for (name, drafter) in [("self", target), ("perturbed", other)] {
+                let mut p = CheckedDraftModel(DraftModelProposer::new(drafter.clone(), 256, vec![]));
+                let gen = run(target, prompt, greedy(48), &[], Some(&mut p), GenerateOptions::fixed_draft(k));
+                assert_eq!(gen.tokens, plain, "draft model {name}, k = {k}");
+                if name == "self" {
+                    assert!(gen.metrics.acceptance_rate() > 0.95, "self-drafting accepts: {:?}", gen.metrics);
+                }
+            }
+        }
+    }
+}
+
+/// SmolLM2 with its tokenizer, loaded once.
+fn smollm2() -> &'static LoadedModel {
+    static MODEL: OnceLock<LoadedModel> = OnceLock::new();
+    MODEL.get_or_init(|| LoadedModel::load(&common::smollm2_path(), None, &Device::Cpu).expect("loading smollm2"))
+}
+
+fn smollm2_prompts(m: &LoadedModel) -> Vec<Vec<u32>> {
+    ["def fibonacci(n):", "The capital of France is"].iter().map(|p| m.encode_prompt(p).unwrap()).collect()
+}
+
+const REAL_TOKENS: usize = 40;
+
+#[test]
+fn smollm2_greedy_random_and_perfect_drafters() {
+    let m = smollm2();
+    check_test_drafters(&m.model, &smollm2_prompts(m), &m.stop_ids(), REAL_TOKENS, &[Kind::Random, Kind::Perfect]);
+}
+
+#[test]
+fn smollm2_greedy_partial_and_adversarial_drafters() {
+    let m = smollm2();
+    check_test_drafters(&m.model, &smollm2_prompts(m), &m.stop_ids(), REAL_TOKENS, &[Kind::Partial, Kind::Adversarial]);
+}
+
+#[test]
+fn smollm2_greedy_ngram_and_draft_model_proposers() {
+    let m = smollm2();
+    let stop = m.stop_ids();
+    let target_path = common::smollm2_path();
+    let draft_spec = DrafterSpec::DraftModel { model: target_path.display().to_string() };
+    for (i, prompt) in smollm2_prompts(m).iter().enumerate() {
+        let plain = run(&m.model, prompt, greedy(REAL_TOKENS), &stop, None, GenerateOptions::default()).tokens;
+        // Through the factory, as the CLI builds them: n-gram at a fixed length and adaptive,
+        // and SmolLM2 drafting for itself (same tokenizer).
+        let adaptive = || GenerateOptions {
+            draft_len: DraftPolicy::Adaptive { max: 8, curve: (1..=9).map(|m| 1.0 + 0.1 * (m - 1) as f64).collect() }
+                .draft_len_fn(),
+            ..GenerateOptions::default()
+        };
+        let cases: [(DrafterSpec, GenerateOptions); 4] = [
+            (DrafterSpec::Ngram { max_ngram: 3 }, GenerateOptions::fixed_draft(5)),
+            (DrafterSpec::Ngram { max_ngram: 2 }, adaptive()),
+            (draft_spec.clone(), GenerateOptions::fixed_draft(4)),
+            (draft_spec.clone(), adaptive()),
+        ];
+        for (spec, opts) in cases {
+            let mut p = build_proposer(&spec, m).unwrap();
+            let gen = run(&m.model, prompt, greedy(REAL_TOKENS), &stop, Some(p.as_mut()), opts);
+            assert_eq!(gen.tokens, plain, "{spec:?}, prompt {i}");
+            if matches!(spec, DrafterSpec::DraftModel { .. }) {
+                assert!(gen.metrics.acceptance_rate() > 0.9, "self-drafting accepts: {:?}", gen.metrics);
+            }
+        }
+    }
+}
+
+#[test]
+fn draft_model_with_another_vocabulary_is_refused() {
+    let home = std::env::var_os("SPECULA_HOME")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula"));
+    let qwen = home.join("models/qwen2.5-coder-0.5b.gguf");
+    if !qwen.exists() {
+        return; // optional model not fetched
+    }
+    let spec = DrafterSpec::parse(&format!("draft-model:{}", qwen.display())).unwrap();
+    let err = build_proposer(&spec, smollm2()).err().expect("an incompatible drafter must be refused");
+    let msg = format!("{err:#}");
+    assert!(msg.contains("cannot draft for") && msg.contains("vocabulary sizes differ"), "{msg}");
+    assert!(msg.contains("49152") && msg.contains("151"), "names both sizes: {msg}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// T > 0: the distribution of the first tokens
+// ---------------------------------------------------------------------------------------------
+
+/// Critical value of the chi-square distribution with `df` degrees of freedom at upper tail
+/// probability 0.001 (Wilson–Hilferty; within 1% for df >= 3).
+fn chi_square_critical_001(df: usize) -> f64 {
+    let (d, z) = (df as f64, 3.090_232);
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+/// The exact distribution of the first `n` sampled tokens: chains of `sample::probabilities`
+/// over the target's logits, one forward per prefix.
+fn exact_joint(model: &Transformer, prompt: &[u32], params: &SamplingParams, n: usize) -> HashMap<Vec<u32>, f64> {
+    let mut out = HashMap::new();
+    let mut stack = vec![(Vec::<u32>::new(), 1.0f64)];
+    while let Some((prefix, p)) = stack.pop() {
+        if prefix.len() == n {
+            out.insert(prefix, p);
+            continue;
+        }
+        let pool = model.new_kv_pool(prompt.len() + n + 16);
+        let mut cache = pool.new_sequence();
+        let mut input = prompt.to_vec();
+        input.extend_from_slice(&prefix);
+        let mut batch = ForwardBatch::new();
+        batch.push(&input, &mut cache, LogitsRows::Last);
+        let row = model.forward(&mut batch).unwrap().seq_logits(0).unwrap().remove(0);
+        for (t, &q) in sample::probabilities(&row, params).iter().enumerate() {
+            if q > 0.0 {
+                let mut next = prefix.clone();
+                next.push(t as u32);
+                stack.push((next, p * q as f64));
+            }
+        }
+    }
+    out
+}
+
+/// Chi-square statistic and degrees of freedom of `counts` against `exact`; cells expected
+/// fewer than 5 times are pooled. Panics on a sample the target can never produce.
+fn chi_square(counts: &HashMap<Vec<u32>, usize>, exact: &HashMap<Vec<u32>, f64>, n: usize) -> (f64, usize) {
+    for seq in counts.keys() {
+        assert!(exact.contains_key(seq), "sampled {seq:?}, which has probability 0");
+    }
+    let (mut stat, mut cells) = (0.0, 0);
+    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
+    for (seq, &p) in exact {
+        let expected = p * n as f64;
+        let observed = counts.get(seq).copied().unwrap_or(0) as f64;
+        if expected < 5.0 {
+            pooled_obs += observed;
+            pooled_exp += expected;
+        } else {
+            stat += (observed - expected).powi(2) / expected;
+            cells += 1;
+        }
+    }
+    if pooled_exp > 0.0 {
+        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp;
+        cells += 1;
+    }
+    (stat, cells - 1)
+}
+
+#[test]
+fn tiny_model_sampling_distribution_is_the_targets() {
+    const SAMPLES: usize = 6000;
+    const FIRST: usize = 3;
+    let (target, other) = tiny_models();
+    let prompt = tiny_prompt(7, 5);
+    let params = |seed: u64| SamplingParams {
+        temperature: 0.8,
+        top_k: 3,
+        top_p: 0.95,
+        seed: Some(seed),
+        // Room for the first token plus one step with a 2-token draft.
+        max_tokens: Some(FIRST + 1),
+        ..SamplingParams::default()
+    };
+    let exact = exact_joint(target, &prompt, &params(0), FIRST);
+    assert!(exact.len() >= 8, "the fixture should have a spread-out distribution: {exact:?}");
+    let total: f64 = exact.values().sum();
+    assert!((total - 1.0).abs() < 1e-4);
+
+    let arms: [&str; 4] = ["plain", "self draft model", "perturbed draft model", "stochastic drafter"];
+    for (arm_index, arm) in arms.iter().enumerate() {
+        let mut counts: HashMap<Vec<u32>, usize> = HashMap::new();
+        let mut metrics = specula::engine::SpecMetrics::default();
+        for i in 0..SAMPLES {
+            let seed = 1_000_000 * (arm_index as u64 + 1) + i as u64;
+            let mut proposer: Option<Box<dyn Proposer>> = match arm_index {
+                0 => None,
+                1 => Some(Box::new(DraftModelProposer::new(target.clone(), 64, vec![]))),
+                2 => Some(Box::new(DraftModelProposer::new(other.clone(), 64, vec![]))),
+                _ => {
+                    // q(t) ∝ t + 1 on ids 0..8 (a distribution: it sums to 1).
+                    let q = (0..TINY_VOCAB).map(|t| if t < 8 { (1 + t) as f32 / 36.0 } else { 0.0 }).collect();
+                    Some(Box::new(StochasticDrafter { rng: SamplerRng::from_seed(seed ^ 0x5eed), q }))
+                }
+            };
+            let proposer = proposer.as_mut().map(|p| &mut **p as &mut dyn Proposer);
+            let gen = run(target, &prompt, params(seed), &[], proposer, GenerateOptions::fixed_draft(2));
+            metrics.merge(&gen.metrics);
+            *counts.entry(gen.tokens[..FIRST].to_vec()).or_default() += 1;
+        }
+        let (stat, df) = chi_square(&counts, &exact, SAMPLES);
+        let critical = chi_square_critical_001(df);
+        eprintln!("{arm}: chi-square {stat:.1} on {df} df (critical {critical:.1}); {metrics:?}");
+        assert!(stat < critical, "{arm}: chi-square {stat:.1} >= {critical:.1} on {df} df");
+        if arm_index > 0 {
+            // Both outcomes of the acceptance test happened, so every path was exercised.
+            assert!(metrics.accepted > 0 && metrics.accepted < metrics.drafted, "{arm}: {metrics:?}");
+        }
+    }
+}

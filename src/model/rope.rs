@@ -10,6 +10,14 @@ pub struct Rope {
     inv_freq: Vec<f32>,
 }
 
+/// cos/sin of every rotated pair for a list of positions, computed once per forward and
+/// shared by all layers.
+pub struct RopeTables {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
 impl Rope {
     pub fn new(style: RopeStyle, theta: f32, rope_dim: usize, head_dim: usize) -> Self {
         let inv_freq = (0..rope_dim / 2)
@@ -18,30 +26,40 @@ impl Rope {
         Self { style, rope_dim, head_dim, inv_freq }
     }
 
-    /// Rotates every head of one token row at absolute position `pos`.
-    pub fn apply(&self, row: &mut [f32], pos: usize) {
+    pub fn tables(&self, positions: &[usize]) -> RopeTables {
         let half = self.rope_dim / 2;
-        // Angles computed in f64 then rounded, so long positions keep their precision.
-        let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
-        for i in 0..half {
-            let a = pos as f64 * self.inv_freq[i] as f64;
-            cos[i] = a.cos() as f32;
-            sin[i] = a.sin() as f32;
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &pos in positions {
+            for &f in &self.inv_freq {
+                // Angles in f64, so long positions keep their precision.
+                let a = pos as f64 * f as f64;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
         }
+        RopeTables { half, cos, sin }
+    }
+
+    /// Rotates every head of the token row that is entry `i` of `tables`.
+    pub fn apply(&self, row: &mut [f32], tables: &RopeTables, i: usize) {
+        let half = tables.half;
+        let cos = &tables.cos[i * half..(i + 1) * half];
+        let sin = &tables.sin[i * half..(i + 1) * half];
         for head in row.chunks_exact_mut(self.head_dim) {
             match self.style {
                 RopeStyle::Interleaved => {
-                    for i in 0..half {
-                        let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                        head[2 * i] = x0 * cos[i] - x1 * sin[i];
-                        head[2 * i + 1] = x0 * sin[i] + x1 * cos[i];
+                    for j in 0..half {
+                        let (x0, x1) = (head[2 * j], head[2 * j + 1]);
+                        head[2 * j] = x0 * cos[j] - x1 * sin[j];
+                        head[2 * j + 1] = x0 * sin[j] + x1 * cos[j];
                     }
                 }
                 RopeStyle::Halves => {
-                    for i in 0..half {
-                        let (x0, x1) = (head[i], head[i + half]);
-                        head[i] = x0 * cos[i] - x1 * sin[i];
-                        head[i + half] = x0 * sin[i] + x1 * cos[i];
+                    for j in 0..half {
+                        let (x0, x1) = (head[j], head[j + half]);
+                        head[j] = x0 * cos[j] - x1 * sin[j];
+                        head[j + half] = x0 * sin[j] + x1 * cos[j];
                     }
                 }
             }

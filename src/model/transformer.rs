@@ -123,6 +123,12 @@ impl Transformer {
         &self.device
     }
 
+    /// The token embedding table and the LM head, for drafters that borrow them (DFlash has
+    /// neither of its own). Both are reference-counted, so this is cheap.
+    pub fn embedding_and_head(&self) -> (Arc<candle_core::quantized::QTensor>, Linear) {
+        (self.embedding.clone(), self.lm_head.clone())
+    }
+
     pub fn kv_layout(&self, block_size: usize, dtype: KvDtype) -> KvLayout {
         KvLayout {
             dtype,
@@ -215,6 +221,7 @@ impl Transformer {
         let kv_width = nkv * hd;
         let mut taps = vec![None; batch.tap_layers.len()];
         let mut attn_out = vec![0f32; n_rows * nh * hd];
+        let rope = self.rope.tables(&positions);
 
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
@@ -226,9 +233,9 @@ impl Transformer {
                 head_rms_norm(&mut q, qn, cfg.rms_eps as f32);
                 head_rms_norm(&mut k, kn, cfg.rms_eps as f32);
             }
-            for (row, &pos) in positions.iter().enumerate() {
-                self.rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], pos);
-                self.rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], pos);
+            for row in 0..n_rows {
+                self.rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], &rope, row);
+                self.rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], &rope, row);
             }
             // Write this layer's new K/V into each sequence's blocks.
             for sq in &attn_seqs {

@@ -4,6 +4,8 @@ mod bench_cmd;
 mod fetch_cmd;
 mod generate_cmd;
 mod inspect_cmd;
+mod loadtest_cmd;
+mod serve_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +26,10 @@ enum Command {
     Generate(generate_cmd::GenerateArgs),
     /// Measure prefill/decode tokens/s and the verify-cost curve.
     Bench(bench_cmd::BenchArgs),
+    /// Serve the OpenAI-compatible API (chat, completions, streaming) with continuous batching.
+    Serve(serve_cmd::ServeArgs),
+    /// Drive a running server with concurrent streaming clients; report tok/s, TTFT, ITL.
+    Loadtest(loadtest_cmd::LoadtestArgs),
 }
 
 /// Entry point; returns the process exit code. Errors print as one line.
@@ -40,6 +46,8 @@ pub fn main() -> i32 {
         Command::Inspect(a) => inspect_cmd::run(a),
         Command::Generate(a) => generate_cmd::run(a),
         Command::Bench(a) => bench_cmd::run(a),
+        Command::Serve(a) => serve_cmd::run(a),
+        Command::Loadtest(a) => loadtest_cmd::run(a),
     };
     match result {
         Ok(()) => 0,

@@ -108,6 +108,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     kv_capacity: usize,
+    cost: Option<StepCostModel>,
 }
 
 impl Engine {
@@ -142,6 +143,7 @@ impl Engine {
         });
         let (tx, rx) = std::sync::mpsc::channel();
         let curve = cost.as_ref().map(|c| c.relative_curve(config.max_draft + 1)).unwrap_or_default();
+        let engine_cost = cost.clone();
         let worker = Worker {
             stop_ids: model.stop_ids(),
             model: model.clone(),
@@ -156,7 +158,7 @@ impl Engine {
             totals: EngineSnapshot::default(),
         };
         let thread = std::thread::Builder::new().name("specula-engine".into()).spawn(move || worker.run())?;
-        Ok(Self { model, config, commands: tx, shared, thread: Mutex::new(Some(thread)), kv_capacity })
+        Ok(Self { model, config, commands: tx, shared, thread: Mutex::new(Some(thread)), kv_capacity, cost: engine_cost })
     }
 
     pub fn model(&self) -> &Arc<LoadedModel> {
@@ -187,6 +189,11 @@ impl Engine {
             return Err(SubmitError::Stopped);
         }
         Ok(rx)
+    }
+
+    /// The step-cost curve measured at start (with a drafter): (rows, seconds) points.
+    pub fn step_cost(&self) -> Option<&StepCostModel> {
+        self.cost.as_ref()
     }
 
     pub fn snapshot(&self) -> EngineSnapshot {
@@ -231,6 +238,8 @@ struct Active {
     bid: DraftBid,
     /// Finished, failed or abandoned: removed (and its KV freed) at the end of the step.
     done: bool,
+    /// Its receiver went away (a client that disconnected).
+    abandoned: bool,
 }
 
 impl SchedSeq for Active {
@@ -268,6 +277,7 @@ impl Active {
     fn send(&mut self, event: EngineEvent) {
         if self.sink.send(event).is_err() {
             self.done = true;
+            self.abandoned = true;
         }
     }
 
@@ -375,6 +385,7 @@ impl Worker {
             preemptions: 0,
             bid: DraftBid::default(),
             done: false,
+            abandoned: false,
         });
     }
 
@@ -428,7 +439,11 @@ impl Worker {
                     a.seq.params.max_tokens.map_or(usize::MAX, |m| m.saturating_sub(a.seq.generated().len() + 1));
                 let want = policy.choose(&a.metrics).min(room_ctx).min(room_max);
                 let secs_per_token = if a.metrics.drafted > 0 { a.metrics.draft_secs / a.metrics.drafted as f64 } else { 0.0 };
-                a.bid = DraftBid { alpha: policy.alpha(), max_len: want, secs_per_token };
+                // Optimism under uncertainty: a sequence that has drafted little gets the benefit of
+                // the doubt (an upper confidence bound on α), so noise in the cost curve or a
+                // pessimistic prior cannot keep speculation from ever being tried.
+                let alpha = (policy.alpha() + 1.0 / (1.0 + a.metrics.spec_steps as f64).sqrt()).min(1.0);
+                a.bid = DraftBid { alpha, max_len: want, secs_per_token };
             }
         }
 
@@ -545,7 +560,7 @@ impl Worker {
                 } else if let Some(a) = self.sched.running.first_mut() {
                     a.finish(FinishReason::ContextFull);
                     self.totals.finished_requests += 1;
-                    self.sched.running.retain(|a| !a.done);
+                    self.remove_done();
                 }
                 return;
             }
@@ -554,7 +569,7 @@ impl Worker {
                     self.sched.running[slot.index].fail(format!("forward failed: {e:#}"));
                     self.totals.failed_requests += 1;
                 }
-                self.sched.running.retain(|a| !a.done);
+                self.remove_done();
                 return;
             }
         };
@@ -569,7 +584,17 @@ impl Worker {
                 self.totals.failed_requests += 1;
             }
         }
-        self.sched.running.retain(|a| !a.done);
+        self.remove_done();
+    }
+
+    /// Drops finished sequences (freeing their KV blocks), counting the abandoned ones.
+    fn remove_done(&mut self) {
+        let mut abandoned = 0;
+        self.sched.running.retain(|a| {
+            abandoned += u64::from(a.abandoned);
+            !a.done
+        });
+        self.totals.cancelled_requests += abandoned;
     }
 
     /// Verifies, commits, rolls back and streams one sequence's part of the step.

@@ -33,13 +33,18 @@ pub struct DraftBid {
 }
 
 impl StepCostModel {
-    /// From measured (rows, seconds) points; sorted, and made non-decreasing (a dip is noise).
+    /// From measured (rows, seconds) points; sorted, made non-decreasing (a dip is noise) and
+    /// per-row cost non-increasing (m rows never cost more than m single rows; a bump is noise
+    /// from a busy machine).
     pub fn from_points(mut points: Vec<(usize, f64)>) -> Self {
         points.retain(|&(r, s)| r > 0 && s.is_finite() && s > 0.0);
         points.sort_by_key(|&(r, _)| r);
         points.dedup_by_key(|p| p.0);
         let mut max = 0.0f64;
+        let mut per_row = f64::INFINITY;
         for p in points.iter_mut() {
+            p.1 = p.1.min(per_row * p.0 as f64);
+            per_row = per_row.min(p.1 / p.0 as f64);
             max = max.max(p.1);
             p.1 = max;
         }
@@ -50,7 +55,7 @@ impl StepCostModel {
     }
 
     /// Times forwards of 1, 2, 4, … `max_rows` rows (logits for every row) on top of a short
-    /// context, best of two each.
+    /// context, best of three each.
     pub fn measure(model: &Transformer, max_rows: usize) -> Result<Self> {
         const DEPTH: usize = 64;
         let max_rows = max_rows.max(1);
@@ -68,7 +73,7 @@ impl StepCostModel {
         let mut rows = 1;
         loop {
             let mut best = f64::INFINITY;
-            for _ in 0..2 {
+            for _ in 0..3 {
                 let t = Instant::now();
                 let mut batch = ForwardBatch::new();
                 batch.push(&block[..rows], &mut cache, LogitsRows::All);
@@ -102,6 +107,10 @@ impl StepCostModel {
         };
         let slope = (b.1 - a.1) / (b.0 - a.0) as f64;
         (a.1 + slope * (rows as f64 - a.0 as f64)).max(a.1.min(b.1))
+    }
+
+    pub fn points(&self) -> &[(usize, f64)] {
+        &self.points
     }
 
     /// `curve[m - 1]` = cost(m) / cost(1) for m in 1..=n: a single sequence's verify curve,
@@ -177,9 +186,11 @@ mod tests {
         assert!((c.secs(128) - 290.0).abs() < 1e-9, "{}", c.secs(128));
         let rel = c.relative_curve(4);
         assert_eq!(rel, vec![1.0, 1.05, 1.075, 1.1]);
-        // Dips are noise.
+        // Dips are noise, and so is a block dearer than its rows one by one.
         let d = StepCostModel::from_points(vec![(1, 2.0), (2, 1.0), (4, 3.0)]);
         assert_eq!(d.secs(2), 2.0);
+        let b = StepCostModel::from_points(vec![(1, 1.0), (2, 3.0), (4, 3.5)]);
+        assert_eq!(b.points(), &[(1, 1.0), (2, 2.0), (4, 3.5)]);
     }
 
     #[test]

@@ -183,6 +183,10 @@ pub fn generate(
             trace.push(StepTrace { draft: draft.tokens.clone(), accepted: verdict.accepted, next_token: verdict.next_token });
         }
         finish = commit(seq, &committed, verdict.accepted, stop_ids, on_token, context_len);
+        // A stop token among the accepted drafts, max_tokens or a consumer that stopped
+        // listening can end the step before every accepted draft is committed: the cache
+        // must not keep K/V for tokens that were never committed.
+        seq.cache.truncate(seq.tokens.len());
         if let (Some(p), None) = (proposer.as_deref_mut(), finish) {
             let taps = out.seq_taps(0)?;
             let n = kept - cached_before;

@@ -29,6 +29,7 @@ pub fn repacked_q8_available() -> bool {
     }
 }
 
+#[derive(Clone)]
 pub struct Linear {
     weight: QMatMul,
     bias: Option<Tensor>,

@@ -123,10 +123,11 @@ impl Transformer {
         &self.device
     }
 
-    /// The token embedding table and the LM head, for drafters that borrow them (DFlash has
-    /// neither of its own). Both are reference-counted, so this is cheap.
-    pub fn embedding_and_head(&self) -> (Arc<candle_core::quantized::QTensor>, Linear) {
-        (self.embedding.clone(), self.lm_head.clone())
+    /// What a drafter borrows from its target (DFlash has no embedding, final norm or LM head
+    /// of its own): the token embedding table, the final RMSNorm weight and the LM head. All
+    /// are reference-counted, so this is cheap.
+    pub fn embedding_norm_head(&self) -> (Arc<candle_core::quantized::QTensor>, Tensor, Linear) {
+        (self.embedding.clone(), self.norm.clone(), self.lm_head.clone())
     }
 
     pub fn kv_layout(&self, block_size: usize, dtype: KvDtype) -> KvLayout {

@@ -62,6 +62,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         "model": state.config.model_id,
         "drafter": state.engine.config().drafter.as_ref().map(|d| d.label()),
         "context_length": state.engine.context_limit(),
+        "step_cost_ms": state.engine.step_cost().map(|c| c.points().iter().map(|&(r, t)| json!([r, t * 1e3])).collect::<Vec<_>>()),
         "waiting": s.waiting,
         "running": s.running,
         "kv": {

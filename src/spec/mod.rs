@@ -1,6 +1,7 @@
 //! Speculative decoding: the `Proposer` trait (one file per drafter), one pure verifier, the
 //! draft-length policy, and a factory that builds a drafter from a `--drafter` string.
 
+pub mod dflash;
 pub mod draft_model;
 pub mod factory;
 pub mod ngram;

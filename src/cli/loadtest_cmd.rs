@@ -1,0 +1,67 @@
+//! `specula loadtest`: concurrent streaming clients against a running server on this machine.
+
+use crate::server::loadtest::{run as run_load, LoadConfig, LoadReport};
+use anyhow::Result;
+use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct LoadtestArgs {
+    /// Server to load (loopback addresses only).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Concurrent clients; a comma-separated list runs one round per value (e.g. 1,4,8,16).
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    clients: Vec<usize>,
+    /// Requests per round (shared by the clients).
+    #[arg(long, default_value_t = 16)]
+    requests: usize,
+    /// Completion tokens per request.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// A round starts no request after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    max_secs: u64,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long)]
+    api_key: Option<String>,
+    #[arg(long)]
+    model: Option<String>,
+    /// Ask the server not to speculate (compare against its drafter on the same server).
+    #[arg(long)]
+    no_speculate: bool,
+    /// Print the reports as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: LoadtestArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut reports: Vec<LoadReport> = Vec::new();
+    for &clients in &args.clients {
+        let cfg = LoadConfig {
+            url: args.url.clone(),
+            clients,
+            requests: args.requests,
+            max_duration: Duration::from_secs(args.max_secs),
+            max_tokens: args.max_tokens,
+            temperature: args.temperature,
+            api_key: args.api_key.clone(),
+            no_speculate: args.no_speculate,
+            model: args.model.clone(),
+            ..LoadConfig::default()
+        };
+        let report = rt.block_on(run_load(&cfg))?;
+        if !args.json {
+            println!("{}", report.render());
+        }
+        reports.push(report);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+    }
+    if reports.iter().any(|r| r.requests_ok == 0) {
+        anyhow::bail!("a round completed no request");
+    }
+    Ok(())
+}

@@ -1,0 +1,136 @@
+//! `specula serve`: the OpenAI-compatible server with continuous batching and speculation.
+
+use super::ModelArgs;
+use crate::engine::{Engine, EngineConfig};
+use crate::server::{serve, AppState, ServerConfig};
+use crate::spec::DrafterSpec;
+use anyhow::{Context, Result};
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Drafter for every request: ngram[:N] or draft-model:KEY|PATH (default: none). The draft
+    /// length adapts per request and to the load; a request can opt out with "speculate": false.
+    #[arg(long)]
+    drafter: Option<String>,
+    /// Address to listen on (loopback by default; anything else exposes the server).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Requests allowed to wait for a slot; more get 503.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Sequences decoding together at most.
+    #[arg(long, default_value_t = 32)]
+    max_running: usize,
+    /// Tokens per batched forward (decode rows, draft rows and prefill chunks together).
+    #[arg(long, default_value_t = 256)]
+    step_tokens: usize,
+    /// Longest draft per sequence and step.
+    #[arg(long, default_value_t = 8)]
+    max_draft: usize,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Request bodies larger than this get 413.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// On SIGTERM / Ctrl-C, seconds in-flight requests get to finish (a second Ctrl-C exits at once).
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace_secs: u64,
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let drafter = args.drafter.as_deref().map(DrafterSpec::parse).transpose().context("--drafter")?;
+    let kv_dtype = crate::kv::KvDtype::parse(&args.model.kv_type).map_err(anyhow::Error::msg)?;
+    let loaded = Arc::new(args.model.load()?);
+    let (model_id, aliases) = model_names(&args.model.model, &loaded.path);
+    let config = EngineConfig {
+        kv_tokens: args.model.kv_tokens,
+        kv_dtype,
+        step_tokens: args.step_tokens,
+        max_running: args.max_running,
+        max_waiting: args.max_queue,
+        drafter,
+        max_draft: args.max_draft,
+    };
+    let engine = Arc::new(Engine::start(loaded, config)?);
+    let server_config = ServerConfig {
+        model_id: model_id.clone(),
+        model_aliases: aliases,
+        api_key: args.api_key.clone(),
+        max_body_bytes: args.max_body_bytes,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace_secs),
+    };
+    let state = AppState::new(engine.clone(), server_config);
+    let addr = SocketAddr::new(args.host, args.port);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        let local = listener.local_addr()?;
+        if !args.host.is_loopback() {
+            eprintln!("warning: listening on {local}, reachable from other machines{}", if args.api_key.is_none() { " without an API key" } else { "" });
+        }
+        eprintln!(
+            "specula: serving {model_id} on http://{local} (playground: /, API: /v1, metrics: /metrics; context {} tokens, drafter {})",
+            engine.context_limit(),
+            engine.config().drafter.as_ref().map_or("none".to_string(), |d| d.label()),
+        );
+        if let Some(cost) = engine.step_cost() {
+            let points: Vec<String> = cost.points().iter().map(|(r, t)| format!("{r}: {:.1}", t * 1e3)).collect();
+            eprintln!("specula: measured step cost (rows: ms) {}", points.join(", "));
+        }
+        serve(listener, state, shutdown_signal()).await
+    })?;
+    engine.shutdown();
+    eprintln!("specula: stopped");
+    Ok(())
+}
+
+/// The id clients name the model by (the registry key, else the file name without
+/// extension), and other accepted names.
+fn model_names(arg: &str, path: &Path) -> (String, Vec<String>) {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| arg.to_string());
+    let id = if crate::fetch::find_asset(arg).is_some() { arg.to_string() } else { stem.clone() };
+    let mut aliases = vec![stem, arg.to_string(), path.display().to_string()];
+    if let Some(name) = path.file_name() {
+        aliases.push(name.to_string_lossy().into_owned());
+    }
+    aliases.retain(|a| a != &id);
+    aliases.dedup();
+    (id, aliases)
+}
+
+/// Resolves on the first SIGTERM or Ctrl-C; a second Ctrl-C exits at once.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("specula: shutting down; in-flight requests may finish (Ctrl-C again to exit now)");
+    tokio::spawn(async {
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("specula: exiting");
+        std::process::exit(130);
+    });
+}

@@ -1,0 +1,386 @@
+//! The z-lab DFlash drafter `config.json`: a Qwen3 config plus the DFlash fields (`block_size`,
+//! `dflash_config.{target_layer_ids, mask_token_id}`, `num_target_layers`), read the way the
+//! reference (`dflash==0.1.0`) reads it: a DFlash field is looked up in `dflash_config` first,
+//! then at the top level.
+
+use crate::model::ModelConfig;
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::path::Path;
+
+/// How one drafter layer's block queries see the keys (spec §2.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerAttention {
+    /// A block query sees only keys at its own position or before it.
+    pub causal: bool,
+    /// A query at position q sees keys at k only when |q − k| < window (q − k < window for
+    /// causal layers).
+    pub window: Option<usize>,
+}
+
+impl LayerAttention {
+    pub const FULL: Self = Self { causal: false, window: None };
+
+    pub fn is_full(&self) -> bool {
+        *self == Self::FULL
+    }
+
+    /// Whether a query at `q` sees a key at `k` (absolute positions).
+    pub fn visible(&self, q: usize, k: usize) -> bool {
+        if self.causal && k > q {
+            return false;
+        }
+        match self.window {
+            None => true,
+            Some(w) => q.abs_diff(k) < w,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DflashConfig {
+    pub hidden: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+    pub attention_bias: bool,
+    /// B: block rows per draft (the anchor plus B − 1 masks).
+    pub block_size: usize,
+    /// Target decoder layers (0-based) whose outputs are concatenated into the context features.
+    pub target_layer_ids: Vec<usize>,
+    /// The MASK token: a row of the *target's* embedding.
+    pub mask_token_id: u32,
+    /// Target depth the drafter was built for, when the config says.
+    pub num_target_layers: Option<usize>,
+    /// Per drafter layer.
+    pub layer_attention: Vec<LayerAttention>,
+    /// Multiplies the block's token embeddings (1 for Qwen3 drafters).
+    pub input_embedding_scale: f64,
+    /// Multiplies the draft logits (1 for Qwen3 drafters).
+    pub output_multiplier: f64,
+    /// `tanh(logits / c) * c` when set (Gemma-style targets).
+    pub final_logit_softcapping: Option<f64>,
+}
+
+/// The reference's default tapped layers (`build_target_layer_ids`): `n_draft_layers` ids
+/// spread evenly from 1 to `n_target_layers − 3`, rounded half to even as Python does.
+pub fn default_target_layer_ids(n_target_layers: usize, n_draft_layers: usize) -> Vec<usize> {
+    if n_draft_layers == 1 {
+        return vec![n_target_layers / 2];
+    }
+    let (start, end) = (1.0, n_target_layers as f64 - 3.0);
+    let span = end - start;
+    (0..n_draft_layers)
+        .map(|i| (start + (i as f64 * span) / (n_draft_layers - 1) as f64).round_ties_even().max(0.0) as usize)
+        .collect()
+}
+
+fn as_usize(v: &Value, key: &str) -> Result<usize> {
+    v.as_u64().map(|n| n as usize).with_context(|| format!("`{key}` should be a non-negative integer, found {v}"))
+}
+
+fn as_f64(v: &Value, key: &str) -> Result<f64> {
+    v.as_f64().with_context(|| format!("`{key}` should be a number, found {v}"))
+}
+
+impl DflashConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let json: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+        Self::from_json(&json).with_context(|| format!("{}", path.display()))
+    }
+
+    pub fn from_json(c: &Value) -> Result<Self> {
+        let arches: Vec<&str> =
+            c.get("architectures").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+        if arches.contains(&"DFlash2DraftModel") {
+            bail!("DFlash 2 drafters (`DFlash2DraftModel`: convolutions and a candidate selector) are a different method and not supported");
+        }
+        let dflash = c.get("dflash_config").filter(|v| !v.is_null());
+        if !arches.contains(&"DFlashDraftModel") && dflash.is_none() {
+            bail!("not a DFlash drafter: `architectures` is {arches:?} (expected \"DFlashDraftModel\") and there is no `dflash_config`");
+        }
+        // A DFlash field: `dflash_config` first, then the top level (the reference's `_draft_value`).
+        let draft_value = |name: &str| -> Option<&Value> {
+            dflash.and_then(|d| d.get(name)).or_else(|| c.get(name)).filter(|v| !v.is_null())
+        };
+        let top = |name: &str| c.get(name).filter(|v| !v.is_null());
+        let req_usize = |name: &str| -> Result<usize> {
+            as_usize(top(name).with_context(|| format!("config.json is missing `{name}`"))?, name)
+        };
+
+        let hidden = req_usize("hidden_size")?;
+        let n_layers = req_usize("num_hidden_layers")?;
+        let n_heads = req_usize("num_attention_heads")?;
+        let n_kv_heads = top("num_key_value_heads").map(|v| as_usize(v, "num_key_value_heads")).transpose()?.unwrap_or(n_heads);
+        let head_dim = match top("head_dim") {
+            Some(v) => as_usize(v, "head_dim")?,
+            None if n_heads > 0 => hidden / n_heads,
+            None => 0,
+        };
+        if hidden == 0 || n_layers == 0 {
+            bail!("`hidden_size` ({hidden}) and `num_hidden_layers` ({n_layers}) must be positive");
+        }
+        if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+            bail!("invalid head counts: {n_heads} query heads, {n_kv_heads} key/value heads");
+        }
+        if head_dim == 0 || head_dim % 2 != 0 {
+            bail!("invalid `head_dim` {head_dim} (must be positive and even for RoPE)");
+        }
+        let ffn = req_usize("intermediate_size")?;
+        if let Some(act) = top("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                bail!("`hidden_act` is `{act}`; DFlash drafters use silu");
+            }
+        }
+        let rms_eps = top("rms_norm_eps").map(|v| as_f64(v, "rms_norm_eps")).transpose()?.unwrap_or(1e-6);
+        // Newer configs nest RoPE settings in `rope_parameters`; only plain RoPE is supported.
+        let rope_params = top("rope_parameters");
+        let rope_theta = match (top("rope_theta"), rope_params.and_then(|p| p.get("rope_theta"))) {
+            (Some(v), _) | (None, Some(v)) => as_f64(v, "rope_theta")?,
+            (None, None) => 10_000.0,
+        };
+        for scaling in [top("rope_scaling"), rope_params] {
+            let kind = scaling.and_then(|s| s.get("rope_type").or_else(|| s.get("type"))).and_then(Value::as_str);
+            if let Some(kind) = kind.filter(|k| *k != "default") {
+                bail!("RoPE scaling `{kind}` is not supported (only plain RoPE)");
+            }
+        }
+        let attention_bias = top("attention_bias").and_then(Value::as_bool).unwrap_or(false);
+
+        let block_size = draft_value("block_size").map(|v| as_usize(v, "block_size")).transpose()?.unwrap_or(16);
+        if block_size < 2 {
+            bail!("`block_size` is {block_size}; a block needs the anchor and at least one mask");
+        }
+        let mask_token_id = draft_value("mask_token_id").context("config.json has no `mask_token_id` (in `dflash_config` or at the top level)")?;
+        let mask_token_id = u32::try_from(as_usize(mask_token_id, "mask_token_id")?).context("`mask_token_id` does not fit in 32 bits")?;
+        let num_target_layers = draft_value("num_target_layers").map(|v| as_usize(v, "num_target_layers")).transpose()?;
+        let target_layer_ids = match draft_value("target_layer_ids") {
+            Some(v) => v
+                .as_array()
+                .context("`target_layer_ids` should be a list of layer indices")?
+                .iter()
+                .map(|x| as_usize(x, "target_layer_ids"))
+                .collect::<Result<Vec<_>>>()?,
+            None => {
+                let n = num_target_layers.context("config.json has neither `target_layer_ids` nor `num_target_layers` to derive them from")?;
+                if n < 4 && n_layers > 1 {
+                    bail!("`num_target_layers` is {n}: too shallow for the default tapped layers (1..=N−3); give `target_layer_ids`");
+                }
+                default_target_layer_ids(n, n_layers)
+            }
+        };
+        if target_layer_ids.is_empty() {
+            bail!("`target_layer_ids` is empty");
+        }
+
+        let layer_attention = Self::parse_layer_attention(c, n_layers)?;
+        let scale = |name: &str| draft_value(name).map(|v| as_f64(v, name)).transpose();
+        Ok(Self {
+            hidden,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn,
+            rms_eps,
+            rope_theta,
+            attention_bias,
+            block_size,
+            target_layer_ids,
+            mask_token_id,
+            num_target_layers,
+            layer_attention,
+            input_embedding_scale: scale("input_embedding_scale")?.unwrap_or(1.0),
+            output_multiplier: scale("output_multiplier")?.unwrap_or(1.0),
+            final_logit_softcapping: scale("final_logit_softcapping")?.filter(|c| *c > 0.0),
+        })
+    }
+
+    /// Per-layer attention as the reference builds it: `sliding_attention` layers are causal
+    /// inside the block and windowed; `full_attention` layers see everything; a top-level
+    /// `is_causal` overrides causality for every layer.
+    fn parse_layer_attention(c: &Value, n_layers: usize) -> Result<Vec<LayerAttention>> {
+        let top = |name: &str| c.get(name).filter(|v| !v.is_null());
+        let window = top("sliding_window").map(|v| as_usize(v, "sliding_window")).transpose()?;
+        let sliding: Vec<bool> = match top("layer_types") {
+            Some(v) => {
+                let types = v.as_array().context("`layer_types` should be a list")?;
+                if types.len() != n_layers {
+                    bail!("`layer_types` has {} entries for {n_layers} layers", types.len());
+                }
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("full_attention") => Ok(false),
+                        Some("sliding_attention") => Ok(true),
+                        _ => bail!("unknown layer type {t} (expected full_attention or sliding_attention)"),
+                    })
+                    .collect::<Result<_>>()?
+            }
+            // Without `layer_types`, Qwen3Config derives them from `use_sliding_window`.
+            None => {
+                let on = top("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) && window.is_some();
+                let from = top("max_window_layers").map(|v| as_usize(v, "max_window_layers")).transpose()?.unwrap_or(28);
+                (0..n_layers).map(|i| on && i >= from).collect()
+            }
+        };
+        let causal_override = top("is_causal").and_then(Value::as_bool);
+        sliding
+            .into_iter()
+            .map(|is_sliding| {
+                let window = if is_sliding {
+                    let w = window.context("`layer_types` has sliding_attention layers but `sliding_window` is not set")?;
+                    if w == 0 {
+                        bail!("`sliding_window` must be positive");
+                    }
+                    Some(w)
+                } else {
+                    None
+                };
+                Ok(LayerAttention { causal: causal_override.unwrap_or(is_sliding), window })
+            })
+            .collect()
+    }
+
+    /// Checks that this drafter can draft for `target`: same hidden size, tapped layers inside
+    /// the target, and a MASK token that is a row of the target's embedding.
+    pub fn check_target(&self, target: &ModelConfig) -> Result<()> {
+        if self.hidden != target.hidden {
+            bail!(
+                "hidden size mismatch: the drafter's hidden_size is {}, the target's is {} (a DFlash drafter uses the target's embeddings, LM head and hidden states)",
+                self.hidden,
+                target.hidden
+            );
+        }
+        if let Some(&bad) = self.target_layer_ids.iter().find(|&&l| l >= target.n_layers) {
+            bail!(
+                "target_layer_ids {:?}: layer {bad} is beyond the target's {} decoder layers (ids are 0-based)",
+                self.target_layer_ids,
+                target.n_layers
+            );
+        }
+        if self.mask_token_id as usize >= target.vocab {
+            bail!(
+                "mask_token_id {} is outside the target's vocabulary ({} embedding rows)",
+                self.mask_token_id,
+                target.vocab
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "block_size": 8, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2, 3]}
+        })
+    }
+
+    #[test]
+    fn default_layer_ids_match_the_reference_rule() {
+        assert_eq!(default_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(default_target_layer_ids(28, 5), vec![1, 7, 13, 19, 25]);
+        assert_eq!(default_target_layer_ids(32, 5), vec![1, 8, 15, 22, 29]);
+        assert_eq!(default_target_layer_ids(64, 5), vec![1, 16, 31, 46, 61]);
+        assert_eq!(default_target_layer_ids(36, 1), vec![18]);
+        // 1 + 3·26/4 = 20.5: Python rounds half to even (20), not away from zero (21).
+        assert_eq!(default_target_layer_ids(30, 5), vec![1, 8, 14, 20, 27]);
+    }
+
+    #[test]
+    fn reads_fields_from_dflash_config_before_the_top_level() {
+        let mut c = base();
+        c["dflash_config"]["block_size"] = json!(4);
+        let cfg = DflashConfig::from_json(&c).unwrap();
+        assert_eq!((cfg.block_size, cfg.mask_token_id, cfg.head_dim), (4, 5, 16));
+        assert_eq!(cfg.target_layer_ids, vec![0, 2, 3]);
+        assert!(cfg.layer_attention.iter().all(LayerAttention::is_full));
+
+        // Without explicit ids they come from num_target_layers and the drafter's depth.
+        let mut c = base();
+        c["dflash_config"] = json!({"mask_token_id": 5});
+        c["num_target_layers"] = json!(36);
+        assert_eq!(DflashConfig::from_json(&c).unwrap().target_layer_ids, vec![1, 33]);
+    }
+
+    #[test]
+    fn sliding_layers_are_causal_and_windowed() {
+        let mut c = base();
+        c["layer_types"] = json!(["sliding_attention", "full_attention"]);
+        c["sliding_window"] = json!(3);
+        let cfg = DflashConfig::from_json(&c).unwrap();
+        assert_eq!(cfg.layer_attention[0], LayerAttention { causal: true, window: Some(3) });
+        assert!(cfg.layer_attention[1].is_full());
+        let swa = cfg.layer_attention[0];
+        assert!(swa.visible(10, 8) && !swa.visible(10, 7) && !swa.visible(10, 11));
+        c["is_causal"] = json!(false);
+        let cfg = DflashConfig::from_json(&c).unwrap();
+        assert_eq!(cfg.layer_attention[0], LayerAttention { causal: false, window: Some(3) });
+        assert!(cfg.layer_attention[0].visible(10, 12) && !cfg.layer_attention[0].visible(10, 13));
+    }
+
+    #[test]
+    fn bad_configs_name_the_problem() {
+        let err = |c: Value| format!("{:#}", DflashConfig::from_json(&c).unwrap_err());
+        let mut c = base();
+        c["dflash_config"] = json!({"target_layer_ids": [1]});
+        assert!(err(c).contains("mask_token_id"));
+        let mut c = base();
+        c["architectures"] = json!(["Qwen3ForCausalLM"]);
+        c.as_object_mut().unwrap().remove("dflash_config");
+        assert!(err(c).contains("not a DFlash drafter"));
+        let mut c = base();
+        c["architectures"] = json!(["DFlash2DraftModel"]);
+        assert!(err(c).contains("DFlash 2"));
+        let mut c = base();
+        c["dflash_config"] = json!({"mask_token_id": 5});
+        assert!(err(c).contains("num_target_layers"));
+        let mut c = base();
+        c["layer_types"] = json!(["sliding_attention", "full_attention"]);
+        assert!(err(c).contains("sliding_window"));
+        let mut c = base();
+        c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        assert!(err(c).contains("yarn"));
+    }
+
+    #[test]
+    fn target_checks_name_the_problem() {
+        let cfg = DflashConfig::from_json(&base()).unwrap();
+        let target = ModelConfig {
+            arch: crate::model::Arch::Qwen3,
+            n_layers: 4,
+            hidden: 64,
+            ffn: 128,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            vocab: 100,
+            context_len: 512,
+            rope_theta: 1e6,
+            rope_dim: 16,
+            rope_style: crate::model::RopeStyle::Halves,
+            rms_eps: 1e-6,
+            tied_head: false,
+            qkv_bias: false,
+            qk_norm: true,
+        };
+        cfg.check_target(&target).unwrap();
+        let err = |t: &ModelConfig| cfg.check_target(t).unwrap_err().to_string();
+        assert!(err(&ModelConfig { hidden: 32, ..target.clone() }).contains("hidden size mismatch"));
+        assert!(err(&ModelConfig { n_layers: 3, ..target.clone() }).contains("layer 3 is beyond"));
+        assert!(err(&ModelConfig { vocab: 5, ..target.clone() }).contains("mask_token_id 5 is outside"));
+    }
+}

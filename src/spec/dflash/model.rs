@@ -1,0 +1,407 @@
+//! The DFlash drafter network (spec §2.4), written once with plain differentiable candle ops
+//! (matmul, softmax, an RMSNorm and a NeoX RoPE built from elementwise ops) so the same code can
+//! serve training.
+//!
+//! The forward is split where the proposer caches: [`DflashDrafter::context_kv`] turns target
+//! hidden states into every layer's rotated context K/V (what the drafter's cache holds), and
+//! [`DflashDrafter::forward_block`] runs the block rows against that context. The stateless
+//! [`DflashDrafter::forward`] is the two composed.
+
+use super::config::{DflashConfig, LayerAttention};
+use crate::model::{Linear as TargetLinear, Transformer};
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::QTensor;
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What a DFlash drafter borrows from its target: the token embedding, the LM head, and the
+/// final norm (see [`TargetHead::hidden_state`]). All reference-counted: cloning is cheap.
+#[derive(Clone)]
+pub struct TargetHead {
+    embedding: Arc<QTensor>,
+    final_norm: Tensor,
+    rms_eps: f64,
+    n_layers: usize,
+    lm_head: TargetLinear,
+    device: Device,
+}
+
+impl TargetHead {
+    pub fn of(target: &Transformer) -> Self {
+        let (embedding, final_norm, lm_head) = target.embedding_norm_head();
+        let c = &target.config;
+        Self { embedding, final_norm, rms_eps: c.rms_eps, n_layers: c.n_layers, lm_head, device: target.device().clone() }
+    }
+
+    /// From the parts directly (tests, tools): `embedding` and `lm_head` `[vocab, hidden]`, the
+    /// final norm weight `[hidden]`, and the target's depth.
+    pub fn from_parts(embedding: Arc<QTensor>, final_norm: Tensor, rms_eps: f64, n_layers: usize, lm_head: TargetLinear, device: &Device) -> Self {
+        Self { embedding, final_norm, rms_eps, n_layers, lm_head, device: device.clone() }
+    }
+
+    /// The feature DFlash means by "target layer `layer`": Hugging Face's
+    /// `hidden_states[layer + 1]` given the engine's tap (the residual stream after `layer`).
+    /// They are the same except for the last layer, where Hugging Face returns the output
+    /// *after* the final norm; the reference (and so every published drafter) uses that.
+    pub fn hidden_state(&self, layer: usize, tap: &Tensor) -> Result<Tensor> {
+        let tap = tap.to_dtype(DType::F32)?;
+        if layer + 1 == self.n_layers {
+            return Ok(candle_nn::ops::rms_norm(&tap, &self.final_norm.to_dtype(DType::F32)?, self.rms_eps as f32)?);
+        }
+        Ok(tap)
+    }
+
+    /// Token embeddings `[ids, hidden]` (f32).
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let ids = Tensor::new(ids, &self.device)?;
+        Ok(self.embedding.embedding(&ids)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits `[rows, vocab]` of already-normalised hidden states (no final norm here).
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)
+    }
+}
+
+/// One drafter layer's K and V for a run of context rows: `[n_kv_heads, rows, head_dim]` each,
+/// K already k-normed and rotated at the rows' absolute positions.
+#[derive(Clone, Debug)]
+pub struct LayerKv {
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+struct DflashLayer {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    attention: LayerAttention,
+}
+
+pub struct DflashDrafter {
+    pub config: DflashConfig,
+    pub path: PathBuf,
+    fc: Linear,
+    hidden_norm: Tensor,
+    norm: Tensor,
+    layers: Vec<DflashLayer>,
+    /// RoPE inverse frequencies, computed in f32 as Hugging Face's `Qwen3RotaryEmbedding` does.
+    inv_freq: Vec<f32>,
+    device: Device,
+}
+
+/// Every tensor a checkpoint must hold, with its `[out, in]` shape (names without a prefix).
+pub fn expected_tensors(c: &DflashConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, q, kv) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    let mut t = vec![
+        ("fc.weight".to_string(), vec![h, c.target_layer_ids.len() * h]),
+        ("hidden_norm.weight".to_string(), vec![h]),
+        ("norm.weight".to_string(), vec![h]),
+    ];
+    for i in 0..c.n_layers {
+        let mut add = |name: &str, shape: Vec<usize>| t.push((format!("layers.{i}.{name}"), shape));
+        add("input_layernorm.weight", vec![h]);
+        add("post_attention_layernorm.weight", vec![h]);
+        add("self_attn.q_proj.weight", vec![q, h]);
+        add("self_attn.k_proj.weight", vec![kv, h]);
+        add("self_attn.v_proj.weight", vec![kv, h]);
+        add("self_attn.o_proj.weight", vec![h, q]);
+        if c.attention_bias {
+            add("self_attn.q_proj.bias", vec![q]);
+            add("self_attn.k_proj.bias", vec![kv]);
+            add("self_attn.v_proj.bias", vec![kv]);
+            add("self_attn.o_proj.bias", vec![h]);
+        }
+        add("self_attn.q_norm.weight", vec![c.head_dim]);
+        add("self_attn.k_norm.weight", vec![c.head_dim]);
+        add("mlp.gate_proj.weight", vec![c.ffn, h]);
+        add("mlp.up_proj.weight", vec![c.ffn, h]);
+        add("mlp.down_proj.weight", vec![h, c.ffn]);
+    }
+    t
+}
+
+/// `x * rsqrt(mean(x²) + eps) * w` over the last dimension (Qwen3RMSNorm, f32).
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+}
+
+/// NeoX RoPE on `[heads, rows, head_dim]`: `x·cos + rotate_half(x)·sin`, tables `[rows, head_dim]`.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
+}
+
+impl DflashDrafter {
+    /// Loads a z-lab-format drafter directory: `config.json` + `*.safetensors` (f32/bf16/f16,
+    /// one file or shards; weights are held in f32). Every tensor is checked for presence and
+    /// shape before any is read.
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let origin = dir.display();
+        let config = DflashConfig::from_file(&dir.join("config.json"))?;
+        let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("cannot read the drafter directory {origin}"))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        shards.sort();
+        if shards.is_empty() {
+            bail!("{origin}: no *.safetensors files");
+        }
+        // SAFETY: mapped read-only; like every mmap loader we assume nobody truncates the files
+        // while they are loaded.
+        let st = unsafe { MmapedSafetensors::multi(&shards) }.map_err(|e| anyhow::anyhow!("{origin}: cannot read safetensors: {e}"))?;
+        // Released checkpoints have bare names (`fc.weight`); tolerate a `model.` prefix.
+        let prefix = if st.get("fc.weight").is_err() && st.get("model.fc.weight").is_ok() { "model." } else { "" };
+        for (name, shape) in expected_tensors(&config) {
+            let full = format!("{prefix}{name}");
+            let view = st.get(&full).map_err(|_| anyhow::anyhow!("{origin}: missing tensor `{full}`"))?;
+            if view.shape() != shape.as_slice() {
+                bail!("{origin}: tensor `{full}` has shape {:?}, expected {shape:?}", view.shape());
+            }
+            if !matches!(DType::try_from(view.dtype()), Ok(DType::F32 | DType::BF16 | DType::F16)) {
+                bail!("{origin}: tensor `{full}` has type {:?} (supported: f32, bf16, f16)", view.dtype());
+            }
+        }
+        let vb = VarBuilder::from_backend(Box::new(st), DType::F32, device.clone());
+        let vb = if prefix.is_empty() { vb } else { vb.pp("model") };
+        let mut drafter = Self::from_var_builder(config, vb).with_context(|| format!("{origin}"))?;
+        drafter.path = dir.to_path_buf();
+        Ok(drafter)
+    }
+
+    /// Builds the network from any variable source (a checkpoint, or a `VarMap` for training),
+    /// with the shapes of [`expected_tensors`].
+    pub fn from_var_builder(config: DflashConfig, vb: VarBuilder) -> Result<Self> {
+        let device = vb.device().clone();
+        let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            vb.get(shape, name).with_context(|| format!("tensor `{name}`"))
+        };
+        let (h, q, kv) = (config.hidden, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim);
+        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            let w = get(&format!("{name}.weight"), &[out, inp])?;
+            let b = if bias { Some(get(&format!("{name}.bias"), &[out])?) } else { None };
+            Ok(Linear::new(w, b))
+        };
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for i in 0..config.n_layers {
+            let p = |s: &str| format!("layers.{i}.{s}");
+            let bias = config.attention_bias;
+            layers.push(DflashLayer {
+                input_norm: get(&p("input_layernorm.weight"), &[h])?,
+                post_norm: get(&p("post_attention_layernorm.weight"), &[h])?,
+                q_proj: linear(&p("self_attn.q_proj"), q, h, bias)?,
+                k_proj: linear(&p("self_attn.k_proj"), kv, h, bias)?,
+                v_proj: linear(&p("self_attn.v_proj"), kv, h, bias)?,
+                o_proj: linear(&p("self_attn.o_proj"), h, q, bias)?,
+                q_norm: get(&p("self_attn.q_norm.weight"), &[config.head_dim])?,
+                k_norm: get(&p("self_attn.k_norm.weight"), &[config.head_dim])?,
+                gate_proj: linear(&p("mlp.gate_proj"), config.ffn, h, false)?,
+                up_proj: linear(&p("mlp.up_proj"), config.ffn, h, false)?,
+                down_proj: linear(&p("mlp.down_proj"), h, config.ffn, false)?,
+                attention: config.layer_attention[i],
+            });
+        }
+        let d = config.head_dim;
+        let inv_freq = (0..d / 2)
+            .map(|j| 1.0f32 / (config.rope_theta as f32).powf((2 * j) as f32 / d as f32))
+            .collect();
+        Ok(Self {
+            fc: linear("fc", h, config.target_layer_ids.len() * h, false)?,
+            hidden_norm: get("hidden_norm.weight", &[h])?,
+            norm: get("norm.weight", &[h])?,
+            layers,
+            inv_freq,
+            device,
+            path: PathBuf::new(),
+            config,
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// cos and sin tables `[rows, head_dim]` for absolute positions (f32 angles, as HF).
+    fn rope_tables(&self, positions: &[usize]) -> Result<(Tensor, Tensor)> {
+        let d = self.config.head_dim;
+        let (mut cos, mut sin) = (Vec::with_capacity(positions.len() * d), Vec::with_capacity(positions.len() * d));
+        for &p in positions {
+            let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| (*a as f64).cos() as f32));
+                sin.extend(angles.iter().map(|a| (*a as f64).sin() as f32));
+            }
+        }
+        let shape = (positions.len(), d);
+        Ok((Tensor::from_vec(cos, shape, &self.device)?, Tensor::from_vec(sin, shape, &self.device)?))
+    }
+
+    /// Context features `hidden_norm(fc(concat(taps)))` `[rows, hidden]`: `taps[i]` is Hugging
+    /// Face's `hidden_states[target_layer_ids[i] + 1]`, `[rows, hidden]` (from an engine tap via
+    /// [`TargetHead::hidden_state`]).
+    pub fn context_features(&self, taps: &[Tensor]) -> Result<Tensor> {
+        let k = self.config.target_layer_ids.len();
+        if taps.len() != k {
+            bail!("DFlash needs {k} target hidden-state taps, got {}", taps.len());
+        }
+        for t in taps {
+            if t.rank() != 2 || t.dim(1)? != self.config.hidden || t.dim(0)? != taps[0].dim(0)? {
+                bail!("target tap of shape {:?}, expected [{}, {}]", t.dims(), taps[0].dim(0)?, self.config.hidden);
+            }
+        }
+        let taps: Vec<Tensor> = taps.iter().map(|t| t.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
+        let concat = Tensor::cat(&taps, 1)?;
+        Ok(rms_norm(&self.fc.forward(&concat)?, &self.hidden_norm, self.config.rms_eps)?)
+    }
+
+    /// Per layer, the K/V of context rows with features `[rows, hidden]` at `positions`:
+    /// that layer's k/v projections, k-norm, and RoPE at the rows' absolute positions.
+    pub fn context_kv(&self, features: &Tensor, positions: &[usize]) -> Result<Vec<LayerKv>> {
+        let (cos, sin) = self.rope_tables(positions)?;
+        self.layers.iter().map(|l| self.project_kv(l, features, &cos, &sin)).collect()
+    }
+
+    /// `x` `[rows, hidden]` → K (normed, rotated) and V, `[n_kv, rows, head_dim]`.
+    fn project_kv(&self, layer: &DflashLayer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<LayerKv> {
+        let c = &self.config;
+        let rows = x.dim(0)?;
+        let k = layer.k_proj.forward(x)?.reshape((rows, c.n_kv_heads, c.head_dim))?;
+        let k = rms_norm(&k, &layer.k_norm, c.rms_eps)?.transpose(0, 1)?.contiguous()?;
+        let k = rope(&k, cos, sin)?;
+        let v = layer.v_proj.forward(x)?.reshape((rows, c.n_kv_heads, c.head_dim))?.transpose(0, 1)?.contiguous()?;
+        Ok(LayerKv { k, v })
+    }
+
+    /// Runs block rows (token embeddings `[n, hidden]` at `block_positions`) against per-layer
+    /// context K/V (`context[l]`, rows at `context_positions`) and returns the final-normed hidden
+    /// states `[n, hidden]`. Block queries see every context row and every block row unless the
+    /// layer is causal/windowed; `mask` (`[n, ctx + n]`, additive: 0 or −∞) hides more (training
+    /// packs several blocks into one call with a block-sparse mask).
+    pub fn forward_block(
+        &self,
+        block: &Tensor,
+        block_positions: &[usize],
+        context: &[LayerKv],
+        context_positions: &[usize],
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let n = block.dim(0)?;
+        if n != block_positions.len() || context.len() != self.layers.len() {
+            bail!("forward_block: {n} block rows with {} positions, {} context layers", block_positions.len(), context.len());
+        }
+        let ctx_len = context_positions.len();
+        let (cos, sin) = self.rope_tables(block_positions)?;
+        let mut h = block.to_dtype(DType::F32)?;
+        for (layer, ctx) in self.layers.iter().zip(context) {
+            if ctx.k.dim(1)? != ctx_len {
+                bail!("context K/V has {} rows for {ctx_len} positions", ctx.k.dim(1)?);
+            }
+            let u = rms_norm(&h, &layer.input_norm, c.rms_eps)?;
+            let q = layer.q_proj.forward(&u)?.reshape((n, c.n_heads, c.head_dim))?;
+            let q = rms_norm(&q, &layer.q_norm, c.rms_eps)?.transpose(0, 1)?.contiguous()?;
+            let q = rope(&q, &cos, &sin)?;
+            let own = self.project_kv(layer, &u, &cos, &sin)?;
+            let layer_mask = self.layer_mask(layer.attention, block_positions, context_positions)?;
+            let mask = match (mask, layer_mask) {
+                (Some(a), Some(b)) => Some((a + b)?),
+                (Some(a), None) => Some(a.clone()),
+                (None, b) => b,
+            };
+            let attn = self.attention(&q, ctx, &own, mask.as_ref())?;
+            h = (h + layer.o_proj.forward(&attn)?)?;
+            let u = rms_norm(&h, &layer.post_norm, c.rms_eps)?;
+            let mlp = layer.down_proj.forward(&(layer.gate_proj.forward(&u)?.silu()? * layer.up_proj.forward(&u)?)?)?;
+            h = (h + mlp)?;
+        }
+        Ok(rms_norm(&h, &self.norm, c.rms_eps)?)
+    }
+
+    /// The stateless forward: context taps `[ctx, hidden]` each (at `context_positions`) and
+    /// block embeddings `[n, hidden]` (at `block_positions`) → final-normed block hidden states.
+    pub fn forward(
+        &self,
+        taps: &[Tensor],
+        context_positions: &[usize],
+        block: &Tensor,
+        block_positions: &[usize],
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let features = self.context_features(taps)?;
+        let context = self.context_kv(&features, context_positions)?;
+        self.forward_block(block, block_positions, &context, context_positions, mask)
+    }
+
+    /// The additive mask a causal or windowed layer needs, `[n, ctx + n]`; None for full layers.
+    fn layer_mask(&self, attention: LayerAttention, queries: &[usize], context: &[usize]) -> Result<Option<Tensor>> {
+        if attention.is_full() {
+            return Ok(None);
+        }
+        let keys: Vec<usize> = context.iter().chain(queries).copied().collect();
+        let values: Vec<f32> = queries
+            .iter()
+            .flat_map(|&q| keys.iter().map(move |&k| if attention.visible(q, k) { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        Ok(Some(Tensor::from_vec(values, (queries.len(), keys.len()), &self.device)?))
+    }
+
+    /// Non-causal GQA attention of block queries `q` `[n_heads, n, d]` over the context K/V
+    /// followed by the block's own K/V. The two key runs are scored separately and share one
+    /// softmax, so the (possibly long) context cache is never copied. Query head j uses KV head
+    /// j / (n_heads / n_kv_heads), as Hugging Face's `repeat_kv`. Returns `[n, n_heads·d]`.
+    fn attention(&self, q: &Tensor, ctx: &LayerKv, own: &LayerKv, mask: Option<&Tensor>) -> Result<Tensor> {
+        let c = &self.config;
+        let n = q.dim(1)?;
+        let groups = c.n_heads / c.n_kv_heads;
+        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        // Heads kv·groups .. kv·groups+groups−1 share KV head kv: fold them into the rows.
+        let q = q.reshape((c.n_kv_heads, groups * n, c.head_dim))?;
+        let ctx_len = ctx.k.dim(1)?;
+        let own_scores = (q.matmul(&own.k.t()?)? * scale)?;
+        let scores = if ctx_len > 0 {
+            Tensor::cat(&[&(q.matmul(&ctx.k.t()?)? * scale)?, &own_scores], D::Minus1)?
+        } else {
+            own_scores
+        };
+        let scores = match mask {
+            Some(m) => scores.reshape((c.n_kv_heads, groups, n, ctx_len + n))?.broadcast_add(m)?.reshape((c.n_kv_heads, groups * n, ctx_len + n))?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let mut out = probs.narrow(D::Minus1, ctx_len, n)?.matmul(&own.v)?;
+        if ctx_len > 0 {
+            out = (probs.narrow(D::Minus1, 0, ctx_len)?.matmul(&ctx.v)? + out)?;
+        }
+        // [n_kv, groups·n, d] → [n_heads, n, d] → [n, n_heads·d]
+        Ok(out.reshape((c.n_heads, n, c.head_dim))?.transpose(0, 1)?.reshape((n, c.n_heads * c.head_dim))?)
+    }
+
+    /// Draft logits `[rows, vocab]` for final-normed hidden states: the target's LM head, then
+    /// the optional output multiplier and soft-capping.
+    pub fn logits(&self, head: &TargetHead, hidden: &Tensor) -> Result<Tensor> {
+        let mut logits = head.logits(hidden)?.to_dtype(DType::F32)?;
+        if self.config.output_multiplier != 1.0 {
+            logits = (logits * self.config.output_multiplier)?;
+        }
+        if let Some(cap) = self.config.final_logit_softcapping {
+            logits = ((logits / cap)?.tanh()? * cap)?;
+        }
+        Ok(logits)
+    }
+}

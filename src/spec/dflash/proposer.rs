@@ -1,0 +1,287 @@
+//! The DFlash proposer: keeps the drafter's context K/V in step with the target's commits and
+//! drafts a block per step (spec §3.3).
+//!
+//! Invariant (the engine's): when `propose(tokens, ..)` runs, the target's cache holds
+//! `tokens[..start]` with `start = tokens.len() − 1`, and `observe` has handed over the target's
+//! hidden states for exactly those rows. The drafter's cache then holds the context K/V of rows
+//! `..start` (or the last `context_window` of them); the anchor `tokens[start]` enters the block,
+//! not the context. Block K/V are computed inside each draft and never kept, and `observe` only
+//! ever sees committed rows, so no rejected token can leave a trace (spec §3.4).
+
+use super::model::{DflashDrafter, LayerKv, TargetHead};
+use crate::spec::proposer::Proposer;
+use crate::spec::verify::Draft;
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor, D};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// User-settable knobs of a DFlash proposer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DflashSettings {
+    /// Block rows B (the anchor plus B − 1 masks). None: the checkpoint's `block_size`.
+    pub block_size: Option<usize>,
+    /// Propose at most this many of the block's drafts (the block keeps its size). None: all.
+    pub max_draft: Option<usize>,
+    /// Keep only the last W committed context rows' K/V: bounds the drafter's memory and
+    /// per-step cost on long contexts, at the price of drafts that no longer see older context
+    /// (they then differ from the reference, which attends to everything). None: unbounded.
+    pub context_window: Option<usize>,
+}
+
+/// A growable `[n_kv, capacity, head_dim]` buffer holding a window of rows `start..start+len`,
+/// appended to in place; rows dropped at the front are reclaimed when it next grows.
+#[derive(Default)]
+struct RowBuffer {
+    data: Option<Tensor>,
+    start: usize,
+    len: usize,
+}
+
+impl RowBuffer {
+    fn capacity(&self) -> usize {
+        self.data.as_ref().map_or(0, |t| t.dims()[1])
+    }
+
+    fn append(&mut self, rows: &Tensor) -> Result<()> {
+        let n = rows.dim(1)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if self.start + self.len + n > self.capacity() {
+            let (heads, _, d) = rows.dims3()?;
+            let cap = (2 * (self.len + n)).max(64);
+            let fresh = Tensor::zeros((heads, cap, d), rows.dtype(), rows.device())?;
+            if self.len > 0 {
+                fresh.slice_set(&self.view(rows)?.contiguous()?, 1, 0)?;
+            }
+            self.data = Some(fresh);
+            self.start = 0;
+        }
+        let data = self.data.as_ref().expect("allocated above");
+        data.slice_set(&rows.contiguous()?, 1, self.start + self.len)?;
+        self.len += n;
+        Ok(())
+    }
+
+    /// The live rows; `like` gives shape and type when nothing was ever stored.
+    fn view(&self, like: &Tensor) -> Result<Tensor> {
+        Ok(match &self.data {
+            Some(t) => t.narrow(1, self.start, self.len)?,
+            None => {
+                let (heads, _, d) = like.dims3()?;
+                Tensor::zeros((heads, 0, d), like.dtype(), like.device())?
+            }
+        })
+    }
+
+    fn keep_last(&mut self, n: usize) {
+        if self.len > n {
+            self.start += self.len - n;
+            self.len = n;
+        }
+    }
+
+    fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+    }
+}
+
+/// The drafter's per-layer context K/V for rows `end − kept .. end` (absolute positions).
+#[derive(Default)]
+struct ContextCache {
+    layers: Vec<(RowBuffer, RowBuffer)>,
+    /// One past the last context row ingested (absolute position).
+    end: usize,
+    /// Rows held (the last `kept` before `end`).
+    kept: usize,
+}
+
+impl ContextCache {
+    fn clear_at(&mut self, end: usize) {
+        self.layers.clear();
+        self.end = end;
+        self.kept = 0;
+    }
+
+    /// Forgets rows at positions `end..`.
+    fn truncate(&mut self, end: usize) {
+        if end >= self.end {
+            return;
+        }
+        let first = self.end - self.kept;
+        if end <= first {
+            return self.clear_at(end);
+        }
+        self.kept = end - first;
+        self.end = end;
+        for (k, v) in &mut self.layers {
+            k.truncate(self.kept);
+            v.truncate(self.kept);
+        }
+    }
+
+    fn append(&mut self, kv: Vec<LayerKv>, rows: usize) -> Result<()> {
+        if self.layers.is_empty() {
+            self.layers = kv.iter().map(|_| Default::default()).collect();
+        }
+        for ((k, v), new) in self.layers.iter_mut().zip(&kv) {
+            k.append(&new.k)?;
+            v.append(&new.v)?;
+        }
+        self.end += rows;
+        self.kept += rows;
+        Ok(())
+    }
+
+    fn keep_last(&mut self, n: usize) {
+        self.kept = self.kept.min(n);
+        for (k, v) in &mut self.layers {
+            k.keep_last(n);
+            v.keep_last(n);
+        }
+    }
+
+    fn positions(&self) -> Vec<usize> {
+        (self.end - self.kept..self.end).collect()
+    }
+}
+
+pub struct DflashProposer {
+    drafter: Arc<DflashDrafter>,
+    head: TargetHead,
+    settings: DflashSettings,
+    cache: ContextCache,
+}
+
+impl DflashProposer {
+    /// A proposer for one sequence. `head` must come from the target the drafter was checked
+    /// against ([`super::DflashConfig::check_target`]).
+    pub fn new(drafter: Arc<DflashDrafter>, head: TargetHead, settings: DflashSettings) -> Result<Self> {
+        if let Some(b) = settings.block_size {
+            if b < 2 {
+                bail!("DFlash block size must be at least 2 (the anchor and one mask), got {b}");
+            }
+        }
+        if settings.max_draft == Some(0) {
+            bail!("DFlash max_draft must be at least 1");
+        }
+        if settings.context_window == Some(0) {
+            bail!("DFlash context window must be at least 1 row");
+        }
+        Ok(Self { drafter, head, settings, cache: ContextCache::default() })
+    }
+
+    pub fn drafter(&self) -> &DflashDrafter {
+        &self.drafter
+    }
+
+    /// B: block rows per draft.
+    pub fn block_size(&self) -> usize {
+        self.settings.block_size.unwrap_or(self.drafter.config.block_size)
+    }
+
+    /// Context rows whose K/V the drafter holds, as absolute positions `start..end`.
+    pub fn context_rows(&self) -> Range<usize> {
+        self.cache.end - self.cache.kept..self.cache.end
+    }
+
+    /// The draft logits `[masks, vocab]` of a block `[tokens.last(), MASK × masks]` at positions
+    /// `start..=start + masks` (`start = tokens.len() − 1`) against the context cache: row i
+    /// scores the token at `start + 1 + i`.
+    pub fn draft_logits(&mut self, tokens: &[u32], masks: usize) -> Result<Tensor> {
+        let Some((&anchor, _)) = tokens.split_last() else { bail!("DFlash cannot draft without a committed token") };
+        let start = tokens.len() - 1;
+        // The anchor's own row (and anything after it) must not be context: defensive, the
+        // engine never hands those over before they are committed and cached.
+        self.cache.truncate(start);
+        let cfg = &self.drafter.config;
+        let mut ids = vec![cfg.mask_token_id; masks + 1];
+        ids[0] = anchor;
+        let mut block = self.head.embed(&ids)?;
+        if cfg.input_embedding_scale != 1.0 {
+            block = (block * cfg.input_embedding_scale)?;
+        }
+        let positions: Vec<usize> = (start..=start + masks).collect();
+        let context: Vec<LayerKv> = match self.cache.layers.is_empty() {
+            true => {
+                let empty = Tensor::zeros((cfg.n_kv_heads, 0, cfg.head_dim), DType::F32, self.drafter.device())?;
+                vec![LayerKv { k: empty.clone(), v: empty }; cfg.n_layers]
+            }
+            false => self
+                .cache
+                .layers
+                .iter()
+                .map(|(k, v)| Ok(LayerKv { k: k.view(&block)?, v: v.view(&block)? }))
+                .collect::<Result<_>>()?,
+        };
+        let hidden = self.drafter.forward_block(&block, &positions, &context, &self.cache.positions(), None)?;
+        self.drafter.logits(&self.head, &hidden.narrow(0, 1, masks)?)
+    }
+}
+
+impl Proposer for DflashProposer {
+    fn name(&self) -> &str {
+        "dflash"
+    }
+
+    fn tap_layers(&self) -> &[usize] {
+        &self.drafter.config.target_layer_ids
+    }
+
+    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
+        self.cache.clear_at(0);
+        Ok(())
+    }
+
+    fn observe(&mut self, _tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()> {
+        if cached.is_empty() {
+            return Ok(());
+        }
+        // Rows the engine ran again replace ours; rows that never ran through the target (a
+        // restored prefix) have no features, so the context restarts after them (spec §3.7).
+        self.cache.truncate(cached.start);
+        if cached.start > self.cache.end {
+            self.cache.clear_at(cached.start);
+        }
+        for t in taps {
+            if t.rank() != 2 || t.dim(0)? != cached.len() {
+                bail!("DFlash: a target tap of shape {:?} for {} cached rows", t.dims(), cached.len());
+            }
+        }
+        // Rows that would fall out of the window right away are not projected at all.
+        let skip = self.settings.context_window.map_or(0, |w| cached.len().saturating_sub(w));
+        if skip > 0 {
+            self.cache.clear_at(cached.start + skip);
+        }
+        if taps.len() != self.drafter.config.target_layer_ids.len() {
+            bail!("DFlash needs {} target taps, got {}", self.drafter.config.target_layer_ids.len(), taps.len());
+        }
+        let taps: Vec<Tensor> = taps
+            .iter()
+            .zip(&self.drafter.config.target_layer_ids)
+            .map(|(t, &layer)| self.head.hidden_state(layer, &t.narrow(0, skip, cached.len() - skip)?))
+            .collect::<Result<_>>()?;
+        let features = self.drafter.context_features(&taps)?;
+        let positions: Vec<usize> = (cached.start + skip..cached.end).collect();
+        let kv = self.drafter.context_kv(&features, &positions)?;
+        self.cache.append(kv, positions.len())?;
+        if let Some(w) = self.settings.context_window {
+            self.cache.keep_last(w);
+        }
+        Ok(())
+    }
+
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
+        // The block shrinks when fewer drafts are wanted this step, as the reference shrinks its
+        // verify block near max_new_tokens; `max_draft` only caps what is proposed.
+        let masks = max_len.min(self.block_size() - 1);
+        if masks == 0 || tokens.is_empty() {
+            return Ok(Draft::default());
+        }
+        let logits = self.draft_logits(tokens, masks)?;
+        let mut draft = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        draft.truncate(self.settings.max_draft.unwrap_or(usize::MAX));
+        Ok(Draft::deterministic(draft))
+    }
+}

@@ -62,6 +62,7 @@ fn proposer(target: &Transformer, drafter_dir: &Path, settings: DflashSettings) 
 struct Round {
     start: usize,
     anchor: u32,
+    /// Context rows new in this round.
     context_rows: usize,
     draft_tokens: Vec<u32>,
     accepted: usize,
@@ -95,9 +96,14 @@ fn reference_loop(target: &Transformer, p: &mut DflashProposer, prompt: &[u32], 
     let mut tokens = [prompt, &[first]].concat();
     let mut start = prompt.len();
     let (mut rounds, mut acceptance_lengths, mut first_draft_logits) = (Vec::new(), Vec::new(), Vec::new());
+    let mut ingested = 0;
     while start + 1 < max_length {
         let verify_size = block_size.min(max_length - start);
-        let context_rows = p.context_rows().len();
+        // New context rows this round (the reference's `target_hidden` length); together with
+        // the earlier ones they end right before the anchor.
+        assert_eq!(p.context_rows().end, start);
+        let context_rows = start - ingested;
+        ingested = start;
         if rounds.is_empty() {
             first_draft_logits = p.draft_logits(&tokens, verify_size - 1).unwrap().to_vec2::<f32>().unwrap();
         }
@@ -233,6 +239,39 @@ fn fixtures_match_the_reference_round_for_round() {
         let plain = engine_generate(&target, &prompt, max_new, None, 0);
         assert_eq!(plain.tokens, ids(&expected["target_greedy_ids"]), "{name}: plain greedy");
     }
+}
+
+/// `--drafter dflash:PATH,...` through the factory, on a fixture target loaded as a served
+/// model (with its tokenizer): the settings reach the proposer and the output is the reference's.
+#[test]
+fn the_factory_builds_dflash_from_a_drafter_string() {
+    use specula::engine::LoadedModel;
+    use specula::spec::{build_proposer, DrafterSpec};
+    let case = fixture_cases().into_iter().find(|c| c.ends_with("fitted")).expect("the fitted fixture");
+    let expected: Value = serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
+    let loaded = LoadedModel::load(&case.join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();
+    let arg = format!("dflash:{},max=3,window=64", case.join("drafter").display());
+    let spec = DrafterSpec::parse(&arg).unwrap();
+    assert_eq!(spec.label(), arg);
+    let mut p = build_proposer(&spec, &loaded).unwrap();
+    assert_eq!(p.name(), "dflash");
+    let prompt = ids(&expected["prompt_ids"]);
+    let max_new = expected["max_new_tokens"].as_u64().unwrap() as usize;
+    let out = engine_generate(&loaded.model, &prompt, max_new, Some(p.as_mut()), 7);
+    assert_eq!(out.tokens, ids(&expected["output_ids"]));
+    assert!(out.trace.iter().all(|s| s.draft.len() <= 3));
+    assert!(out.trace.iter().any(|s| s.accepted > 0));
+
+    // The same drafter for a target it does not fit: refused with the reason.
+    let other = fixture_cases().into_iter().find(|c| c.ends_with("layers_mismatch")).unwrap();
+    let spec = DrafterSpec::parse(&format!("dflash:{}", other.join("drafter").display())).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    write_target(&tmp.path().join("target"), 9);
+    std::fs::copy(case.join("target/tokenizer.json"), tmp.path().join("target/tokenizer.json")).unwrap();
+    let narrow = LoadedModel::load(&tmp.path().join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();
+    let err = build_proposer(&spec, &narrow).err().expect("hidden sizes differ");
+    assert!(format!("{err:#}").contains("hidden size mismatch"), "{err:#}");
+    assert!(DrafterSpec::parse("dflash:").is_err());
 }
 
 // ---------------------------------------------------------------------------------------------

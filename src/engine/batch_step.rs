@@ -5,7 +5,7 @@
 //! their prompt, all in one forward.
 
 use super::draft_budget::{DraftBid, StepCostModel};
-use super::generate::{commit, TokenEvent};
+use super::generate::{commit, TokenEvent, TokenSource};
 use super::loaded::LoadedModel;
 use super::metrics::SpecMetrics;
 use super::request::{Completion, EngineEvent, EngineRequest, SubmitError, TokenChunk, Usage};
@@ -230,6 +230,8 @@ struct Active {
     proposer: Option<Box<dyn Proposer>>,
     policy: Option<AdaptiveState>,
     metrics: SpecMetrics,
+    /// Accepted draft tokens that were committed (a stop token ends a commit early).
+    drafts_delivered: u64,
     /// The proposer must (re)start from the committed tokens before the next forward.
     needs_begin: bool,
     /// Admitted at least once (it no longer counts as queued).
@@ -268,7 +270,7 @@ impl Active {
             prompt_tokens: self.seq.prompt_len,
             completion_tokens: self.seq.generated().len(),
             draft_n: self.metrics.drafted,
-            draft_n_accepted: self.metrics.accepted,
+            draft_n_accepted: self.drafts_delivered,
             verify_steps: self.metrics.steps,
             preemptions: self.preemptions,
         }
@@ -380,6 +382,7 @@ impl Worker {
             proposer,
             policy,
             metrics: SpecMetrics::default(),
+            drafts_delivered: 0,
             needs_begin: true,
             admitted: false,
             preemptions: 0,
@@ -470,6 +473,7 @@ impl Worker {
         }
 
         // Proposers (re)start where needed, then draft.
+        let stop_ids = &self.stop_ids;
         let mut drafts: Vec<Draft> = Vec::with_capacity(plan.slots.len());
         for slot in &plan.slots {
             let a = &mut self.sched.running[slot.index];
@@ -484,7 +488,9 @@ impl Worker {
                         SlotKind::Decode { draft: k } if k > 0 => {
                             let t = Instant::now();
                             let mut d = p.propose(&a.seq.tokens, k)?;
-                            d.tokens.truncate(k);
+                            // Nothing after a stop token can be committed: do not verify it.
+                            let stop = d.tokens.iter().position(|t| stop_ids.contains(t) || a.seq.params.stop_token_ids.contains(t));
+                            d.tokens.truncate(k.min(stop.map_or(usize::MAX, |i| i + 1)));
                             if let Some(probs) = d.probs.as_mut() {
                                 probs.truncate(d.tokens.len());
                             }
@@ -659,7 +665,6 @@ impl Worker {
             a.metrics.verify_secs += forward_secs * out.row_ranges[j].len() as f64 / total_rows as f64;
             self.totals.verify_steps += 1;
             self.totals.drafted += draft.tokens.len() as u64;
-            self.totals.accepted += verdict.accepted as u64;
         }
 
         let mut chunk = TokenChunk::default();
@@ -674,6 +679,9 @@ impl Worker {
         };
         let finish = commit(&mut a.seq, &committed, verdict.accepted, stop_ids, &mut on_token, ctx);
         self.totals.generated_tokens += chunk.ids.len() as u64;
+        let from_draft = chunk.sources.iter().filter(|s| **s == TokenSource::Draft).count() as u64;
+        a.drafts_delivered += from_draft;
+        self.totals.accepted += from_draft;
         if !chunk.is_empty() {
             a.send(EngineEvent::Tokens(chunk));
         }

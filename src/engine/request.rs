@@ -42,7 +42,8 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Draft tokens proposed for this request.
     pub draft_n: u64,
-    /// Draft tokens the target accepted.
+    /// Draft tokens the target accepted and the request received (an accepted stop token
+    /// is not counted: it ends the output instead of joining it).
     pub draft_n_accepted: u64,
     /// Target forward steps after the first token (each commits accepted drafts + 1).
     pub verify_steps: u64,

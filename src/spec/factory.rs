@@ -18,6 +18,8 @@ pub enum DrafterSpec {
     Ngram { max_ngram: usize },
     /// `draft-model:KEY|PATH`.
     DraftModel { model: String },
+    /// `dflash:PATH[,block=N][,max=N][,window=N]`: a z-lab DFlash drafter directory (docs/dflash.md).
+    Dflash { path: PathBuf, settings: super::dflash::DflashSettings },
 }
 
 impl DrafterSpec {
@@ -39,7 +41,11 @@ impl DrafterSpec {
                 Some(m) if !m.is_empty() => DrafterSpec::DraftModel { model: m.to_string() },
                 _ => bail!("draft-model needs a model: --drafter draft-model:KEY|PATH"),
             },
-            other => bail!("unknown drafter `{other}` (available: ngram[:N], draft-model:MODEL)"),
+            "dflash" => {
+                let (path, settings) = super::dflash::parse_drafter_arg(arg.unwrap_or(""))?;
+                DrafterSpec::Dflash { path, settings }
+            }
+            other => bail!("unknown drafter `{other}` (available: ngram[:N], draft-model:MODEL, dflash:PATH)"),
         })
     }
 
@@ -48,6 +54,7 @@ impl DrafterSpec {
         match self {
             DrafterSpec::Ngram { max_ngram } => format!("ngram:{max_ngram}"),
             DrafterSpec::DraftModel { model } => format!("draft-model:{model}"),
+            DrafterSpec::Dflash { path, settings } => super::dflash::drafter_label(path, settings),
         }
     }
 }
@@ -64,6 +71,9 @@ pub fn build_proposer(spec: &DrafterSpec, target: &LoadedModel) -> Result<Box<dy
             })?;
             let kv_tokens = target.model.config.context_len.min(draft.model.config.context_len).min(32_768);
             Ok(Box::new(DraftModelProposer::new(draft.model.clone(), kv_tokens, target.stop_ids())))
+        }
+        DrafterSpec::Dflash { path, settings } => {
+            Ok(Box::new(super::dflash::build_proposer(path, settings, &target.model)?))
         }
     }
 }

@@ -33,3 +33,71 @@ pub fn load_for_target(dir: &Path, target: &Transformer, device: &Device) -> Res
     config.check_target(&target.config).with_context(|| format!("DFlash drafter {} cannot draft for this target", dir.display()))?;
     DflashDrafter::load(dir, device)
 }
+
+/// Parses the argument of `--drafter dflash:ARG`: a drafter directory, optionally followed by
+/// `,block=N`, `,max=N` and `,window=N` (settings are peeled off the end, so the path itself may
+/// contain commas).
+pub fn parse_drafter_arg(arg: &str) -> Result<(std::path::PathBuf, DflashSettings)> {
+    let mut settings = DflashSettings::default();
+    let mut path = arg;
+    while let Some((head, last)) = path.rsplit_once(',') {
+        let Some((key, value)) = last.split_once('=') else { break };
+        let slot = match key.trim() {
+            "block" => &mut settings.block_size,
+            "max" => &mut settings.max_draft,
+            "window" => &mut settings.context_window,
+            _ => break,
+        };
+        let n = value.trim().parse::<usize>().ok().filter(|&n| n >= 1).with_context(|| {
+            format!("dflash setting `{key}` needs a positive whole number, got `{value}`")
+        })?;
+        if slot.replace(n).is_some() {
+            anyhow::bail!("dflash setting `{key}` given twice");
+        }
+        path = head;
+    }
+    if path.is_empty() {
+        anyhow::bail!("dflash needs a drafter directory: --drafter dflash:PATH[,block=N][,max=N][,window=N]");
+    }
+    if settings.block_size == Some(1) {
+        anyhow::bail!("dflash block=1 leaves no room for a draft (the block holds the anchor and the masks)");
+    }
+    Ok((std::path::PathBuf::from(path), settings))
+}
+
+/// `dflash:PATH,...` as written back for labels (settings in a fixed order).
+pub fn drafter_label(path: &Path, settings: &DflashSettings) -> String {
+    let mut label = format!("dflash:{}", path.display());
+    for (key, value) in [("block", settings.block_size), ("max", settings.max_draft), ("window", settings.context_window)] {
+        if let Some(v) = value {
+            label.push_str(&format!(",{key}={v}"));
+        }
+    }
+    label
+}
+
+/// A fresh DFlash proposer for one sequence of `target`. The drafter's weights are loaded once
+/// per process (per directory) and shared; each proposer has its own context cache. The drafter
+/// is checked against `target` every time (cheap), so one directory can serve only targets it
+/// fits.
+pub fn build_proposer(dir: &Path, settings: &DflashSettings, target: &Transformer) -> Result<DflashProposer> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+    static LOADED: OnceLock<Mutex<HashMap<std::path::PathBuf, Arc<DflashDrafter>>>> = OnceLock::new();
+    let key = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let cache = LOADED.get_or_init(Default::default);
+    let hit = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+    let drafter = match hit {
+        Some(d) => {
+            let why = || format!("DFlash drafter {} cannot draft for this target", dir.display());
+            d.config.check_target(&target.config).with_context(why)?;
+            d
+        }
+        None => {
+            let d = Arc::new(load_for_target(dir, target, target.device())?);
+            cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, d.clone());
+            d
+        }
+    };
+    DflashProposer::new(drafter, TargetHead::of(target), settings.clone())
+}

@@ -38,7 +38,14 @@ impl TargetHead {
 
     /// From the parts directly (tests, tools): `embedding` and `lm_head` `[vocab, hidden]`, the
     /// final norm weight `[hidden]`, and the target's depth.
-    pub fn from_parts(embedding: Arc<QTensor>, final_norm: Tensor, rms_eps: f64, n_layers: usize, lm_head: TargetLinear, device: &Device) -> Self {
+    pub fn from_parts(
+        embedding: Arc<QTensor>,
+        final_norm: Tensor,
+        rms_eps: f64,
+        n_layers: usize,
+        lm_head: TargetLinear,
+        device: &Device,
+    ) -> Self {
         Self { embedding, final_norm, rms_eps, n_layers, lm_head, device: device.clone() }
     }
 
@@ -380,7 +387,10 @@ impl DflashDrafter {
             own_scores
         };
         let scores = match mask {
-            Some(m) => scores.reshape((c.n_kv_heads, groups, n, ctx_len + n))?.broadcast_add(m)?.reshape((c.n_kv_heads, groups * n, ctx_len + n))?,
+            Some(m) => scores
+                .reshape((c.n_kv_heads, groups, n, ctx_len + n))?
+                .broadcast_add(m)?
+                .reshape((c.n_kv_heads, groups * n, ctx_len + n))?,
             None => scores,
         };
         let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;

@@ -313,3 +313,17 @@ fn the_last_target_layer_is_tapped_after_the_final_norm_as_in_hugging_face() {
         }
     }
 }
+
+#[test]
+fn drafter_arguments_parse_settings_off_the_end() {
+    let (path, s) = parse_drafter_arg("/m/Qwen3-8B-DFlash-b16").unwrap();
+    assert_eq!((path.to_str().unwrap(), s), ("/m/Qwen3-8B-DFlash-b16", DflashSettings::default()));
+    let (path, s) = parse_drafter_arg("/m/a,b,block=8,window=4096,max=5").unwrap();
+    assert_eq!(path.to_str().unwrap(), "/m/a,b");
+    assert_eq!(s, DflashSettings { block_size: Some(8), max_draft: Some(5), context_window: Some(4096) });
+    assert_eq!(drafter_label(&path, &s), "dflash:/m/a,b,block=8,max=5,window=4096");
+    assert!(parse_drafter_arg("").is_err());
+    assert!(parse_drafter_arg("/m/a,block=0").unwrap_err().to_string().contains("positive"));
+    assert!(parse_drafter_arg("/m/a,block=1").is_err());
+    assert!(parse_drafter_arg("/m/a,max=2,max=3").unwrap_err().to_string().contains("twice"));
+}

@@ -9,10 +9,9 @@ use server_support::*;
 use specula::engine::EngineConfig;
 use specula::server::http_client;
 use specula::server::ServerConfig;
-use specula::spec::DrafterSpec;
 use std::time::Duration;
 
-const GREEDY_TOKENS: usize = 24;
+const GREEDY_TOKENS: usize = 16;
 
 /// Prompts for the equality checks: chat and completion, plain and repetitive.
 fn prompts() -> Vec<(bool, &'static str)> {
@@ -100,8 +99,7 @@ fn greedy_outputs_equal_generate_with_and_without_speculation() {
         let metrics = server.get("/metrics").text();
         assert!(metrics.contains("specula_draft_tokens_total 0\n"), "{metrics}");
     }
-    let config = EngineConfig { drafter: Some(DrafterSpec::parse("ngram").unwrap()), ..EngineConfig::default() };
-    let server = start(config, ServerConfig::new(MODEL_ID));
+    let server = start(ngram_engine(), ServerConfig::new(MODEL_ID));
     let results = check_greedy_equality(&server, &refs);
     let drafts = results.iter().map(|r| r.sources().iter().filter(|s| *s == "draft").count()).sum::<usize>();
     assert!(drafts > 0, "the n-gram drafter should get tokens accepted on the repetitive prompts");
@@ -111,18 +109,18 @@ fn greedy_outputs_equal_generate_with_and_without_speculation() {
 
 #[test]
 fn preemption_recomputes_and_keeps_outputs_exact() {
-    // 10 blocks of 16 tokens: three 40-token prompts growing by 60 tokens cannot all fit.
-    let config = EngineConfig { kv_tokens: 160, ..EngineConfig::default() };
+    // 8 blocks of 16 tokens: three ~40-token prompts growing by 40 tokens cannot all fit.
+    let config = EngineConfig { kv_tokens: 128, ..EngineConfig::default() };
     let server = start(config, ServerConfig::new(MODEL_ID));
     let users = ["Tell me about the moon and the stars.", "Explain what a computer is to a child.", "Describe your favourite food and why."];
-    let refs: Vec<Vec<u32>> = users.iter().map(|u| greedy_reference(&chat_ids(u), 60)).collect();
+    let refs: Vec<Vec<u32>> = users.iter().map(|u| greedy_reference(&chat_ids(u), 40)).collect();
     let addr = server.addr.clone();
     let results: Vec<Streamed> = server.block_on(async {
         let tasks: Vec<_> = users
             .iter()
             .map(|u| {
                 let addr = addr.clone();
-                let body = chat_body(u, 60, true);
+                let body = chat_body(u, 40, true);
                 tokio::spawn(async move { stream_async(&addr, "/v1/chat/completions", &body).await })
             })
             .collect();
@@ -297,7 +295,8 @@ fn disconnecting_clients_cancel_and_free_their_kv_at_once() {
     let addr = server.addr.clone();
     // Streamed: read a few chunks, then hang up.
     server.block_on(async {
-        let body = completion_body("Write a very long essay about the history of the sea.", 2000, true);
+        let mut body = completion_body("Write a very long essay about the history of the sea.", 2000, true);
+        body["ignore_eos"] = json!(true);
         let mut s = http_client::send(&addr, "POST", "/v1/completions", &[], body.to_string().as_bytes()).await.unwrap();
         for _ in 0..3 {
             assert!(s.next_event().await.unwrap().is_some());
@@ -308,7 +307,8 @@ fn disconnecting_clients_cancel_and_free_their_kv_at_once() {
     assert_eq!(h["kv"]["free_blocks"], h["kv"]["total_blocks"]);
     // Not streamed: the client gives up while the request runs.
     server.block_on(async {
-        let body = completion_body("Write a very long essay about mountains.", 2000, false);
+        let mut body = completion_body("Write a very long essay about mountains.", 2000, false);
+        body["ignore_eos"] = json!(true);
         let req = http_client::post_json(&addr, "/v1/completions", &[], &body);
         assert!(tokio::time::timeout(Duration::from_millis(1500), req).await.is_err(), "a 2000-token answer cannot be that fast");
     });
@@ -340,7 +340,8 @@ fn queue_limit_auth_and_graceful_shutdown() {
     assert_eq!(server.post("/v1/chat/completions", &chat_body("hi", 2, false)).status, 401);
 
     // One running, one waiting, the third is refused with 503.
-    let long = completion_body("Write a very long essay about rivers.", 3000, true);
+    let mut long = completion_body("Write a very long essay about rivers.", 3000, true);
+    long["ignore_eos"] = json!(true);
     let (mut first, mut second) = server.block_on(async {
         let mut a = http_client::send(&addr, "POST", "/v1/completions", &key, long.to_string().as_bytes()).await.unwrap();
         assert_eq!(a.status, 200);

@@ -7,7 +7,6 @@ use serde_json::json;
 use server_support::*;
 use specula::engine::{EngineConfig, TextStream};
 use specula::server::ServerConfig;
-use specula::spec::DrafterSpec;
 use std::process::Command;
 use std::time::Duration;
 
@@ -24,7 +23,7 @@ fn official_openai_python_client() {
     // Main server: speculation on (n-gram drafter), a 1024-token context so over-long prompts
     // are cheap to send.
     let main = start(
-        EngineConfig { kv_tokens: 1024, drafter: Some(DrafterSpec::parse("ngram").unwrap()), ..EngineConfig::default() },
+        EngineConfig { kv_tokens: 1024, ..ngram_engine() },
         ServerConfig::new(MODEL_ID),
     );
     // Tiny server: one running and one waiting request at most, an API key.

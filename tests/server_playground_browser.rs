@@ -6,9 +6,7 @@
 mod server_support;
 
 use server_support::*;
-use specula::engine::EngineConfig;
 use specula::server::ServerConfig;
-use specula::spec::DrafterSpec;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -27,10 +25,7 @@ fn playground_streams_coloured_tokens_in_a_headless_browser() {
         eprintln!("SKIPPED: no headless chromium found (apt-get install chromium-headless-shell; .ci/run does)");
         return;
     };
-    let server = start(
-        EngineConfig { drafter: Some(DrafterSpec::parse("ngram").unwrap()), ..EngineConfig::default() },
-        ServerConfig::new(MODEL_ID),
-    );
+    let server = start(ngram_engine(), ServerConfig::new(MODEL_ID));
     // The page itself is served.
     let page = server.get("/");
     assert_eq!(page.status, 200);

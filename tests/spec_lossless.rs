@@ -404,7 +404,7 @@ fn smollm2_prompts(m: &LoadedModel) -> Vec<Vec<u32>> {
     ["def fibonacci(n):", "The capital of France is"].iter().map(|p| m.encode_prompt(p).unwrap()).collect()
 }
 
-const REAL_TOKENS: usize = 32;
+const REAL_TOKENS: usize = 40;
 
 /// Every draft length 1..16 with two drafters each (one that forces rollbacks in nearly every
 /// step, one mostly right), every drafter at 8 lengths; the full cross product runs on the

@@ -44,9 +44,9 @@ pub struct GenerateArgs {
     /// Print one JSON object (text, token ids, timings) instead of streaming.
     #[arg(long)]
     json: bool,
-    /// Speculative decoding drafter: `ngram[:N]` (prompt lookup, n-grams up to N tokens) or
-    /// `draft-model:MODEL` (a smaller model with the same tokenizer). Output is identical to
-    /// decoding without one; only the speed changes.
+    /// Speculative decoding drafter: `ngram[:N]` (prompt lookup over the prompt and output,
+    /// n-grams of N tokens (default 3) down to 2) or `draft-model:MODEL` (a smaller model with
+    /// the same tokenizer). Output is what decoding without one gives; only the speed changes.
     #[arg(long)]
     drafter: Option<String>,
     /// Draft tokens per step with --drafter: a number, or `auto` (measure this model's verify

@@ -30,6 +30,9 @@ pub struct LoadtestArgs {
     /// Ask the server not to speculate (compare against its drafter on the same server).
     #[arg(long)]
     no_speculate: bool,
+    /// Generate exactly --max-tokens per request (the server ignores end-of-sequence tokens).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Print the reports as JSON.
     #[arg(long)]
     json: bool,
@@ -49,6 +52,7 @@ pub fn run(args: LoadtestArgs) -> Result<()> {
             api_key: args.api_key.clone(),
             no_speculate: args.no_speculate,
             model: args.model.clone(),
+            ignore_eos: args.ignore_eos,
             ..LoadConfig::default()
         };
         let report = rt.block_on(run_load(&cfg))?;

@@ -59,6 +59,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_waiting: args.max_queue,
         drafter,
         max_draft: args.max_draft,
+        step_cost: None,
     };
     let engine = Arc::new(Engine::start(loaded, config)?);
     let server_config = ServerConfig {

@@ -42,6 +42,8 @@ pub struct EngineConfig {
     pub drafter: Option<DrafterSpec>,
     /// Longest draft per sequence and step.
     pub max_draft: usize,
+    /// Step-cost curve for the draft budget; None = measured at start (with a drafter).
+    pub step_cost: Option<StepCostModel>,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +56,7 @@ impl Default for EngineConfig {
             max_waiting: 64,
             drafter: None,
             max_draft: 8,
+            step_cost: None,
         }
     }
 }
@@ -122,8 +125,10 @@ impl Engine {
             Some(spec) => {
                 // Fail at start, not on the first request, and load a draft model's weights now.
                 build_proposer(spec, &model).with_context(|| format!("drafter {}", spec.label()))?;
-                let max_rows = config.step_tokens.clamp(1, 64);
-                Some(StepCostModel::measure(&model.model, max_rows)?)
+                match &config.step_cost {
+                    Some(c) => Some(c.clone()),
+                    None => Some(StepCostModel::measure(&model.model, config.step_tokens.clamp(1, 64))?),
+                }
             }
             None => None,
         };
@@ -242,6 +247,8 @@ struct Active {
     done: bool,
     /// Its receiver went away (a client that disconnected).
     abandoned: bool,
+    /// End-of-sequence tokens do not end this request.
+    ignore_eos: bool,
 }
 
 impl SchedSeq for Active {
@@ -373,6 +380,7 @@ impl Worker {
         };
         let policy = proposer.as_ref().map(|_| AdaptiveState::new(self.max_draft, self.curve.clone()));
         let text = TextStream::new(req.params.stop_strings.clone());
+        let ignore_eos = req.ignore_eos;
         let seq = Sequence::new(&req.prompt, self.pool.new_sequence(), req.params);
         self.sched.waiting.push_back(Active {
             seq,
@@ -389,6 +397,7 @@ impl Worker {
             bid: DraftBid::default(),
             done: false,
             abandoned: false,
+            ignore_eos,
         });
     }
 
@@ -489,7 +498,8 @@ impl Worker {
                             let t = Instant::now();
                             let mut d = p.propose(&a.seq.tokens, k)?;
                             // Nothing after a stop token can be committed: do not verify it.
-                            let stop = d.tokens.iter().position(|t| stop_ids.contains(t) || a.seq.params.stop_token_ids.contains(t));
+                            let ends = |t: &u32| (!a.ignore_eos && stop_ids.contains(t)) || a.seq.params.stop_token_ids.contains(t);
+                            let stop = d.tokens.iter().position(ends);
                             d.tokens.truncate(k.min(stop.map_or(usize::MAX, |i| i + 1)));
                             if let Some(probs) = d.probs.as_mut() {
                                 probs.truncate(d.tokens.len());
@@ -677,6 +687,7 @@ impl Worker {
             chunk.pieces.push(piece);
             !text.stopped()
         };
+        let stop_ids: &[u32] = if a.ignore_eos { &[] } else { stop_ids };
         let finish = commit(&mut a.seq, &committed, verdict.accepted, stop_ids, &mut on_token, ctx);
         self.totals.generated_tokens += chunk.ids.len() as u64;
         let from_draft = chunk.sources.iter().filter(|s| **s == TokenSource::Draft).count() as u64;

@@ -55,7 +55,7 @@ impl StepCostModel {
     }
 
     /// Times forwards of 1, 2, 4, … `max_rows` rows (logits for every row) on top of a short
-    /// context, best of three each.
+    /// context, best of three (two for large blocks).
     pub fn measure(model: &Transformer, max_rows: usize) -> Result<Self> {
         const DEPTH: usize = 64;
         let max_rows = max_rows.max(1);
@@ -73,7 +73,8 @@ impl StepCostModel {
         let mut rows = 1;
         loop {
             let mut best = f64::INFINITY;
-            for _ in 0..3 {
+            // Small blocks decide most draft lengths and are cheap to repeat.
+            for _ in 0..if rows <= 8 { 3 } else { 2 } {
                 let t = Instant::now();
                 let mut batch = ForwardBatch::new();
                 batch.push(&block[..rows], &mut cache, LogitsRows::All);

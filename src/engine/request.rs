@@ -12,6 +12,9 @@ pub struct EngineRequest {
     pub params: SamplingParams,
     /// Let the server-wide drafter speculate for this request (when there is one).
     pub speculate: bool,
+    /// Do not stop at the model's end-of-sequence tokens (only at `max_tokens`, the context,
+    /// stop strings or `params.stop_token_ids`).
+    pub ignore_eos: bool,
 }
 
 /// Tokens one step committed for one request.

@@ -42,6 +42,8 @@ pub struct LoadConfig {
     pub no_speculate: bool,
     /// Model id to send (None = the server's default).
     pub model: Option<String>,
+    /// Send `"ignore_eos": true`: every request generates exactly `max_tokens`.
+    pub ignore_eos: bool,
     pub prompts: Vec<String>,
 }
 
@@ -57,6 +59,7 @@ impl Default for LoadConfig {
             api_key: None,
             no_speculate: false,
             model: None,
+            ignore_eos: false,
             prompts: DEFAULT_PROMPTS.iter().map(|s| s.to_string()).collect(),
         }
     }
@@ -190,6 +193,9 @@ async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &str) -> Result<OneRe
     }
     if cfg.no_speculate {
         body["speculate"] = json!(false);
+    }
+    if cfg.ignore_eos {
+        body["ignore_eos"] = json!(true);
     }
     let auth = cfg.api_key.as_ref().map(|k| format!("Bearer {k}"));
     let mut headers = vec![("Content-Type", "application/json")];

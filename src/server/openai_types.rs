@@ -46,6 +46,9 @@ pub struct CompletionRequest {
     pub include_usage: bool,
     /// Extension: `"speculate": false` turns the server's drafter off for this request.
     pub speculate: bool,
+    /// Extension (as in vLLM): `"ignore_eos": true` generates past end-of-sequence tokens,
+    /// up to `max_tokens` (for benchmarks that want fixed lengths).
+    pub ignore_eos: bool,
 }
 
 /// Most stop strings per request.
@@ -172,7 +175,8 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
         Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` must be an object")),
     };
     let speculate = f.boolean("speculate")?.unwrap_or(true);
-    Ok(CompletionRequest { endpoint, model, prompt, params, stream, include_usage: stream && include_usage, speculate })
+    let ignore_eos = f.boolean("ignore_eos")?.unwrap_or(false);
+    Ok(CompletionRequest { endpoint, model, prompt, params, stream, include_usage: stream && include_usage, speculate, ignore_eos })
 }
 
 /// Typed access to a request's fields; `null` reads as absent.
@@ -428,7 +432,8 @@ mod tests {
         let r = parse(
             r#"{"model":"m","messages":[{"role":"developer","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],
                "temperature":0.5,"top_p":0.9,"top_k":-1,"min_p":0.1,"seed":-3,"stop":"x","max_completion_tokens":7,
-               "presence_penalty":0.5,"frequency_penalty":-0.5,"stream":true,"stream_options":{"include_usage":true},"user":"u"}"#,
+               "presence_penalty":0.5,"frequency_penalty":-0.5,"stream":true,"stream_options":{"include_usage":true},"user":"u",
+               "ignore_eos":true}"#,
             Endpoint::Chat,
         )
         .unwrap();
@@ -438,7 +443,7 @@ mod tests {
         assert_eq!(r.params.top_k, 0);
         assert_eq!(r.params.seed, Some((-3i64) as u64));
         assert_eq!(r.params.stop_strings, vec!["x".to_string()]);
-        assert!(r.stream && r.include_usage && r.speculate);
+        assert!(r.stream && r.include_usage && r.speculate && r.ignore_eos);
     }
 
     #[test]

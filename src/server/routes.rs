@@ -139,20 +139,33 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-/// Reads the body, refusing it once it passes the limit (whatever Content-Length claims).
+/// Reads the body, refusing it once it passes the limit (whatever Content-Length claims). An
+/// oversized body is still read (and dropped) up to a few times the limit before the 413 goes
+/// out: a client blocked sending its body would otherwise see a broken connection, not the error.
 async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Vec<u8>, ApiError> {
+    let drain_cap = limit.saturating_mul(8).max(8 << 20);
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let mut stream = body.into_data_stream();
     if declared.is_some_and(|n| n > limit as u64) {
+        if declared.is_some_and(|n| n <= drain_cap as u64) {
+            while let Some(Ok(_)) = stream.next().await {}
+        }
         return Err(ApiError::body_too_large(limit));
     }
-    let mut stream = body.into_data_stream();
     let mut out = Vec::new();
+    let mut seen = 0usize;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ApiError::bad_request(format!("could not read the request body: {e}")))?;
-        if out.len() + chunk.len() > limit {
-            return Err(ApiError::body_too_large(limit));
+        seen += chunk.len();
+        if seen > drain_cap {
+            break;
         }
-        out.extend_from_slice(&chunk);
+        if seen <= limit {
+            out.extend_from_slice(&chunk);
+        }
+    }
+    if seen > limit {
+        return Err(ApiError::body_too_large(limit));
     }
     Ok(out)
 }
@@ -176,7 +189,13 @@ async fn start(
             return Err(ApiError::model_not_found(model));
         }
     }
-    let engine_req = prepare(state, &req)?;
+    // Tokenizing (and rendering a chat template) can take a while for a long prompt: keep it
+    // off the async workers.
+    let st = state.clone();
+    let engine_req = tokio::task::spawn_blocking(move || prepare(&st, &req).map(|r| (r, req)))
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
+    let (engine_req, req) = engine_req;
     let rx = state.engine.submit(engine_req).map_err(|e| match e {
         SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string()),
         SubmitError::Stopped => ApiError::shutting_down(),
@@ -243,7 +262,7 @@ fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, A
         None if req.endpoint == Endpoint::Completion => Some(COMPLETION_DEFAULT_MAX_TOKENS.min(room)),
         None => Some(room),
     };
-    Ok(EngineRequest { prompt, params, speculate: req.speculate })
+    Ok(EngineRequest { prompt, params, speculate: req.speculate, ignore_eos: req.ignore_eos })
 }
 
 async fn collect_response(

@@ -11,10 +11,16 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// Shortest n-gram the `ngram` drafter matches (unless `ngram:1` asks for single tokens).
+pub const MIN_NGRAM: usize = 2;
+
 /// A parsed `--drafter` value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DrafterSpec {
-    /// `ngram` or `ngram:N` (longest n-gram to match; shorter ones down to 1 are tried next).
+    /// `ngram` or `ngram:N`: n-grams of N tokens (default 3) down to 2 are matched, longest
+    /// first (`ngram:1` matches single tokens). Single-token matches are not tried otherwise:
+    /// their drafts are accepted too rarely (~10–20% on chat output) to pay for verifying them
+    /// where verification is dear, as on a CPU.
     Ngram { max_ngram: usize },
     /// `draft-model:KEY|PATH`.
     DraftModel { model: String },
@@ -63,7 +69,7 @@ impl DrafterSpec {
 /// once per process and shared by every proposer built from them; each proposer has its own KV.
 pub fn build_proposer(spec: &DrafterSpec, target: &LoadedModel) -> Result<Box<dyn Proposer>> {
     match spec {
-        DrafterSpec::Ngram { max_ngram } => Ok(Box::new(NgramProposer::new(1, *max_ngram)?)),
+        DrafterSpec::Ngram { max_ngram } => Ok(Box::new(NgramProposer::new(MIN_NGRAM.min(*max_ngram), *max_ngram)?)),
         DrafterSpec::DraftModel { model } => {
             let path = crate::fetch::resolve_model(model, true)?;
             let draft = load_draft_model(&path, &target.tokenizer).with_context(|| {

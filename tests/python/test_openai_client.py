@@ -240,7 +240,7 @@ def main():
     def _():
         with client.chat.completions.with_streaming_response.create(
                 model=MODEL, messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
-                max_tokens=900, temperature=0, stream=True) as resp:
+                max_tokens=900, temperature=0, stream=True, extra_body={"ignore_eos": True}) as resp:
             lines = 0
             for line in resp.iter_lines():
                 if line.startswith("data:"):
@@ -256,7 +256,8 @@ def main():
         tiny = openai.OpenAI(base_url=args.tiny_url, api_key="sekrit", max_retries=0, timeout=300)
         wrong = openai.OpenAI(base_url=args.tiny_url, api_key="nope", max_retries=0, timeout=60)
         expect_error(lambda: wrong.models.list(), openai.AuthenticationError, 401, code="invalid_api_key")
-        long_req = dict(model=MODEL, prompt="Write a very long essay about rivers.", max_tokens=3000, temperature=0, stream=True)
+        long_req = dict(model=MODEL, prompt="Write a very long essay about rivers.", max_tokens=3000, temperature=0, stream=True,
+                        extra_body={"ignore_eos": True})
         first = tiny.completions.create(**long_req)
         next(iter(first))  # running
         second_started = threading.Event()

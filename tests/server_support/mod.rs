@@ -39,6 +39,25 @@ pub fn start(engine: EngineConfig, server: ServerConfig) -> TestServer {
     TestServer { handle: Some(handle), engine, addr, rt }
 }
 
+/// Engine settings with the n-gram drafter. The step-cost curve is a typical CPU one (flat
+/// for a few rows, then linear) instead of being measured, to keep the tests short; the
+/// measurement itself runs in the CLI test.
+pub fn ngram_engine() -> EngineConfig {
+    EngineConfig {
+        drafter: Some(specula::spec::DrafterSpec::parse("ngram").unwrap()),
+        step_cost: Some(specula::engine::StepCostModel::from_points(vec![
+            (1, 0.010),
+            (2, 0.0105),
+            (4, 0.011),
+            (8, 0.016),
+            (16, 0.028),
+            (32, 0.052),
+            (64, 0.100),
+        ])),
+        ..EngineConfig::default()
+    }
+}
+
 pub fn start_default() -> TestServer {
     start(EngineConfig::default(), ServerConfig::new(MODEL_ID))
 }

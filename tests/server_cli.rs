@@ -1,0 +1,100 @@
+//! `specula serve` and `specula loadtest` as programs: the server binds a free port, the load
+//! tool drives it and reports, SIGTERM shuts the server down gracefully mid-stream.
+
+use serde_json::{json, Value};
+use specula::server::http_client;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn specula() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_specula"))
+}
+
+#[test]
+fn serve_loadtest_and_sigterm() {
+    let mut server = specula()
+        .args(["serve", "--port", "0", "--drafter", "ngram", "--shutdown-grace-secs", "1", "--kv-tokens", "2048"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The address is announced on stderr once the model is loaded.
+    let mut stderr = BufReader::new(server.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "the server exited before listening");
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let health: Value = rt.block_on(http_client::request(&addr, "GET", "/health", &[], b"")).unwrap().json().unwrap();
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["drafter"], "ngram:3");
+    assert!(health["step_cost_ms"].as_array().is_some_and(|a| !a.is_empty()), "{health}");
+
+    // The load tool, with and without speculation, as JSON.
+    for extra in [&[][..], &["--no-speculate"][..]] {
+        let out = specula()
+            .args(["loadtest", "--url", &format!("http://{addr}"), "--clients", "1,2", "--requests", "3", "--max-tokens", "8", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let reports: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let reports = reports.as_array().unwrap();
+        assert_eq!(reports.len(), 2);
+        for (r, clients) in reports.iter().zip([1, 2]) {
+            assert_eq!(r["clients"], clients);
+            assert_eq!(r["requests_ok"], 3, "{r}");
+            assert_eq!(r["errors"], 0, "{r}");
+            assert!(r["completion_tokens"].as_u64().unwrap() > 0);
+            assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+            assert!(r["ttft_p50_ms"].as_f64().unwrap() > 0.0);
+            assert!(r["ttft_p99_ms"].as_f64().unwrap() >= r["ttft_p50_ms"].as_f64().unwrap());
+            if extra.is_empty() {
+                assert!(r["draft_n"].as_u64().is_some());
+            } else {
+                assert_eq!(r["draft_n"], 0, "speculate: false turns the drafter off");
+            }
+        }
+    }
+    // Only loopback targets.
+    let out = specula().args(["loadtest", "--url", "http://10.1.2.3:8080", "--requests", "1"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("loopback"));
+
+    // SIGTERM mid-stream: the stream ends cleanly ([DONE] after an error event once the grace
+    // period is over), and the server exits 0.
+    let ended = rt.block_on(async {
+        let body = json!({"prompt": "Write a long essay about clouds.", "max_tokens": 1500, "stream": true, "ignore_eos": true});
+        let mut s = http_client::send(&addr, "POST", "/v1/completions", &[], body.to_string().as_bytes()).await.unwrap();
+        assert!(s.next_event().await.unwrap().is_some());
+        let status = Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap();
+        assert!(status.success());
+        let mut last = None;
+        while let Some(data) = s.next_event().await.unwrap() {
+            if data == "[DONE]" {
+                return last;
+            }
+            last = Some(data);
+        }
+        panic!("stream ended without [DONE]");
+    });
+    let last: Value = serde_json::from_str(&ended.unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "server_shutting_down", "{last}");
+    let start = Instant::now();
+    let code = loop {
+        if let Some(status) = server.try_wait().unwrap() {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(code.success(), "exit status {code:?}");
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+    assert!(rest.contains("shutting down") && rest.contains("stopped"), "{rest}");
+}

@@ -33,27 +33,14 @@ pub struct Prompt {
 }
 
 /// Sets used to measure quality and speed: never train on them.
-pub const EVALUATION_SETS: &[&str] = &[
-    "gsm8k-100",
-    "gsm8k-fewshot",
-    "humaneval",
-    "mt-bench",
-    "math500",
-];
+pub const EVALUATION_SETS: &[&str] = &["gsm8k-100", "gsm8k-fewshot", "humaneval", "mt-bench", "math500"];
 
 /// Sets that may feed training (drafter heads and the like); prompts only.
 pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy", "humaneval-rust"];
 
 /// Sets [`load`] turns into prompts.
-pub const PROMPT_SETS: &[&str] = &[
-    "gsm8k-100",
-    "humaneval",
-    "mt-bench",
-    "math500",
-    "sharegpt",
-    "fastchat-dummy",
-    "humaneval-rust",
-];
+pub const PROMPT_SETS: &[&str] =
+    &["gsm8k-100", "humaneval", "mt-bench", "math500", "sharegpt", "fastchat-dummy", "humaneval-rust"];
 
 pub fn is_evaluation_set(key: &str) -> bool {
     EVALUATION_SETS.contains(&key)
@@ -74,22 +61,15 @@ pub fn load(key: &str, limit: Option<usize>) -> Result<Vec<Prompt>> {
 pub fn load_from_path(key: &str, path: &Path, limit: Option<usize>) -> Result<Vec<Prompt>> {
     check_prompt_set(key)?;
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    parse(key, &bytes, limit.unwrap_or(usize::MAX))
-        .with_context(|| format!("parsing {} ({key})", path.display()))
+    parse(key, &bytes, limit.unwrap_or(usize::MAX)).with_context(|| format!("parsing {} ({key})", path.display()))
 }
 
 fn check_prompt_set(key: &str) -> Result<()> {
     if key == "gsm8k-fewshot" {
-        bail!(
-            "gsm8k-fewshot holds few-shot examples, not prompts; its file is {}",
-            fetch_path_hint(key)
-        );
+        bail!("gsm8k-fewshot holds few-shot examples, not prompts; its file is {}", fetch_path_hint(key));
     }
     if !PROMPT_SETS.contains(&key) {
-        bail!(
-            "unknown prompt set `{key}`; known: {}",
-            PROMPT_SETS.join(", ")
-        );
+        bail!("unknown prompt set `{key}`; known: {}", PROMPT_SETS.join(", "));
     }
     Ok(())
 }
@@ -109,11 +89,7 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                 final_answer: String,
             }
             for_each_json_line(bytes, limit, |row: Row| {
-                prompts.push(chat(
-                    format!("gsm8k-100/{}", row.id),
-                    row.question,
-                    Some(row.final_answer),
-                ));
+                prompts.push(chat(format!("gsm8k-100/{}", row.id), row.question, Some(row.final_answer)));
                 true
             })?;
         }
@@ -155,19 +131,12 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                 data_source: String,
                 data_source_id: u64,
             }
-            let rows: Vec<Row> =
-                serde_json::from_slice(bytes).context("expected a JSON array of problems")?;
+            let rows: Vec<Row> = serde_json::from_slice(bytes).context("expected a JSON array of problems")?;
             prompts.extend(
                 rows.into_iter()
                     .filter(|r| r.data_source == "MATH500")
                     .take(limit)
-                    .map(|r| {
-                        chat(
-                            format!("math500/{}", r.data_source_id),
-                            r.question,
-                            Some(r.answer),
-                        )
-                    }),
+                    .map(|r| chat(format!("math500/{}", r.data_source_id), r.question, Some(r.answer))),
             );
         }
         "sharegpt" | "fastchat-dummy" => {
@@ -185,12 +154,7 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
 }
 
 fn chat(id: String, text: String, reference: Option<String>) -> Prompt {
-    Prompt {
-        id,
-        text,
-        kind: PromptKind::Chat,
-        reference,
-    }
+    Prompt { id, text, kind: PromptKind::Chat, reference }
 }
 
 /// A ShareGPT-format chat (ShareGPT itself and FastChat's dummy conversations).
@@ -220,11 +184,7 @@ impl Conversation {
 }
 
 /// Calls `visit` for each non-blank JSON line until it returns false or `limit` rows were kept.
-fn for_each_json_line<T: DeserializeOwned>(
-    bytes: &[u8],
-    limit: usize,
-    mut visit: impl FnMut(T) -> bool,
-) -> Result<()> {
+fn for_each_json_line<T: DeserializeOwned>(bytes: &[u8], limit: usize, mut visit: impl FnMut(T) -> bool) -> Result<()> {
     let mut seen = 0;
     for (index, line) in bytes.split(|&b| b == b'\n').enumerate() {
         if seen >= limit {
@@ -246,10 +206,7 @@ fn for_each_json_line<T: DeserializeOwned>(
 /// it returns false. An array cut off mid-element (the ShareGPT file inside its wheel is) ends the
 /// walk quietly after the last complete element; any other malformation is an error. Returns how
 /// many elements were decoded.
-fn for_each_in_json_array<T: DeserializeOwned>(
-    bytes: &[u8],
-    mut visit: impl FnMut(T) -> bool,
-) -> Result<usize> {
+fn for_each_in_json_array<T: DeserializeOwned>(bytes: &[u8], mut visit: impl FnMut(T) -> bool) -> Result<usize> {
     let skip_ws = |mut pos: usize| {
         while pos < bytes.len() && bytes[pos].is_ascii_whitespace() {
             pos += 1;
@@ -273,9 +230,7 @@ fn for_each_in_json_array<T: DeserializeOwned>(
         match stream.next() {
             None => return Ok(count),
             Some(Err(err)) if err.is_eof() => return Ok(count), // cut off inside an element
-            Some(Err(err)) => {
-                return Err(err).with_context(|| format!("array element {count} at byte {pos}"))
-            }
+            Some(Err(err)) => return Err(err).with_context(|| format!("array element {count} at byte {pos}")),
             Some(Ok(value)) => {
                 pos += stream.byte_offset();
                 count += 1;
@@ -288,10 +243,9 @@ fn for_each_in_json_array<T: DeserializeOwned>(
         match bytes.get(pos) {
             Some(b',') => pos += 1,
             Some(b']') | None => return Ok(count),
-            Some(&other) => bail!(
-                "expected `,` or `]` after array element {count} at byte {pos}, found `{}`",
-                other as char
-            ),
+            Some(&other) => {
+                bail!("expected `,` or `]` after array element {count} at byte {pos}, found `{}`", other as char)
+            }
         }
     }
 }
@@ -319,16 +273,12 @@ mod tests {
             true
         })
         .unwrap();
-        assert_eq!(
-            (n, seen),
-            (3, vec!["a".to_string(), "b".into(), "c".into()])
-        );
+        assert_eq!((n, seen), (3, vec!["a".to_string(), "b".into(), "c".into()]));
     }
 
     #[test]
     fn array_walk_handles_complete_empty_and_cut_between_elements() {
-        let count =
-            |bytes: &[u8]| for_each_in_json_array(bytes, |_: serde_json::Value| true).unwrap();
+        let count = |bytes: &[u8]| for_each_in_json_array(bytes, |_: serde_json::Value| true).unwrap();
         assert_eq!(count(b" [ ] "), 0);
         assert_eq!(count(b"[1, {\"a\": [2]}, \"x\"]"), 3);
         assert_eq!(count(b"[{\"a\": 1},\n  "), 1);
@@ -357,24 +307,14 @@ mod tests {
                         {"id": "3", "conversations": [{"from": "human", "value": "three"}]},
                         {"id": "4", "conversations": [{"from": "human", "value": "four"}]}]"#;
         let prompts = parse("fastchat-dummy", text, 2).unwrap();
-        assert_eq!(
-            prompts.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(),
-            ["one", "three"]
-        );
+        assert_eq!(prompts.iter().map(|p| p.text.as_str()).collect::<Vec<_>>(), ["one", "three"]);
     }
 
     #[test]
     fn jsonl_sets_read_their_fields() {
         let gsm = "{\"id\": \"0000\", \"id_orig\": 473, \"question\": \"Q?\", \"answer\": \"x\\n#### 10\", \"final_answer\": \"10\"}\n\n";
         let p = parse("gsm8k-100", gsm.as_bytes(), usize::MAX).unwrap();
-        assert_eq!(
-            p,
-            vec![chat(
-                "gsm8k-100/0000".into(),
-                "Q?".into(),
-                Some("10".into())
-            )]
-        );
+        assert_eq!(p, vec![chat("gsm8k-100/0000".into(), "Q?".into(), Some("10".into()))]);
 
         let he = "{\"task_id\": \"HumanEval/0\", \"prompt\": \"def f():\\n\", \"canonical_solution\": \"    return 1\\n\", \"entry_point\": \"f\"}\n";
         let p = parse("humaneval", he.as_bytes(), usize::MAX).unwrap();
@@ -386,12 +326,7 @@ mod tests {
         let p = parse("mt-bench", mt.as_bytes(), 1).unwrap();
         assert_eq!(p, vec![chat("mt-bench/81".into(), "first".into(), None)]);
 
-        let err = parse(
-            "mt-bench",
-            b"{\"question_id\": 1, \"turns\": [\"a\"]}\nnot json\n",
-            usize::MAX,
-        )
-        .unwrap_err();
+        let err = parse("mt-bench", b"{\"question_id\": 1, \"turns\": [\"a\"]}\nnot json\n", usize::MAX).unwrap_err();
         assert!(format!("{err:#}").contains("line 2"), "{err:#}");
     }
 
@@ -400,14 +335,7 @@ mod tests {
         let json = r#"[{"question": "AIME q", "answer": "204", "data_source": "AIME2024", "data_source_id": 0, "lang": "en", "gid": 1},
                        {"question": "How many divisors does 196 have?", "answer": "9", "data_source": "MATH500", "data_source_id": 3, "lang": "en", "gid": 63}]"#;
         let p = parse("math500", json.as_bytes(), usize::MAX).unwrap();
-        assert_eq!(
-            p,
-            vec![chat(
-                "math500/3".into(),
-                "How many divisors does 196 have?".into(),
-                Some("9".into())
-            )]
-        );
+        assert_eq!(p, vec![chat("math500/3".into(), "How many divisors does 196 have?".into(), Some("9".into()))]);
     }
 
     #[test]
@@ -419,20 +347,14 @@ mod tests {
             assert!(!is_evaluation_set(key), "{key}");
         }
         for key in EVALUATION_SETS.iter().chain(TRAINING_SETS) {
-            assert!(
-                fetch::find_asset(key).is_some(),
-                "{key} has no fetchable asset"
-            );
+            assert!(fetch::find_asset(key).is_some(), "{key} has no fetchable asset");
         }
     }
 
     #[test]
     fn unknown_or_non_prompt_sets_error_clearly() {
         let err = load("no-such-set", None).unwrap_err().to_string();
-        assert!(
-            err.contains("unknown prompt set") && err.contains("sharegpt"),
-            "{err}"
-        );
+        assert!(err.contains("unknown prompt set") && err.contains("sharegpt"), "{err}");
         let err = load("gsm8k-fewshot", None).unwrap_err().to_string();
         assert!(err.contains("few-shot examples"), "{err}");
     }
@@ -459,10 +381,7 @@ mod tests {
         }
         let path = fetch::fetch("sharegpt", false).unwrap();
         let bytes = std::fs::read(path).unwrap();
-        assert_eq!(
-            for_each_in_json_array(&bytes, |_: Conversation| true).unwrap(),
-            17_671
-        );
+        assert_eq!(for_each_in_json_array(&bytes, |_: Conversation| true).unwrap(), 17_671);
         let sharegpt = load("sharegpt", None).unwrap();
         // 17,671 complete chats, of which 17,384 have a non-blank first human turn.
         assert_eq!(sharegpt.len(), 17_384);

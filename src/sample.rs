@@ -84,10 +84,7 @@ pub struct InvalidSamplingParams {
 impl SamplingParams {
     /// Deterministic argmax decoding with no filters or penalties.
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, ..Self::default() }
     }
 
     /// Whether tokens are chosen by argmax (`temperature <= 0`).
@@ -105,30 +102,17 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<(), InvalidSamplingParams> {
         let fail = |field, reason: String| Err(InvalidSamplingParams { field, reason });
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return fail(
-                "temperature",
-                format!(
-                    "must be a finite number >= 0 (0 = greedy), got {}",
-                    self.temperature
-                ),
-            );
+            return fail("temperature", format!("must be a finite number >= 0 (0 = greedy), got {}", self.temperature));
         }
         if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
-            return fail(
-                "top_p",
-                format!("must be in (0, 1] (1 = off), got {}", self.top_p),
-            );
+            return fail("top_p", format!("must be in (0, 1] (1 = off), got {}", self.top_p));
         }
         if !(self.min_p.is_finite() && (0.0..=1.0).contains(&self.min_p)) {
-            return fail(
-                "min_p",
-                format!("must be in [0, 1] (0 = off), got {}", self.min_p),
-            );
+            return fail("min_p", format!("must be in [0, 1] (0 = off), got {}", self.min_p));
         }
-        for (field, value) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
+        for (field, value) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
             if !(value.is_finite() && (-2.0..=2.0).contains(&value)) {
                 return fail(field, format!("must be in [-2, 2], got {value}"));
             }
@@ -167,14 +151,7 @@ impl SamplerRng {
     pub fn from_seed(seed: u64) -> Self {
         let mut sm = seed;
         // SplitMix64 outputs are never all zero for four consecutive draws, so the state is valid.
-        Self {
-            state: [
-                splitmix64(&mut sm),
-                splitmix64(&mut sm),
-                splitmix64(&mut sm),
-                splitmix64(&mut sm),
-            ],
-        }
+        Self { state: [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)] }
     }
 
     /// Seeded from the operating system's entropy (for requests without a seed).
@@ -287,11 +264,7 @@ fn keep_top_p(candidates: &mut Vec<Candidate>, top_p: f64) {
 /// The surviving tokens and their normalised probabilities, in no particular order.
 /// Requires `!params.is_greedy()` and a non-empty `logits`.
 fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|v| !v.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         // Nothing is possible (all -inf or NaN): fall back to the argmax rather than divide by 0.
         return vec![(argmax(logits), 1.0)];
@@ -303,16 +276,8 @@ fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64
         .filter(|(_, &l)| l > f32::NEG_INFINITY) // also drops NaN
         .map(|(i, &l)| {
             // `l == max` first: keeps +inf logits finite (inf - inf would be NaN).
-            let weight = if l == max {
-                1.0
-            } else {
-                ((l as f64 - max as f64) * inv_temperature).exp()
-            };
-            Candidate {
-                id: i as u32,
-                logit: l,
-                weight,
-            }
+            let weight = if l == max { 1.0 } else { ((l as f64 - max as f64) * inv_temperature).exp() };
+            Candidate { id: i as u32, logit: l, weight }
         })
         .collect();
 
@@ -330,10 +295,7 @@ fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64
     }
 
     let total: f64 = candidates.iter().map(|c| c.weight).sum();
-    candidates
-        .into_iter()
-        .map(|c| (c.id, c.weight / total))
-        .collect()
+    candidates.into_iter().map(|c| (c.id, c.weight / total)).collect()
 }
 
 /// The distribution [`sample`] draws from: dense, one entry per logit, zeros for filtered-out
@@ -400,11 +362,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SamplerRng) -> 
 /// [`sample`] that also returns the distribution the token was drawn from: what a stochastic
 /// drafter reports as its `q` so that speculative rejection sampling stays exact.
 /// Same token and same `rng` use as [`sample`].
-pub fn sample_with_probabilities(
-    logits: &[f32],
-    params: &SamplingParams,
-    rng: &mut SamplerRng,
-) -> (u32, Vec<f32>) {
+pub fn sample_with_probabilities(logits: &[f32], params: &SamplingParams, rng: &mut SamplerRng) -> (u32, Vec<f32>) {
     let probs = probabilities(logits, params);
     if params.is_greedy() {
         return (argmax(logits), probs);
@@ -416,17 +374,10 @@ pub fn sample_with_probabilities(
 /// Numerically stable `log(softmax(logits))` (max-shifted, accumulated in f64). Used to compare
 /// log-probabilities with reference implementations. NaN logits give NaN.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|v| !v.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
     let shifted = |l: f32| if l == max { 0.0 } else { l as f64 - max as f64 };
     let log_sum: f64 = logits.iter().map(|&l| shifted(l).exp()).sum::<f64>().ln();
-    logits
-        .iter()
-        .map(|&l| (shifted(l) - log_sum) as f32)
-        .collect()
+    logits.iter().map(|&l| (shifted(l) - log_sum) as f32).collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -468,11 +419,7 @@ pub fn apply_penalties(logits: &mut [f32], generated: &[u32], params: &SamplingP
 }
 
 /// [`apply_penalties`] with counts the caller keeps up to date. Ids outside the vocabulary are ignored.
-pub fn apply_penalties_with_counts(
-    logits: &mut [f32],
-    counts: &TokenCounts,
-    params: &SamplingParams,
-) {
+pub fn apply_penalties_with_counts(logits: &mut [f32], counts: &TokenCounts, params: &SamplingParams) {
     if !params.has_penalties() {
         return;
     }
@@ -494,10 +441,7 @@ pub fn apply_penalties_with_counts(
 pub enum StopScan {
     /// `stop_strings[stop_index]` starts at `match_start`: the output is `text[..match_start]`
     /// (the stop string itself is not returned, as in OpenAI) and generation ends.
-    Matched {
-        match_start: usize,
-        stop_index: usize,
-    },
+    Matched { match_start: usize, stop_index: usize },
     /// No stop string occurs. `text[..emit_up_to]` is safe to stream; the rest could be the start
     /// of a stop string and must be held back until more text arrives (or flushed at the end).
     Pending { emit_up_to: usize },
@@ -537,10 +481,7 @@ pub fn scan_stop_strings(text: &str, search_from: usize, stop_strings: &[String]
         .filter_map(|(i, s)| tail.find(s.as_str()).map(|at| (search_from + at, i)))
         .min();
     if let Some((match_start, stop_index)) = earliest {
-        return StopScan::Matched {
-            match_start,
-            stop_index,
-        };
+        return StopScan::Matched { match_start, stop_index };
     }
     // Longest suffix of `text` (within the unsent tail) that is a proper prefix of a stop string.
     let bytes = tail.as_bytes();
@@ -555,9 +496,7 @@ pub fn scan_stop_strings(text: &str, search_from: usize, stop_strings: &[String]
             }
         }
     }
-    StopScan::Pending {
-        emit_up_to: floor_char_boundary(text, text.len() - hold),
-    }
+    StopScan::Pending { emit_up_to: floor_char_boundary(text, text.len() - hold) }
 }
 
 #[cfg(test)]
@@ -566,16 +505,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn params(temperature: f32) -> SamplingParams {
-        SamplingParams {
-            temperature,
-            ..SamplingParams::default()
-        }
+        SamplingParams { temperature, ..SamplingParams::default() }
     }
 
     fn support(probs: &[f32]) -> Vec<u32> {
-        (0..probs.len() as u32)
-            .filter(|&i| probs[i as usize] > 0.0)
-            .collect()
+        (0..probs.len() as u32).filter(|&i| probs[i as usize] > 0.0).collect()
     }
 
     fn ln_all(ps: &[f64]) -> Vec<f32> {
@@ -606,10 +540,7 @@ mod tests {
         let logits = [0.0f32, 1.0, 2.0];
         for t in [0.5f32, 1.0, 2.0] {
             let probs = probabilities(&logits, &params(t));
-            let e: Vec<f64> = logits
-                .iter()
-                .map(|&l| (l as f64 / t as f64).exp())
-                .collect();
+            let e: Vec<f64> = logits.iter().map(|&l| (l as f64 / t as f64).exp()).collect();
             let z: f64 = e.iter().sum();
             for i in 0..3 {
                 assert_close(probs[i], e[i] / z, 1e-6);
@@ -620,15 +551,7 @@ mod tests {
     #[test]
     fn top_k_keeps_exactly_k_with_ties_to_lower_ids() {
         let logits = [1.0f32, 5.0, 3.0, 5.0, 2.0];
-        let p = |k| {
-            probabilities(
-                &logits,
-                &SamplingParams {
-                    top_k: k,
-                    ..params(1.0)
-                },
-            )
-        };
+        let p = |k| probabilities(&logits, &SamplingParams { top_k: k, ..params(1.0) });
         assert_eq!(support(&p(2)), vec![1, 3]);
         assert_eq!(support(&p(1)), vec![1]);
         assert_eq!(support(&p(3)), vec![1, 2, 3]);
@@ -642,15 +565,7 @@ mod tests {
     #[test]
     fn top_p_keeps_the_smallest_prefix_reaching_the_mass() {
         let logits = ln_all(&[0.5, 0.3, 0.15, 0.05]);
-        let p = |top_p| {
-            probabilities(
-                &logits,
-                &SamplingParams {
-                    top_p,
-                    ..params(1.0)
-                },
-            )
-        };
+        let p = |top_p| probabilities(&logits, &SamplingParams { top_p, ..params(1.0) });
         assert_eq!(support(&p(0.4)), vec![0]);
         assert_eq!(support(&p(0.75)), vec![0, 1]);
         assert_eq!(support(&p(0.85)), vec![0, 1, 2]);
@@ -663,15 +578,7 @@ mod tests {
     #[test]
     fn min_p_is_relative_to_the_top_probability() {
         let logits = ln_all(&[0.5, 0.3, 0.15, 0.05]);
-        let p = |min_p| {
-            probabilities(
-                &logits,
-                &SamplingParams {
-                    min_p,
-                    ..params(1.0)
-                },
-            )
-        };
+        let p = |min_p| probabilities(&logits, &SamplingParams { min_p, ..params(1.0) });
         assert_eq!(support(&p(0.25)), vec![0, 1, 2]); // threshold 0.125
         assert_eq!(support(&p(0.5)), vec![0, 1]); // threshold 0.25
         assert_eq!(support(&p(1.0)), vec![0]);
@@ -682,25 +589,15 @@ mod tests {
         let logits = ln_all(&[0.5, 0.3, 0.15, 0.05]);
         // top-k first: after top-2 the survivors are (0.625, 0.375), so top-p 0.6 keeps one token.
         // (top-p first would keep two: 0.5 < 0.6.)
-        let kp = SamplingParams {
-            top_k: 2,
-            top_p: 0.6,
-            ..params(1.0)
-        };
+        let kp = SamplingParams { top_k: 2, top_p: 0.6, ..params(1.0) };
         assert_eq!(support(&probabilities(&logits, &kp)), vec![0]);
         // Temperature before min-p: at T=1 token 3 (0.05 < 0.2 × 0.5) is dropped; at T=4 the
         // distribution flattens (0.05^¼ / 0.5^¼ ≈ 0.56 > 0.2) and it survives.
-        let mp = |t| SamplingParams {
-            min_p: 0.2,
-            ..params(t)
-        };
+        let mp = |t| SamplingParams { min_p: 0.2, ..params(t) };
         assert_eq!(support(&probabilities(&logits, &mp(1.0))), vec![0, 1, 2]);
         assert_eq!(support(&probabilities(&logits, &mp(4.0))), vec![0, 1, 2, 3]);
         // Top-p sees the temperature-scaled distribution: at T=0.2 token 0 alone has > 0.9.
-        let tp = |t| SamplingParams {
-            top_p: 0.9,
-            ..params(t)
-        };
+        let tp = |t| SamplingParams { top_p: 0.9, ..params(t) };
         assert_eq!(support(&probabilities(&logits, &tp(1.0))), vec![0, 1, 2]);
         assert_eq!(support(&probabilities(&logits, &tp(0.2))), vec![0]);
     }
@@ -725,10 +622,7 @@ mod tests {
     fn sample_frequencies_match_probabilities() {
         // Chi-square goodness of fit over the 4 tokens top-k keeps.
         let logits = [0.3f32, -1.0, 2.0, 0.0, 1.1];
-        let p = SamplingParams {
-            top_k: 4,
-            ..params(0.8)
-        };
+        let p = SamplingParams { top_k: 4, ..params(0.8) };
         let probs = probabilities(&logits, &p);
         let mut rng = SamplerRng::from_seed(2024);
         let n = 20_000;
@@ -754,16 +648,10 @@ mod tests {
         assert_eq!(splitmix64(&mut sm), 0xE220_A839_7B1D_CDAF);
 
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let p = SamplingParams {
-            top_p: 0.95,
-            seed: Some(42),
-            ..params(1.0)
-        };
+        let p = SamplingParams { top_p: 0.95, seed: Some(42), ..params(1.0) };
         let stream = |seed| {
             let mut rng = SamplerRng::from_seed(seed);
-            (0..200)
-                .map(|_| sample(&logits, &p, &mut rng))
-                .collect::<Vec<_>>()
+            (0..200).map(|_| sample(&logits, &p, &mut rng)).collect::<Vec<_>>()
         };
         assert_eq!(stream(42), stream(42));
         assert_ne!(stream(42), stream(43));
@@ -771,9 +659,7 @@ mod tests {
         let mut b = SamplerRng::from_seed(42);
         assert_eq!(a.next_u64(), b.next_u64());
         // xoshiro256++ reference outputs for the state [1, 2, 3, 4].
-        let mut reference = SamplerRng {
-            state: [1, 2, 3, 4],
-        };
+        let mut reference = SamplerRng { state: [1, 2, 3, 4] };
         assert_eq!(reference.next_u64(), 41_943_041);
         assert_eq!(reference.next_u64(), 58_720_359);
         assert_eq!(reference.next_u64(), 3_588_806_011_781_223);
@@ -801,22 +687,12 @@ mod tests {
     #[test]
     fn penalties_follow_openai_semantics() {
         let mut logits = vec![1.0f32; 5];
-        let p = SamplingParams {
-            presence_penalty: 0.5,
-            frequency_penalty: 0.25,
-            ..params(1.0)
-        };
+        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..params(1.0) };
         apply_penalties(&mut logits, &[2, 2, 2, 4, 99], &p);
-        assert_eq!(
-            logits,
-            vec![1.0, 1.0, 1.0 - 0.75 - 0.5, 1.0, 1.0 - 0.25 - 0.5]
-        );
+        assert_eq!(logits, vec![1.0, 1.0, 1.0 - 0.75 - 0.5, 1.0, 1.0 - 0.25 - 0.5]);
         // Negative penalties encourage repetition.
         let mut logits = vec![0.0f32; 3];
-        let neg = SamplingParams {
-            presence_penalty: -1.0,
-            ..params(1.0)
-        };
+        let neg = SamplingParams { presence_penalty: -1.0, ..params(1.0) };
         apply_penalties(&mut logits, &[1, 1], &neg);
         assert_eq!(logits, vec![0.0, 1.0, 0.0]);
         // Off by default: nothing changes.
@@ -825,10 +701,7 @@ mod tests {
         assert_eq!(logits, vec![0.5; 3]);
         let mut counts = TokenCounts::from_tokens(&[2, 2]);
         counts.add(4);
-        assert_eq!(
-            (counts.count(2), counts.count(4), counts.count(0)),
-            (2, 1, 0)
-        );
+        assert_eq!((counts.count(2), counts.count(4), counts.count(0)), (2, 1, 0));
     }
 
     #[test]
@@ -837,95 +710,27 @@ mod tests {
         assert!(SamplingParams::greedy().validate().is_ok());
         let bad = |p: SamplingParams| p.validate().unwrap_err().field;
         let d = SamplingParams::default;
-        assert_eq!(
-            bad(SamplingParams {
-                temperature: f32::NAN,
-                ..d()
-            }),
-            "temperature"
-        );
-        assert_eq!(
-            bad(SamplingParams {
-                temperature: -0.5,
-                ..d()
-            }),
-            "temperature"
-        );
-        assert_eq!(
-            bad(SamplingParams {
-                temperature: f32::INFINITY,
-                ..d()
-            }),
-            "temperature"
-        );
+        assert_eq!(bad(SamplingParams { temperature: f32::NAN, ..d() }), "temperature");
+        assert_eq!(bad(SamplingParams { temperature: -0.5, ..d() }), "temperature");
+        assert_eq!(bad(SamplingParams { temperature: f32::INFINITY, ..d() }), "temperature");
         assert_eq!(bad(SamplingParams { top_p: 0.0, ..d() }), "top_p");
         assert_eq!(bad(SamplingParams { top_p: 1.5, ..d() }), "top_p");
-        assert_eq!(
-            bad(SamplingParams {
-                top_p: f32::NAN,
-                ..d()
-            }),
-            "top_p"
-        );
+        assert_eq!(bad(SamplingParams { top_p: f32::NAN, ..d() }), "top_p");
         assert_eq!(bad(SamplingParams { min_p: -0.1, ..d() }), "min_p");
-        assert_eq!(
-            bad(SamplingParams {
-                presence_penalty: 2.5,
-                ..d()
-            }),
-            "presence_penalty"
-        );
-        assert_eq!(
-            bad(SamplingParams {
-                frequency_penalty: f32::NAN,
-                ..d()
-            }),
-            "frequency_penalty"
-        );
-        assert_eq!(
-            bad(SamplingParams {
-                max_tokens: Some(0),
-                ..d()
-            }),
-            "max_tokens"
-        );
-        assert_eq!(
-            bad(SamplingParams {
-                stop_strings: vec!["x".into(), "".into()],
-                ..d()
-            }),
-            "stop"
-        );
-        let message = SamplingParams {
-            temperature: -1.0,
-            ..d()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string();
-        assert!(
-            message.contains("temperature") && message.contains("-1"),
-            "{message}"
-        );
+        assert_eq!(bad(SamplingParams { presence_penalty: 2.5, ..d() }), "presence_penalty");
+        assert_eq!(bad(SamplingParams { frequency_penalty: f32::NAN, ..d() }), "frequency_penalty");
+        assert_eq!(bad(SamplingParams { max_tokens: Some(0), ..d() }), "max_tokens");
+        assert_eq!(bad(SamplingParams { stop_strings: vec!["x".into(), "".into()], ..d() }), "stop");
+        let message = SamplingParams { temperature: -1.0, ..d() }.validate().unwrap_err().to_string();
+        assert!(message.contains("temperature") && message.contains("-1"), "{message}");
         // Unvalidated NaN temperature still decodes deterministically rather than panicking.
-        assert!(SamplingParams {
-            temperature: f32::NAN,
-            ..d()
-        }
-        .is_greedy());
+        assert!(SamplingParams { temperature: f32::NAN, ..d() }.is_greedy());
     }
 
     #[test]
     fn params_deserialize_with_defaults() {
         let p: SamplingParams = serde_json::from_str(r#"{"temperature":0.7,"top_k":40}"#).unwrap();
-        assert_eq!(
-            p,
-            SamplingParams {
-                temperature: 0.7,
-                top_k: 40,
-                ..SamplingParams::default()
-            }
-        );
+        assert_eq!(p, SamplingParams { temperature: 0.7, top_k: 40, ..SamplingParams::default() });
     }
 
     #[test]
@@ -947,83 +752,42 @@ mod tests {
     #[test]
     fn stop_strings_match_and_hold_back_partial_prefixes() {
         let stops = vec!["###".to_string(), "END".to_string()];
-        assert_eq!(
-            scan_stop_strings("hello", 0, &stops),
-            StopScan::Pending { emit_up_to: 5 }
-        );
+        assert_eq!(scan_stop_strings("hello", 0, &stops), StopScan::Pending { emit_up_to: 5 });
         let held = scan_stop_strings("hello ##", 0, &stops);
         assert_eq!(held, StopScan::Pending { emit_up_to: 6 });
         assert_eq!(held.held_back("hello ##"), 2);
-        assert_eq!(
-            scan_stop_strings("hello E", 0, &stops),
-            StopScan::Pending { emit_up_to: 6 }
-        );
+        assert_eq!(scan_stop_strings("hello E", 0, &stops), StopScan::Pending { emit_up_to: 6 });
         assert_eq!(
             scan_stop_strings("hello ### and END", 6, &stops),
-            StopScan::Matched {
-                match_start: 6,
-                stop_index: 0
-            }
+            StopScan::Matched { match_start: 6, stop_index: 0 }
         );
         // Earliest match wins regardless of list order.
-        assert_eq!(
-            scan_stop_strings("a END b ###", 0, &stops),
-            StopScan::Matched {
-                match_start: 2,
-                stop_index: 1
-            }
-        );
+        assert_eq!(scan_stop_strings("a END b ###", 0, &stops), StopScan::Matched { match_start: 2, stop_index: 1 });
         // A stop string that straddles two streamed chunks is found from the previous boundary.
         let first = scan_stop_strings("text #", 0, &stops);
-        let StopScan::Pending { emit_up_to } = first else {
-            panic!()
-        };
+        let StopScan::Pending { emit_up_to } = first else { panic!() };
         assert_eq!(emit_up_to, 5);
-        assert_eq!(
-            scan_stop_strings("text ##", emit_up_to, &stops),
-            StopScan::Pending { emit_up_to: 5 }
-        );
+        assert_eq!(scan_stop_strings("text ##", emit_up_to, &stops), StopScan::Pending { emit_up_to: 5 });
         assert_eq!(
             scan_stop_strings("text ###", emit_up_to, &stops),
-            StopScan::Matched {
-                match_start: 5,
-                stop_index: 0
-            }
+            StopScan::Matched { match_start: 5, stop_index: 0 }
         );
         // Multi-byte text: held-back ranges stay on char boundaries.
         let unicode = vec!["→ fin".to_string()];
         let text = "café →";
         let scan = scan_stop_strings(text, 0, &unicode);
-        assert_eq!(
-            scan,
-            StopScan::Pending {
-                emit_up_to: "café ".len()
-            }
-        );
-        assert_eq!(
-            scan_stop_strings("día", 2, &unicode),
-            StopScan::Pending { emit_up_to: 4 }
-        );
-        assert_eq!(
-            scan_stop_strings("abc", 0, &[]),
-            StopScan::Pending { emit_up_to: 3 }
-        );
+        assert_eq!(scan, StopScan::Pending { emit_up_to: "café ".len() });
+        assert_eq!(scan_stop_strings("día", 2, &unicode), StopScan::Pending { emit_up_to: 4 });
+        assert_eq!(scan_stop_strings("abc", 0, &[]), StopScan::Pending { emit_up_to: 3 });
     }
 
     /// Reference top-p by a full sort, to check the incremental partial selection.
     fn top_p_support_by_full_sort(logits: &[f32], temperature: f32, top_p: f32) -> Vec<u32> {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-        order.sort_by(|&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
         let inv_temperature = 1.0 / temperature as f64;
-        let weights: Vec<f64> = logits
-            .iter()
-            .map(|&l| ((l as f64 - max) * inv_temperature).exp())
-            .collect();
+        let weights: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) * inv_temperature).exp()).collect();
         let total: f64 = weights.iter().sum();
         let mut cumulative = 0.0;
         let mut kept = Vec::new();

@@ -34,7 +34,10 @@ fn path_str(p: &Path) -> &str {
 
 #[test]
 fn missing_model_file() {
-    assert_clean_error(&["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"], "neither an existing file nor a known model");
+    assert_clean_error(
+        &["generate", "-m", "/nonexistent/model.gguf", "-p", "hi"],
+        "neither an existing file nor a known model",
+    );
 }
 
 #[test]
@@ -65,7 +68,11 @@ fn truncated_gguf() {
 fn unknown_architecture() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("mamba.gguf");
-    let w = QTensor::quantize(&Tensor::zeros((4, 8), candle_core::DType::F32, &Device::Cpu).unwrap(), candle_core::quantized::GgmlDType::F32).unwrap();
+    let w = QTensor::quantize(
+        &Tensor::zeros((4, 8), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        candle_core::quantized::GgmlDType::F32,
+    )
+    .unwrap();
     let arch = Value::String("mamba".into());
     let mut f = std::fs::File::create(&p).unwrap();
     gguf_file::write(&mut f, &[("general.architecture", &arch)], &[("token_embd.weight", &w)]).unwrap();

@@ -117,7 +117,14 @@ fn reference_loop(target: &Transformer, p: &mut DflashProposer, prompt: &[u32], 
         let posterior: Vec<u32> = out.seq_logits(0).unwrap().iter().map(|r| argmax(r)).collect();
         let accepted = draft.iter().zip(&posterior).take_while(|(d, t)| d == t).count();
         let next_token = posterior[accepted];
-        rounds.push(Round { start, anchor: tokens[start], context_rows, draft_tokens: draft.clone(), accepted, next_token });
+        rounds.push(Round {
+            start,
+            anchor: tokens[start],
+            context_rows,
+            draft_tokens: draft.clone(),
+            accepted,
+            next_token,
+        });
         let produced = (accepted + 1).min(max_length - start - 1);
         acceptance_lengths.push(produced);
         cache.truncate(start + produced);
@@ -126,7 +133,12 @@ fn reference_loop(target: &Transformer, p: &mut DflashProposer, prompt: &[u32], 
         p.observe(&tokens, start..start + produced, &taps).unwrap();
         start += produced;
     }
-    LoopResult { output: tokens[prompt.len()..max_length.min(start + 1)].to_vec(), rounds, acceptance_lengths, first_draft_logits }
+    LoopResult {
+        output: tokens[prompt.len()..max_length.min(start + 1)].to_vec(),
+        rounds,
+        acceptance_lengths,
+        first_draft_logits,
+    }
 }
 
 fn greedy_params(max_tokens: usize) -> SamplingParams {
@@ -134,7 +146,13 @@ fn greedy_params(max_tokens: usize) -> SamplingParams {
 }
 
 /// `engine::generate`, greedy, with a proposer (drafting `draft_len` per step) or plain.
-fn engine_generate(target: &Transformer, prompt: &[u32], max_new: usize, p: Option<&mut dyn Proposer>, draft_len: usize) -> Generation {
+fn engine_generate(
+    target: &Transformer,
+    prompt: &[u32],
+    max_new: usize,
+    p: Option<&mut dyn Proposer>,
+    draft_len: usize,
+) -> Generation {
     let pool = target.new_kv_pool_typed(prompt.len() + max_new + 64, KvDtype::F32);
     let mut seq = Sequence::new(prompt, pool.new_sequence(), greedy_params(max_new));
     let mut opts = GenerateOptions { trace: true, ..GenerateOptions::fixed_draft(draft_len) };
@@ -172,7 +190,8 @@ impl Proposer for Checked {
 fn fixtures_match_the_reference_round_for_round() {
     for case in fixture_cases() {
         let name = case.file_name().unwrap().to_string_lossy().to_string();
-        let expected: Value = serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
         let prompt = ids(&expected["prompt_ids"]);
         let max_new = expected["max_new_tokens"].as_u64().unwrap() as usize;
         let target = load_target(&case.join("target"));
@@ -180,7 +199,11 @@ fn fixtures_match_the_reference_round_for_round() {
         let cfg = &p.drafter().config;
         assert_eq!(cfg.block_size as u64, expected["block_size"].as_u64().unwrap(), "{name}");
         assert_eq!(cfg.mask_token_id as u64, expected["mask_token_id"].as_u64().unwrap(), "{name}");
-        assert_eq!(cfg.target_layer_ids.iter().map(|&l| l as u32).collect::<Vec<_>>(), ids(&expected["target_layer_ids"]), "{name}");
+        assert_eq!(
+            cfg.target_layer_ids.iter().map(|&l| l as u32).collect::<Vec<_>>(),
+            ids(&expected["target_layer_ids"]),
+            "{name}"
+        );
 
         let got = reference_loop(&target, &mut p, &prompt, max_new);
         let want_rounds: Vec<Round> = expected["rounds"]
@@ -231,7 +254,11 @@ fn fixtures_match_the_reference_round_for_round() {
         assert_eq!(dflash.trace.len(), want_rounds.len(), "{name}: engine rounds");
         for (i, (w, t)) in want_rounds.iter().zip(&dflash.trace).enumerate() {
             if t.draft.len() == w.draft_tokens.len() {
-                assert_eq!((&t.draft, t.accepted, t.next_token), (&w.draft_tokens, w.accepted, w.next_token), "{name}: engine round {i}");
+                assert_eq!(
+                    (&t.draft, t.accepted, t.next_token),
+                    (&w.draft_tokens, w.accepted, w.next_token),
+                    "{name}: engine round {i}"
+                );
             } else {
                 assert!(w.start + block >= prompt.len() + max_new, "{name}: engine round {i} drafted {:?}", t.draft);
             }
@@ -299,7 +326,8 @@ fn weight(rng: &mut SamplerRng, shape: &[usize]) -> Tensor {
 fn save(dir: &Path, config: &Value, tensors: &HashMap<String, Tensor>, dtype: DType) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(config).unwrap()).unwrap();
-    let tensors: HashMap<String, Tensor> = tensors.iter().map(|(k, v)| (k.clone(), v.to_dtype(dtype).unwrap())).collect();
+    let tensors: HashMap<String, Tensor> =
+        tensors.iter().map(|(k, v)| (k.clone(), v.to_dtype(dtype).unwrap())).collect();
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
 }
 
@@ -444,7 +472,8 @@ fn broken_drafters_are_refused_with_the_problem_named() {
     assert!(msg.contains("missing tensor `layers.1.self_attn.o_proj.weight`"), "{msg}");
 
     let mut misshapen = weights.clone();
-    misshapen.insert("layers.0.mlp.down_proj.weight".into(), Tensor::zeros((HIDDEN, 32), DType::F32, &Device::Cpu).unwrap());
+    misshapen
+        .insert("layers.0.mlp.down_proj.weight".into(), Tensor::zeros((HIDDEN, 32), DType::F32, &Device::Cpu).unwrap());
     let msg = error(&good, &misshapen);
     assert!(msg.contains("`layers.0.mlp.down_proj.weight` has shape [48, 32], expected [48, 64]"), "{msg}");
 
@@ -468,9 +497,9 @@ fn broken_drafters_are_refused_with_the_problem_named() {
 /// when the model is not in the cache (it is never downloaded here).
 #[test]
 fn greedy_dflash_equals_plain_greedy_on_a_real_model() {
-    let home = std::env::var_os("SPECULA_HOME").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula")
-    });
+    let home = std::env::var_os("SPECULA_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula"));
     let path = home.join("models/qwen2.5-coder-0.5b.gguf");
     if !path.is_file() {
         eprintln!("skipping: {} is not in the model cache", path.display());

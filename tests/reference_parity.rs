@@ -73,7 +73,10 @@ fn check_model(key_or_path: &str, reference_file: &str, weights: WeightFormat) {
                 || (lp[ours_top as usize] - lp[step.token as usize]) < 0.05;
             let diff = (lp[step.token as usize] - theirs).abs();
             if std::env::var("SPECULA_PARITY_VERBOSE").is_ok() {
-                eprintln!("{i:2} ours {ours_top} {:.4} theirs {} {theirs:.4} diff {diff:.4}", lp[ours_top as usize], step.token);
+                eprintln!(
+                    "{i:2} ours {ours_top} {:.4} theirs {} {theirs:.4} diff {diff:.4}",
+                    lp[ours_top as usize], step.token
+                );
             }
             assert!(
                 ours_top == step.token || near_tie,
@@ -99,7 +102,10 @@ fn check_model(key_or_path: &str, reference_file: &str, weights: WeightFormat) {
 
 #[test]
 fn smollm2_matches_llamacpp_teacher_forced() {
-    let w = std::env::var("SPECULA_PARITY_WEIGHTS").ok().map(|w| WeightFormat::parse(&w).unwrap()).unwrap_or(WeightFormat::Native);
+    let w = std::env::var("SPECULA_PARITY_WEIGHTS")
+        .ok()
+        .map(|w| WeightFormat::parse(&w).unwrap())
+        .unwrap_or(WeightFormat::Native);
     check_model("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.json", w);
 }
 

@@ -112,7 +112,11 @@ fn preemption_recomputes_and_keeps_outputs_exact() {
     // 8 blocks of 16 tokens: three ~40-token prompts growing by 40 tokens cannot all fit.
     let config = EngineConfig { kv_tokens: 128, ..EngineConfig::default() };
     let server = start(config, ServerConfig::new(MODEL_ID));
-    let users = ["Tell me about the moon and the stars.", "Explain what a computer is to a child.", "Describe your favourite food and why."];
+    let users = [
+        "Tell me about the moon and the stars.",
+        "Explain what a computer is to a child.",
+        "Describe your favourite food and why.",
+    ];
     let refs: Vec<Vec<u32>> = users.iter().map(|u| greedy_reference(&chat_ids(u), 40)).collect();
     let addr = server.addr.clone();
     let results: Vec<Streamed> = server.block_on(async {
@@ -252,11 +256,26 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     assert_eq!(v["error"]["code"], "model_not_found");
     assert_error(&raw(chat, br#"{"messages":[]}"#), 400, Some("messages"), "at least one");
     assert_error(&raw(chat, br#"{"model":"smollm2-135m"}"#), 400, Some("messages"), "messages");
-    assert_error(&raw(chat, br#"{"messages":[{"role":"user","content":5}]}"#), 400, Some("messages[0].content"), "string");
+    assert_error(
+        &raw(chat, br#"{"messages":[{"role":"user","content":5}]}"#),
+        400,
+        Some("messages[0].content"),
+        "string",
+    );
     assert_error(&raw(chat, msg(r#","max_tokens":0"#).as_bytes()), 400, Some("max_tokens"), "at least 1");
     assert_error(&raw(chat, msg(r#","max_tokens":-4"#).as_bytes()), 400, Some("max_tokens"), "at least 1");
-    assert_error(&raw(chat, msg(r#","max_completion_tokens":0"#).as_bytes()), 400, Some("max_completion_tokens"), "at least 1");
-    let v = assert_error(&raw(chat, msg(r#","max_tokens":100000"#).as_bytes()), 400, Some("max_tokens"), "maximum context length");
+    assert_error(
+        &raw(chat, msg(r#","max_completion_tokens":0"#).as_bytes()),
+        400,
+        Some("max_completion_tokens"),
+        "at least 1",
+    );
+    let v = assert_error(
+        &raw(chat, msg(r#","max_tokens":100000"#).as_bytes()),
+        400,
+        Some("max_tokens"),
+        "maximum context length",
+    );
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     let long_prompt = "word ".repeat(700);
     let v = assert_error(
@@ -297,7 +316,8 @@ fn disconnecting_clients_cancel_and_free_their_kv_at_once() {
     server.block_on(async {
         let mut body = completion_body("Write a very long essay about the history of the sea.", 2000, true);
         body["ignore_eos"] = json!(true);
-        let mut s = http_client::send(&addr, "POST", "/v1/completions", &[], body.to_string().as_bytes()).await.unwrap();
+        let mut s =
+            http_client::send(&addr, "POST", "/v1/completions", &[], body.to_string().as_bytes()).await.unwrap();
         for _ in 0..3 {
             assert!(s.next_event().await.unwrap().is_some());
         }
@@ -310,7 +330,10 @@ fn disconnecting_clients_cancel_and_free_their_kv_at_once() {
         let mut body = completion_body("Write a very long essay about mountains.", 2000, false);
         body["ignore_eos"] = json!(true);
         let req = http_client::post_json(&addr, "/v1/completions", &[], &body);
-        assert!(tokio::time::timeout(Duration::from_millis(1500), req).await.is_err(), "a 2000-token answer cannot be that fast");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1500), req).await.is_err(),
+            "a 2000-token answer cannot be that fast"
+        );
     });
     server.wait_idle(Duration::from_secs(10));
     let metrics = server.get("/metrics").text();
@@ -332,7 +355,9 @@ fn queue_limit_auth_and_graceful_shutdown() {
     // Auth on the API, not on health.
     let v = assert_error(&server.get("/v1/models"), 401, None, "API key");
     assert_eq!(v["error"]["code"], "invalid_api_key");
-    let wrong = server.block_on(http_client::request(&addr, "GET", "/v1/models", &[("Authorization", "Bearer nope")], b"")).unwrap();
+    let wrong = server
+        .block_on(http_client::request(&addr, "GET", "/v1/models", &[("Authorization", "Bearer nope")], b""))
+        .unwrap();
     assert_eq!(wrong.status, 401);
     let right = server.block_on(http_client::request(&addr, "GET", "/v1/models", &key, b"")).unwrap();
     assert_eq!(right.status, 200);
@@ -343,7 +368,8 @@ fn queue_limit_auth_and_graceful_shutdown() {
     let mut long = completion_body("Write a very long essay about rivers.", 3000, true);
     long["ignore_eos"] = json!(true);
     let (mut first, mut second) = server.block_on(async {
-        let mut a = http_client::send(&addr, "POST", "/v1/completions", &key, long.to_string().as_bytes()).await.unwrap();
+        let mut a =
+            http_client::send(&addr, "POST", "/v1/completions", &key, long.to_string().as_bytes()).await.unwrap();
         assert_eq!(a.status, 200);
         assert!(a.next_event().await.unwrap().is_some(), "the first request is running");
         let b = http_client::send(&addr, "POST", "/v1/completions", &key, long.to_string().as_bytes()).await.unwrap();
@@ -354,7 +380,9 @@ fn queue_limit_auth_and_graceful_shutdown() {
         assert!(start.elapsed() < Duration::from_secs(10), "second request never queued");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let third = server.block_on(http_client::request(&addr, "POST", "/v1/completions", &key, long.to_string().as_bytes())).unwrap();
+    let third = server
+        .block_on(http_client::request(&addr, "POST", "/v1/completions", &key, long.to_string().as_bytes()))
+        .unwrap();
     let v = assert_error(&third, 503, None, "overloaded");
     assert_eq!(v["error"]["code"], "server_overloaded");
     assert_eq!(third.header("retry-after"), Some("1"));

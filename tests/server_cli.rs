@@ -38,7 +38,18 @@ fn serve_loadtest_and_sigterm() {
     // The load tool, with and without speculation, as JSON.
     for extra in [&[][..], &["--no-speculate"][..]] {
         let out = specula()
-            .args(["loadtest", "--url", &format!("http://{addr}"), "--clients", "1,2", "--requests", "3", "--max-tokens", "8", "--json"])
+            .args([
+                "loadtest",
+                "--url",
+                &format!("http://{addr}"),
+                "--clients",
+                "1,2",
+                "--requests",
+                "3",
+                "--max-tokens",
+                "8",
+                "--json",
+            ])
             .args(extra)
             .output()
             .unwrap();

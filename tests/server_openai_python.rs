@@ -17,19 +17,22 @@ fn openai_available() -> bool {
 #[test]
 fn official_openai_python_client() {
     if !openai_available() {
-        eprintln!("SKIPPED: the `openai` Python package is not installed (`python3 -m pip install openai`; .ci/run does)");
+        eprintln!(
+            "SKIPPED: the `openai` Python package is not installed (`python3 -m pip install openai`; .ci/run does)"
+        );
         return;
     }
     // Main server: speculation on (n-gram drafter), a 1024-token context so over-long prompts
     // are cheap to send.
-    let main = start(
-        EngineConfig { kv_tokens: 1024, ..ngram_engine() },
-        ServerConfig::new(MODEL_ID),
-    );
+    let main = start(EngineConfig { kv_tokens: 1024, ..ngram_engine() }, ServerConfig::new(MODEL_ID));
     // Tiny server: one running and one waiting request at most, an API key.
     let tiny = start(
         EngineConfig { max_running: 1, max_waiting: 1, ..EngineConfig::default() },
-        ServerConfig { api_key: Some("sekrit".into()), shutdown_grace: Duration::from_millis(500), ..ServerConfig::new(MODEL_ID) },
+        ServerConfig {
+            api_key: Some("sekrit".into()),
+            shutdown_grace: Duration::from_millis(500),
+            ..ServerConfig::new(MODEL_ID)
+        },
     );
 
     // Greedy references from engine::generate, decoded the way the server streams text.

@@ -5,9 +5,9 @@
 
 mod server_support;
 
+use serde_json::{json, Value};
 use server_support::*;
 use specula::server::ServerConfig;
-use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
@@ -100,7 +100,8 @@ impl Cdp {
              --user-data-dir='{}' about:blank 3<&0 4>&1 </dev/null >/dev/null 2>/dev/null",
             profile.display()
         );
-        let mut child = Command::new("sh").arg("-c").arg(script).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
+        let mut child =
+            Command::new("sh").arg("-c").arg(script).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
         let input = child.stdin.take().expect("stdin");
         let output = child.stdout.take().expect("stdout");
         let (tx, messages) = channel();
@@ -146,7 +147,8 @@ impl Cdp {
     /// Opens `url` in a new tab; returns the session attached to it.
     fn open(&mut self, url: &str) -> String {
         let target = self.call(None, "Target.createTarget", json!({"url": url}));
-        let attached = self.call(None, "Target.attachToTarget", json!({"targetId": target["targetId"], "flatten": true}));
+        let attached =
+            self.call(None, "Target.attachToTarget", json!({"targetId": target["targetId"], "flatten": true}));
         attached["sessionId"].as_str().expect("session id").to_string()
     }
 

@@ -150,7 +150,8 @@ impl Proposer for StochasticDrafter {
         Ok(())
     }
     fn propose(&mut self, _tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
-        let tokens: Vec<u32> = (0..max_len).map(|_| sample::sample_from_weights(&self.q, &mut self.rng).unwrap()).collect();
+        let tokens: Vec<u32> =
+            (0..max_len).map(|_| sample::sample_from_weights(&self.q, &mut self.rng).unwrap()).collect();
         Ok(Draft { probs: Some(vec![self.q.clone(); tokens.len()]), tokens })
     }
 }
@@ -242,7 +243,8 @@ fn check_test_drafters(
         let (prompt, (reference, second)) = (&prompts[which], &references[which]);
         for kind in kinds_for(k) {
             let mut drafter = TestDrafter::new(kind, model.config.vocab, prompt.len(), reference, second, k as u64);
-            let gen = run(model, prompt, greedy(max_tokens), stop_ids, Some(&mut drafter), GenerateOptions::fixed_draft(k));
+            let gen =
+                run(model, prompt, greedy(max_tokens), stop_ids, Some(&mut drafter), GenerateOptions::fixed_draft(k));
             assert_eq!(&gen.tokens, reference, "{kind:?} drafter, draft length {k}, prompt {which}");
             totals.entry(format!("{kind:?}")).or_default().merge(&gen.metrics);
         }
@@ -412,7 +414,8 @@ const REAL_TOKENS: usize = 40;
 #[test]
 fn smollm2_greedy_test_drafters_every_length() {
     let m = smollm2();
-    let kinds = |k: usize| if k % 2 == 1 { vec![Kind::Random, Kind::Adversarial] } else { vec![Kind::Partial, Kind::Perfect] };
+    let kinds =
+        |k: usize| if k % 2 == 1 { vec![Kind::Random, Kind::Adversarial] } else { vec![Kind::Partial, Kind::Perfect] };
     check_test_drafters(&m.model, &smollm2_prompts(m), &m.stop_ids(), REAL_TOKENS, &kinds);
 }
 
@@ -450,9 +453,9 @@ fn smollm2_greedy_ngram_and_draft_model_proposers() {
 
 #[test]
 fn draft_model_with_another_vocabulary_is_refused() {
-    let home = std::env::var_os("SPECULA_HOME")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula"));
+    let home = std::env::var_os("SPECULA_HOME").map(std::path::PathBuf::from).unwrap_or_else(|| {
+        std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula")
+    });
     let qwen = home.join("models/qwen2.5-coder-0.5b.gguf");
     if !qwen.exists() {
         return; // optional model not fetched

@@ -16,8 +16,11 @@ fn fmt_temp(t: f32) -> String {
 
 /// The verify-cost curve as `cost(2) 1.31 · cost(4) 2.50 · …` (the points measured).
 pub fn curve_line(curve: &[f64]) -> String {
-    let parts: Vec<String> =
-        CURVE_POINTS.iter().filter(|&&m| m <= curve.len()).map(|&m| format!("cost({m}) {:.2}", curve_cost(curve, m))).collect();
+    let parts: Vec<String> = CURVE_POINTS
+        .iter()
+        .filter(|&&m| m <= curve.len())
+        .map(|&m| format!("cost({m}) {:.2}", curve_cost(curve, m)))
+        .collect();
     if parts.is_empty() {
         "not measured".to_string()
     } else {
@@ -95,11 +98,13 @@ pub struct WrittenReport {
 /// Writes `report.md`, `report.json` and `chart.png` into `dir` (created if missing).
 pub fn write_all(report: &SpecBenchReport, markdown: &str, dir: &Path) -> Result<WrittenReport> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let out = WrittenReport { markdown: dir.join("report.md"), json: dir.join("report.json"), chart: dir.join("chart.png") };
+    let out =
+        WrittenReport { markdown: dir.join("report.md"), json: dir.join("report.json"), chart: dir.join("chart.png") };
     std::fs::write(&out.markdown, markdown).with_context(|| format!("writing {}", out.markdown.display()))?;
     std::fs::write(&out.json, serde_json::to_string_pretty(report)?)
         .with_context(|| format!("writing {}", out.json.display()))?;
-    std::fs::write(&out.chart, render_chart_png(report)?).with_context(|| format!("writing {}", out.chart.display()))?;
+    std::fs::write(&out.chart, render_chart_png(report)?)
+        .with_context(|| format!("writing {}", out.chart.display()))?;
     Ok(out)
 }
 
@@ -404,10 +409,8 @@ pub fn render_chart_png(report: &SpecBenchReport) -> Result<Vec<u8>> {
         x += 20 + 8 + text_width(label, S) + 24;
     }
 
-    let y_max_value = groups
-        .iter()
-        .flat_map(|g| g.bars.iter().flat_map(|b| [b.speedup, b.bound]))
-        .fold(1.0f64, f64::max);
+    let y_max_value =
+        groups.iter().flat_map(|g| g.bars.iter().flat_map(|b| [b.speedup, b.bound])).fold(1.0f64, f64::max);
     let step = grid_step(y_max_value * 1.1);
     let y_max = ((y_max_value * 1.1) / step).ceil() * step;
     let y_of = |v: f64| top + PLOT_H - ((v / y_max) * PLOT_H as f64).round() as i64;
@@ -467,8 +470,8 @@ pub fn render_chart_png(report: &SpecBenchReport) -> Result<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::bench::spec::{summarize_all, Mode, PromptRun};
-    use crate::spec::policy::DraftLen;
     use crate::engine::SpecMetrics;
+    use crate::spec::policy::DraftLen;
 
     fn report(datasets: &[&str], temps: &[f32], modes: &[Mode], models: usize) -> SpecBenchReport {
         let curve: Vec<f64> = (1..=16).map(|m| 1.0 + 0.35 * (m - 1) as f64).collect();
@@ -544,7 +547,10 @@ mod tests {
         assert_eq!(rows.len(), 2 * 2 * 3);
         for ds in ["humaneval", "gsm8k-100"] {
             for mode in ["plain", "ngram k=4", "draft-model:qwen2.5-coder-0.5b k=auto"] {
-                let n = rows.iter().filter(|l| l.starts_with(&format!("| {ds} |")) && l.contains(&format!("| {mode} |"))).count();
+                let n = rows
+                    .iter()
+                    .filter(|l| l.starts_with(&format!("| {ds} |")) && l.contains(&format!("| {mode} |")))
+                    .count();
                 assert_eq!(n, 2, "{ds} {mode}");
             }
         }
@@ -560,7 +566,9 @@ mod tests {
 
     #[test]
     fn chart_is_a_png_of_the_size_its_layout_asks_for() {
-        for (datasets, temps, models) in [(vec!["humaneval"], vec![0.0], 1), (vec!["humaneval", "gsm8k-100", "mt-bench"], vec![0.0, 1.0], 2)] {
+        for (datasets, temps, models) in
+            [(vec!["humaneval"], vec![0.0], 1), (vec!["humaneval", "gsm8k-100", "mt-bench"], vec![0.0, 1.0], 2)]
+        {
             let r = report(&datasets, &temps, &modes(), models);
             let bytes = render_chart_png(&r).unwrap();
             assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");

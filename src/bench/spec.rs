@@ -241,8 +241,7 @@ pub fn mean_verify_cost(m: &SpecMetrics, curve: &[f64]) -> f64 {
     if m.steps == 0 {
         return 1.0;
     }
-    let total: f64 =
-        draft_len_histogram(m).iter().enumerate().map(|(j, &n)| n as f64 * curve_cost(curve, j + 1)).sum();
+    let total: f64 = draft_len_histogram(m).iter().enumerate().map(|(j, &n)| n as f64 * curve_cost(curve, j + 1)).sum();
     total / m.steps as f64
 }
 
@@ -305,12 +304,8 @@ pub fn summarize(
         None => (1.0, 1.0),
     };
     let bound = speedup_bound(&metrics, curve);
-    let acceptance_at = metrics
-        .drafted_at
-        .iter()
-        .zip(&metrics.accepted_at)
-        .map(|(&d, &a)| ratio(a as f64, d as f64))
-        .collect();
+    let acceptance_at =
+        metrics.drafted_at.iter().zip(&metrics.accepted_at).map(|(&d, &a)| ratio(a as f64, d as f64)).collect();
     CellSummary {
         dataset: dataset.to_string(),
         temperature,
@@ -343,7 +338,13 @@ pub fn summarize(
 }
 
 /// Cells of one model in run order: per data set, per temperature, plain then each mode.
-pub fn summarize_all(runs: &[PromptRun], modes: &[Mode], datasets: &[String], temperatures: &[f32], curve: &[f64]) -> Vec<CellSummary> {
+pub fn summarize_all(
+    runs: &[PromptRun],
+    modes: &[Mode],
+    datasets: &[String],
+    temperatures: &[f32],
+    curve: &[f64],
+) -> Vec<CellSummary> {
     let mut cells = Vec::new();
     for ds in datasets {
         for &t in temperatures {
@@ -406,7 +407,8 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         }
         sets.push((key.clone(), prompts));
     }
-    let runs_per_model: usize = sets.iter().map(|(_, p)| p.len()).sum::<usize>() * settings.temperatures.len() * modes.len();
+    let runs_per_model: usize =
+        sets.iter().map(|(_, p)| p.len()).sum::<usize>() * settings.temperatures.len() * modes.len();
     progress.set_length((runs_per_model * settings.models.len()) as u64);
     let mut models = Vec::new();
     let mut greedy_mismatches = 0;
@@ -421,10 +423,9 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         for spec in drafters.iter().flatten() {
             build_proposer(spec, &loaded).with_context(|| format!("drafter {} for {model_key}", spec.label()))?;
         }
-        let curve_max_m = settings
-            .curve_max_m
-            .max(settings.max_auto_draft_len + 1)
-            .max(settings.draft_lens.iter().map(|k| if let DraftLen::Fixed(n) = k { n + 1 } else { 1 }).max().unwrap_or(1));
+        let curve_max_m = settings.curve_max_m.max(settings.max_auto_draft_len + 1).max(
+            settings.draft_lens.iter().map(|k| if let DraftLen::Fixed(n) = k { n + 1 } else { 1 }).max().unwrap_or(1),
+        );
         progress.set_message(format!("{model_key}: measuring the verify-cost curve"));
         let curve = measure_verify_curve(&loaded.model, curve_max_m)?;
         let stop_ids = loaded.stop_ids();
@@ -547,7 +548,15 @@ mod tests {
         m
     }
 
-    fn run_row(dataset: &str, t: f32, mode: &str, tokens: usize, secs: f64, m: SpecMetrics, ok: Option<bool>) -> PromptRun {
+    fn run_row(
+        dataset: &str,
+        t: f32,
+        mode: &str,
+        tokens: usize,
+        secs: f64,
+        m: SpecMetrics,
+        ok: Option<bool>,
+    ) -> PromptRun {
         PromptRun {
             dataset: dataset.into(),
             temperature: t,

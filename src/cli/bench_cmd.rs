@@ -101,12 +101,7 @@ fn run_spec(args: BenchArgs) -> Result<()> {
     let markdown = report::render_markdown(&bench);
     print!("{markdown}");
     let written = report::write_all(&bench, &markdown, &args.out_dir)?;
-    eprintln!(
-        "wrote {}, {}, {}",
-        written.markdown.display(),
-        written.json.display(),
-        written.chart.display()
-    );
+    eprintln!("wrote {}, {}, {}", written.markdown.display(), written.json.display(), written.chart.display());
     if bench.greedy_mismatches > 0 {
         bail!(
             "{} greedy speculative output(s) differ from plain decoding (see {})",
@@ -125,7 +120,8 @@ fn run_ar(args: BenchArgs) -> Result<()> {
         max_m: args.max_m.clamp(1, 64),
         repeats: args.repeats.max(1),
     };
-    let threads = std::env::var("CANDLE_NUM_THREADS").or_else(|_| std::env::var("RAYON_NUM_THREADS")).unwrap_or("all".into());
+    let threads =
+        std::env::var("CANDLE_NUM_THREADS").or_else(|_| std::env::var("RAYON_NUM_THREADS")).unwrap_or("all".into());
     let mut results = Vec::new();
     println!("| model | weights | prefill tok/s | decode tok/s | cost(2) | cost(4) | cost(8) | cost(16) |");
     println!("|---|---|---|---|---|---|---|---|");

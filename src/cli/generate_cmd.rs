@@ -79,8 +79,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     let ctx = loaded.model.config.context_len.min(args.model.kv_tokens);
     if prompt.len() >= ctx {
-        bail!("the prompt has {} tokens; the context holds {ctx} (model context {}, --kv-tokens {})",
-            prompt.len(), loaded.model.config.context_len, args.model.kv_tokens);
+        bail!(
+            "the prompt has {} tokens; the context holds {ctx} (model context {}, --kv-tokens {})",
+            prompt.len(),
+            loaded.model.config.context_len,
+            args.model.kv_tokens
+        );
     }
     let params = SamplingParams {
         temperature: args.temperature,

@@ -163,7 +163,15 @@ impl Engine {
             totals: EngineSnapshot::default(),
         };
         let thread = std::thread::Builder::new().name("specula-engine".into()).spawn(move || worker.run())?;
-        Ok(Self { model, config, commands: tx, shared, thread: Mutex::new(Some(thread)), kv_capacity, cost: engine_cost })
+        Ok(Self {
+            model,
+            config,
+            commands: tx,
+            shared,
+            thread: Mutex::new(Some(thread)),
+            kv_capacity,
+            cost: engine_cost,
+        })
     }
 
     pub fn model(&self) -> &Arc<LoadedModel> {
@@ -450,7 +458,8 @@ impl Worker {
                 let room_max =
                     a.seq.params.max_tokens.map_or(usize::MAX, |m| m.saturating_sub(a.seq.generated().len() + 1));
                 let want = policy.choose(&a.metrics).min(room_ctx).min(room_max);
-                let secs_per_token = if a.metrics.drafted > 0 { a.metrics.draft_secs / a.metrics.drafted as f64 } else { 0.0 };
+                let secs_per_token =
+                    if a.metrics.drafted > 0 { a.metrics.draft_secs / a.metrics.drafted as f64 } else { 0.0 };
                 // Optimism under uncertainty: a sequence that has drafted little gets the benefit of
                 // the doubt (an upper confidence bound on α), so noise in the cost curve or a
                 // pessimistic prior cannot keep speculation from ever being tried.
@@ -498,7 +507,9 @@ impl Worker {
                             let t = Instant::now();
                             let mut d = p.propose(&a.seq.tokens, k)?;
                             // Nothing after a stop token can be committed: do not verify it.
-                            let ends = |t: &u32| (!a.ignore_eos && stop_ids.contains(t)) || a.seq.params.stop_token_ids.contains(t);
+                            let ends = |t: &u32| {
+                                (!a.ignore_eos && stop_ids.contains(t)) || a.seq.params.stop_token_ids.contains(t)
+                            };
                             let stop = d.tokens.iter().position(ends);
                             d.tokens.truncate(k.min(stop.map_or(usize::MAX, |i| i + 1)));
                             if let Some(probs) = d.probs.as_mut() {
@@ -531,7 +542,8 @@ impl Worker {
                 input
             })
             .collect();
-        let cached_before: Vec<usize> = plan.slots.iter().map(|s| self.sched.running[s.index].seq.cache.len()).collect();
+        let cached_before: Vec<usize> =
+            plan.slots.iter().map(|s| self.sched.running[s.index].seq.cache.len()).collect();
         let mut tap_layers: Vec<usize> = plan
             .slots
             .iter()

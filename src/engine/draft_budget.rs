@@ -60,8 +60,9 @@ impl StepCostModel {
         const DEPTH: usize = 64;
         let max_rows = max_rows.max(1);
         let vocab = model.config.vocab;
-        let filler =
-            |n: usize, salt: usize| -> Vec<u32> { (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect() };
+        let filler = |n: usize, salt: usize| -> Vec<u32> {
+            (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect()
+        };
         let pool = model.new_kv_pool(DEPTH + max_rows + 16);
         let mut cache = pool.new_sequence();
         let context = filler(DEPTH, 0);
@@ -125,7 +126,11 @@ impl StepCostModel {
 /// Draft lengths for one step: `bids[i]` belongs to the i-th decoding sequence (each already
 /// has its one decode row). `can_grow(i, k)` says whether sequence i may have k draft tokens
 /// (row budget, KV blocks); it is asked in order of growth and may keep its own accounting.
-pub fn allocate_drafts(cost: &StepCostModel, bids: &[DraftBid], can_grow: &mut dyn FnMut(usize, usize) -> bool) -> Vec<usize> {
+pub fn allocate_drafts(
+    cost: &StepCostModel,
+    bids: &[DraftBid],
+    can_grow: &mut dyn FnMut(usize, usize) -> bool,
+) -> Vec<usize> {
     let mut lens = vec![0usize; bids.len()];
     let mut open: Vec<bool> = bids.iter().map(|b| b.max_len > 0 && b.alpha > 0.0).collect();
     let mut rows = bids.len();
@@ -171,7 +176,15 @@ mod tests {
 
     /// A CPU-like curve: flat up to 4 rows, then linear.
     fn cpu_curve() -> StepCostModel {
-        StepCostModel::from_points(vec![(1, 10.0), (2, 10.5), (4, 11.0), (8, 20.0), (16, 38.0), (32, 74.0), (64, 146.0)])
+        StepCostModel::from_points(vec![
+            (1, 10.0),
+            (2, 10.5),
+            (4, 11.0),
+            (8, 20.0),
+            (16, 38.0),
+            (32, 74.0),
+            (64, 146.0),
+        ])
     }
 
     fn bid(alpha: f64, max_len: usize) -> DraftBid {
@@ -235,7 +248,10 @@ mod tests {
     #[test]
     fn an_expensive_drafter_drafts_less() {
         let free = allocate_drafts(&cpu_curve(), &[bid(0.8, 8)], &mut |_, _| true)[0];
-        let dear = allocate_drafts(&cpu_curve(), &[DraftBid { alpha: 0.8, max_len: 8, secs_per_token: 4.0 }], &mut |_, _| true)[0];
+        let dear =
+            allocate_drafts(&cpu_curve(), &[DraftBid { alpha: 0.8, max_len: 8, secs_per_token: 4.0 }], &mut |_, _| {
+                true
+            })[0];
         assert!(dear < free, "{dear} vs {free}");
     }
 }

@@ -93,10 +93,7 @@ pub fn generate(
         anyhow::bail!("the prompt is empty");
     }
     if seq.tokens.len() >= context_len {
-        anyhow::bail!(
-            "the prompt has {} tokens, the model's context holds {context_len}",
-            seq.tokens.len()
-        );
+        anyhow::bail!("the prompt has {} tokens, the model's context holds {context_len}", seq.tokens.len());
     }
     let taps_wanted: Vec<usize> = proposer.as_ref().map(|p| p.tap_layers().to_vec()).unwrap_or_default();
     if let Some(p) = proposer.as_deref_mut() {
@@ -180,7 +177,11 @@ pub fn generate(
         let committed = verdict.committed(&draft.tokens);
         metrics.record(draft.tokens.len(), verdict.accepted, committed.len());
         if opts.trace {
-            trace.push(StepTrace { draft: draft.tokens.clone(), accepted: verdict.accepted, next_token: verdict.next_token });
+            trace.push(StepTrace {
+                draft: draft.tokens.clone(),
+                accepted: verdict.accepted,
+                next_token: verdict.next_token,
+            });
         }
         finish = commit(seq, &committed, verdict.accepted, stop_ids, on_token, context_len);
         // A stop token among the accepted drafts, max_tokens or a consumer that stopped

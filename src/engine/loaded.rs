@@ -46,8 +46,8 @@ impl LoadedModel {
         let config = dir.config()?;
         let model_type = dir.config_json["model_type"].as_str().unwrap_or("").to_string();
         let vocab = crate::tokenize::hf_json::content_from_hf_dir(path, &model_type)?;
-        let tokenizer = Tokenizer::from_gguf(&vocab)
-            .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
+        let tokenizer =
+            Tokenizer::from_gguf(&vocab).with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
         let template = ChatTemplate::from_gguf(&vocab).ok();
         let model = Transformer::load_from(&mut dir, config, weights.unwrap_or(WeightFormat::Native), device)?;
         model.warm_up()?;

@@ -76,10 +76,7 @@ pub struct StepPlan<T> {
 
 impl<T> StepPlan<T> {
     pub fn rows(&self) -> usize {
-        self.slots
-            .iter()
-            .map(|s| s.rows + if let SlotKind::Decode { draft } = s.kind { draft } else { 0 })
-            .sum()
+        self.slots.iter().map(|s| s.rows + if let SlotKind::Decode { draft } = s.kind { draft } else { 0 }).sum()
     }
 }
 

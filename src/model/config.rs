@@ -106,10 +106,7 @@ impl ModelConfig {
         if rope_dim > head_dim || rope_dim % 2 != 0 {
             bail!("invalid rope dimension {rope_dim} for head dimension {head_dim}");
         }
-        let embd = content
-            .tensor_infos
-            .get("token_embd.weight")
-            .context("GGUF has no tensor `token_embd.weight`")?;
+        let embd = content.tensor_infos.get("token_embd.weight").context("GGUF has no tensor `token_embd.weight`")?;
         let (vocab, embd_hidden) = embd.shape.dims2().context("`token_embd.weight` should be 2-D")?;
         if embd_hidden != hidden {
             bail!("`token_embd.weight` width {embd_hidden} differs from embedding_length {hidden}");

@@ -57,8 +57,8 @@ impl HfModelDir {
 
     pub fn open(path: &Path) -> Result<Self> {
         let config_path = path.join("config.json");
-        let text = std::fs::read_to_string(&config_path)
-            .with_context(|| format!("cannot read {}", config_path.display()))?;
+        let text =
+            std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
         let config_json: Value =
             serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", config_path.display()))?;
         let mut shards: Vec<PathBuf> = std::fs::read_dir(path)?
@@ -96,7 +96,10 @@ impl HfModelDir {
     pub fn config(&self) -> Result<ModelConfig> {
         let c = &self.config_json;
         let usize_of = |k: &str| -> Result<usize> {
-            c.get(k).and_then(Value::as_u64).map(|v| v as usize).with_context(|| format!("config.json: missing integer `{k}`"))
+            c.get(k)
+                .and_then(Value::as_u64)
+                .map(|v| v as usize)
+                .with_context(|| format!("config.json: missing integer `{k}`"))
         };
         let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
         let (arch, rope_style) = match model_type {

@@ -40,7 +40,13 @@ pub struct Linear {
 
 impl Linear {
     /// Reads `name.weight` (and `name.bias` when `bias`) from the file.
-    pub fn load(file: &mut dyn TensorSource, name: &str, bias: bool, format: WeightFormat, device: &Device) -> Result<Self> {
+    pub fn load(
+        file: &mut dyn TensorSource,
+        name: &str,
+        bias: bool,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
         let q = Arc::new(file.qtensor(&format!("{name}.weight"), device)?);
         let bias = if bias { Some(file.dense(&format!("{name}.bias"), device)?) } else { None };
         Self::from_qtensor(q, bias, format, device).with_context(|| format!("loading `{name}.weight`"))
@@ -115,7 +121,13 @@ pub struct FusedLinear {
 }
 
 impl FusedLinear {
-    pub fn load(file: &mut dyn TensorSource, names: &[String], bias: bool, format: WeightFormat, device: &Device) -> Result<Self> {
+    pub fn load(
+        file: &mut dyn TensorSource,
+        names: &[String],
+        bias: bool,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
         let mut qs = Vec::with_capacity(names.len());
         let mut biases = Vec::with_capacity(names.len());
         for name in names {

@@ -14,6 +14,6 @@ pub use batch::{ForwardBatch, ForwardOutput, LogitsRows, SeqInput};
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use gguf::{GgufFile, WeightFormat};
 pub use hf::HfModelDir;
-pub use source::TensorSource;
 pub use linear::{repacked_q8_available, Linear};
+pub use source::TensorSource;
 pub use transformer::Transformer;

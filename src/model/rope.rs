@@ -20,9 +20,7 @@ pub struct RopeTables {
 
 impl Rope {
     pub fn new(style: RopeStyle, theta: f32, rope_dim: usize, head_dim: usize) -> Self {
-        let inv_freq = (0..rope_dim / 2)
-            .map(|i| 1.0 / theta.powf(2.0 * i as f32 / rope_dim as f32))
-            .collect();
+        let inv_freq = (0..rope_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f32 / rope_dim as f32)).collect();
         Self { style, rope_dim, head_dim, inv_freq }
     }
 

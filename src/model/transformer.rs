@@ -4,9 +4,9 @@
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, WeightFormat};
-use super::source::TensorSource;
 use super::linear::{FusedLinear, Linear};
 use super::rope::Rope;
+use super::source::TensorSource;
 use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -44,7 +44,12 @@ impl Transformer {
     }
 
     /// Loads from any tensor source with an already-read config.
-    pub fn load_from(file: &mut dyn TensorSource, config: ModelConfig, format: WeightFormat, device: &Device) -> Result<Self> {
+    pub fn load_from(
+        file: &mut dyn TensorSource,
+        config: ModelConfig,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
         let embedding = Arc::new(file.qtensor("token_embd.weight", device)?);
         let lm_head = if config.tied_head {
             Linear::from_qtensor(embedding.clone(), None, format, device)?
@@ -74,9 +79,23 @@ impl Transformer {
             };
             let (q, kv) = (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim);
             check_shape(layer.qkv.widths(), layer.qkv.in_features(), &[q, kv, kv], config.hidden, i, "attn_q/k/v")?;
-            check_shape(layer.gate_up.widths(), layer.gate_up.in_features(), &[config.ffn, config.ffn], config.hidden, i, "ffn_gate/up")?;
+            check_shape(
+                layer.gate_up.widths(),
+                layer.gate_up.in_features(),
+                &[config.ffn, config.ffn],
+                config.hidden,
+                i,
+                "ffn_gate/up",
+            )?;
             check_shape(&[layer.o.out_features()], layer.o.in_features(), &[config.hidden], q, i, "attn_output")?;
-            check_shape(&[layer.down.out_features()], layer.down.in_features(), &[config.hidden], config.ffn, i, "ffn_down")?;
+            check_shape(
+                &[layer.down.out_features()],
+                layer.down.in_features(),
+                &[config.hidden],
+                config.ffn,
+                i,
+                "ffn_down",
+            )?;
             layers.push(layer);
         }
         let norm = file.dense("output_norm.weight", device)?;
@@ -213,7 +232,12 @@ impl Transformer {
             .seqs
             .iter()
             .zip(&row_ranges)
-            .map(|(s, r)| AttentionSeq { row_start: r.start, n_rows: r.len(), cached: s.cache.len(), blocks: s.cache.blocks() })
+            .map(|(s, r)| AttentionSeq {
+                row_start: r.start,
+                n_rows: r.len(),
+                cached: s.cache.len(),
+                blocks: s.cache.blocks(),
+            })
             .collect();
 
         let ids = Tensor::new(tokens.as_slice(), &self.device)?;
@@ -242,7 +266,8 @@ impl Transformer {
             for sq in &attn_seqs {
                 for i in 0..sq.n_rows {
                     let row = sq.row_start + i;
-                    let (k_row, v_row) = (&k[row * kv_width..(row + 1) * kv_width], &v[row * kv_width..(row + 1) * kv_width]);
+                    let (k_row, v_row) =
+                        (&k[row * kv_width..(row + 1) * kv_width], &v[row * kv_width..(row + 1) * kv_width]);
                     storage.write(li, sq.blocks, sq.cached + i, k_row, v_row);
                 }
             }
@@ -280,7 +305,14 @@ impl Transformer {
     }
 }
 
-fn check_shape(widths: &[usize], cols: usize, want: &[usize], want_cols: usize, layer: usize, name: &str) -> Result<()> {
+fn check_shape(
+    widths: &[usize],
+    cols: usize,
+    want: &[usize],
+    want_cols: usize,
+    layer: usize,
+    name: &str,
+) -> Result<()> {
     if widths != want || cols != want_cols {
         bail!("blk.{layer}.{name}: output widths {widths:?} × input {cols}, expected {want:?} × {want_cols}");
     }

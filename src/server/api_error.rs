@@ -46,17 +46,26 @@ impl ApiError {
     }
 
     pub fn unauthorized() -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", "Incorrect or missing API key (send `Authorization: Bearer KEY`)")
-            .with_code("invalid_api_key")
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "Incorrect or missing API key (send `Authorization: Bearer KEY`)",
+        )
+        .with_code("invalid_api_key")
     }
 
     pub fn body_too_large(limit: usize) -> Self {
-        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("The request body is larger than {limit} bytes"))
-            .with_code("request_too_large")
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("The request body is larger than {limit} bytes"),
+        )
+        .with_code("request_too_large")
     }
 
     pub fn not_found(path: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("Unknown endpoint `{path}`")).with_code("unknown_url")
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("Unknown endpoint `{path}`"))
+            .with_code("unknown_url")
     }
 
     pub fn method_not_allowed() -> Self {
@@ -68,7 +77,8 @@ impl ApiError {
     }
 
     pub fn shutting_down() -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "The server is shutting down").with_code("server_shutting_down")
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "The server is shutting down")
+            .with_code("server_shutting_down")
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
@@ -76,7 +86,11 @@ impl ApiError {
     }
 
     pub fn unsupported_media_type() -> Self {
-        Self::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error", "The body must be JSON (Content-Type: application/json)")
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            "The body must be JSON (Content-Type: application/json)",
+        )
     }
 
     /// The JSON object (also sent as an SSE event when a stream fails midway).

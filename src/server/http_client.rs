@@ -56,10 +56,17 @@ pub struct ResponseStream {
 }
 
 /// Sends one request to `addr` (`host:port`) and reads the response head.
-pub async fn send(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<ResponseStream> {
+pub async fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<ResponseStream> {
     let mut stream = TcpStream::connect(addr).await.with_context(|| format!("cannot connect to {addr}"))?;
     stream.set_nodelay(true)?;
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    let mut head =
+        format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -95,7 +102,9 @@ pub async fn send(addr: &str, method: &str, path: &str, headers: &[(&str, &str)]
             resp_headers.push((k.trim().to_string(), v.trim().to_string()));
         }
     }
-    let framing = if find_header(&resp_headers, "transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
+    let framing = if find_header(&resp_headers, "transfer-encoding")
+        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"))
+    {
         Framing::Chunked
     } else if let Some(n) = find_header(&resp_headers, "content-length").and_then(|v| v.parse().ok()) {
         Framing::Length(n)
@@ -160,7 +169,8 @@ impl ResponseStream {
                         bail!("the connection closed inside a chunked body");
                     }
                     let size_text = line.trim().split(';').next().unwrap_or("");
-                    let size = usize::from_str_radix(size_text, 16).with_context(|| format!("bad chunk size `{}`", line.trim()))?;
+                    let size = usize::from_str_radix(size_text, 16)
+                        .with_context(|| format!("bad chunk size `{}`", line.trim()))?;
                     if size == 0 {
                         // Trailers, then the empty line.
                         loop {
@@ -248,7 +258,9 @@ pub fn loopback_addr(url: &str) -> Result<String> {
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     let loopback = bare == "localhost" || bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     if !loopback {
-        bail!("`{host}` is not a loopback address; the load tool only targets this machine (127.0.0.1, localhost, [::1])");
+        bail!(
+            "`{host}` is not a loopback address; the load tool only targets this machine (127.0.0.1, localhost, [::1])"
+        );
     }
     Ok(format!("{host}:{port}"))
 }

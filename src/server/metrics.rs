@@ -41,7 +41,11 @@ impl Histogram {
         for (b, c) in self.bounds.iter().zip(&self.counts) {
             let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            self.count, self.sum, self.count
+        );
     }
 }
 
@@ -127,10 +131,25 @@ impl ServerMetrics {
         metric("specula_requests_running", "gauge", "Sequences in the running batch.", e.running.to_string());
         metric("specula_kv_blocks_total", "gauge", "KV cache blocks in the pool.", e.kv_total_blocks.to_string());
         metric("specula_kv_blocks_free", "gauge", "KV cache blocks free.", e.kv_free_blocks.to_string());
-        metric("specula_kv_blocks_used", "gauge", "KV cache blocks held by sequences.", (e.kv_total_blocks - e.kv_free_blocks).to_string());
+        metric(
+            "specula_kv_blocks_used",
+            "gauge",
+            "KV cache blocks held by sequences.",
+            (e.kv_total_blocks - e.kv_free_blocks).to_string(),
+        );
         metric("specula_kv_block_size", "gauge", "Tokens per KV block.", e.kv_block_size.to_string());
-        metric("specula_generated_tokens_total", "counter", "Tokens generated for requests.", e.generated_tokens.to_string());
-        metric("specula_prefill_tokens_total", "counter", "Prompt tokens prefilled (recomputation included).", e.prefill_tokens.to_string());
+        metric(
+            "specula_generated_tokens_total",
+            "counter",
+            "Tokens generated for requests.",
+            e.generated_tokens.to_string(),
+        );
+        metric(
+            "specula_prefill_tokens_total",
+            "counter",
+            "Prompt tokens prefilled (recomputation included).",
+            e.prefill_tokens.to_string(),
+        );
         metric(
             "specula_tokens_per_second",
             "gauge",
@@ -139,22 +158,65 @@ impl ServerMetrics {
         );
         metric("specula_engine_steps_total", "counter", "Batched forward steps.", e.steps.to_string());
         metric("specula_engine_rows_total", "counter", "Token rows through the forward.", e.rows.to_string());
-        metric("specula_engine_busy_seconds_total", "counter", "Seconds the engine spent in steps.", format!("{}", e.busy_secs));
-        metric("specula_preemptions_total", "counter", "Sequences preempted (KV freed, recomputed later).", e.preemptions.to_string());
+        metric(
+            "specula_engine_busy_seconds_total",
+            "counter",
+            "Seconds the engine spent in steps.",
+            format!("{}", e.busy_secs),
+        );
+        metric(
+            "specula_preemptions_total",
+            "counter",
+            "Sequences preempted (KV freed, recomputed later).",
+            e.preemptions.to_string(),
+        );
         metric("specula_draft_tokens_total", "counter", "Draft tokens proposed.", e.drafted.to_string());
         metric("specula_draft_tokens_accepted_total", "counter", "Draft tokens accepted.", e.accepted.to_string());
-        metric("specula_verify_steps_total", "counter", "Per-sequence decode/verify steps.", e.verify_steps.to_string());
+        metric(
+            "specula_verify_steps_total",
+            "counter",
+            "Per-sequence decode/verify steps.",
+            e.verify_steps.to_string(),
+        );
         let tau = if e.verify_steps == 0 { 0.0 } else { (e.accepted + e.verify_steps) as f64 / e.verify_steps as f64 };
-        metric("specula_acceptance_length", "gauge", "Mean tokens committed per verify step (accepted drafts + 1).", format!("{tau}"));
-        metric("specula_requests_finished_total", "counter", "Requests the engine finished.", e.finished_requests.to_string());
-        metric("specula_requests_cancelled_total", "counter", "Requests whose client went away.", e.cancelled_requests.to_string());
-        metric("specula_requests_failed_total", "counter", "Requests the engine could not complete.", e.failed_requests.to_string());
+        metric(
+            "specula_acceptance_length",
+            "gauge",
+            "Mean tokens committed per verify step (accepted drafts + 1).",
+            format!("{tau}"),
+        );
+        metric(
+            "specula_requests_finished_total",
+            "counter",
+            "Requests the engine finished.",
+            e.finished_requests.to_string(),
+        );
+        metric(
+            "specula_requests_cancelled_total",
+            "counter",
+            "Requests whose client went away.",
+            e.cancelled_requests.to_string(),
+        );
+        metric(
+            "specula_requests_failed_total",
+            "counter",
+            "Requests the engine could not complete.",
+            e.failed_requests.to_string(),
+        );
         let _ = writeln!(out, "# HELP specula_http_requests_total HTTP requests by endpoint and status.\n# TYPE specula_http_requests_total counter");
         for ((endpoint, status), n) in &inner.requests {
             let _ = writeln!(out, "specula_http_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}");
         }
-        inner.ttft.write(&mut out, "specula_time_to_first_token_seconds", "Time from request arrival to its first token.");
-        inner.itl.write(&mut out, "specula_inter_token_latency_seconds", "Time between tokens of a stream (tokens arriving together share the gap).");
+        inner.ttft.write(
+            &mut out,
+            "specula_time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+        );
+        inner.itl.write(
+            &mut out,
+            "specula_inter_token_latency_seconds",
+            "Time between tokens of a stream (tokens arriving together share the gap).",
+        );
         out
     }
 }
@@ -185,7 +247,13 @@ mod tests {
         m.request("completion", 400);
         m.first_token(Duration::from_millis(30));
         m.tokens_after(Duration::from_millis(40), 4);
-        let snap = EngineSnapshot { kv_total_blocks: 10, kv_free_blocks: 7, verify_steps: 4, accepted: 6, ..Default::default() };
+        let snap = EngineSnapshot {
+            kv_total_blocks: 10,
+            kv_free_blocks: 7,
+            verify_steps: 4,
+            accepted: 6,
+            ..Default::default()
+        };
         let text = m.render(&snap);
         assert!(text.contains("specula_kv_blocks_used 3\n"));
         assert!(text.contains("specula_http_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));

@@ -116,7 +116,9 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
     }
     let top_k = match f.integer("top_k")? {
         None | Some(-1) => 0,
-        Some(k) if k < 0 => return Err(ApiError::invalid("top_k", format!("`top_k` must be >= 0 (or -1 = off), got {k}"))),
+        Some(k) if k < 0 => {
+            return Err(ApiError::invalid("top_k", format!("`top_k` must be >= 0 (or -1 = off), got {k}")))
+        }
         Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
     };
     let seed = match obj.get("seed") {
@@ -167,16 +169,27 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
     let stream = f.boolean("stream")?.unwrap_or(false);
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
-        Some(Value::Object(o)) => Fields(o).boolean("include_usage").map_err(|mut e| {
-            e.param = Some("stream_options.include_usage".into());
-            e
-        })?
-        .unwrap_or(false),
+        Some(Value::Object(o)) => Fields(o)
+            .boolean("include_usage")
+            .map_err(|mut e| {
+                e.param = Some("stream_options.include_usage".into());
+                e
+            })?
+            .unwrap_or(false),
         Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` must be an object")),
     };
     let speculate = f.boolean("speculate")?.unwrap_or(true);
     let ignore_eos = f.boolean("ignore_eos")?.unwrap_or(false);
-    Ok(CompletionRequest { endpoint, model, prompt, params, stream, include_usage: stream && include_usage, speculate, ignore_eos })
+    Ok(CompletionRequest {
+        endpoint,
+        model,
+        prompt,
+        params,
+        stream,
+        include_usage: stream && include_usage,
+        speculate,
+        ignore_eos,
+    })
 }
 
 /// Typed access to a request's fields; `null` reads as absent.
@@ -226,7 +239,9 @@ impl Fields<'_> {
 
 fn parse_messages(value: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match value {
-        None | Some(Value::Null) => return Err(ApiError::invalid("messages", "Missing required parameter: `messages`")),
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("messages", "Missing required parameter: `messages`"))
+        }
         Some(Value::Array(items)) => items,
         Some(_) => return Err(ApiError::invalid("messages", "`messages` must be an array")),
     };
@@ -285,7 +300,12 @@ fn parse_messages(value: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
 }
 
 fn parse_prompt(value: Option<&Value>) -> Result<PromptInput, ApiError> {
-    let bad = || ApiError::invalid("prompt", "`prompt` must be a string, an array of token ids, or an array holding one of these");
+    let bad = || {
+        ApiError::invalid(
+            "prompt",
+            "`prompt` must be a string, an array of token ids, or an array holding one of these",
+        )
+    };
     let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
         items.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(bad)).collect()
     };
@@ -295,7 +315,9 @@ fn parse_prompt(value: Option<&Value>) -> Result<PromptInput, ApiError> {
         Some(Value::Array(items)) => match items.first() {
             None => Err(ApiError::invalid("prompt", "`prompt` is empty")),
             Some(Value::Number(_)) => Ok(PromptInput::Ids(ids(items)?)),
-            Some(_) if items.len() > 1 => Err(ApiError::invalid("prompt", "Only one prompt per request is supported (n = 1)")),
+            Some(_) if items.len() > 1 => {
+                Err(ApiError::invalid("prompt", "Only one prompt per request is supported (n = 1)"))
+            }
             Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
             Some(Value::Array(inner)) if !inner.is_empty() => Ok(PromptInput::Ids(ids(inner)?)),
             Some(_) => Err(bad()),
@@ -465,7 +487,10 @@ mod tests {
         assert_eq!(param_of(&chat(r#","temperature":"hot""#), Endpoint::Chat).as_deref(), Some("temperature"));
         assert_eq!(param_of(&chat(r#","temperature":3"#), Endpoint::Chat).as_deref(), Some("temperature"));
         assert_eq!(param_of(&chat(r#","max_tokens":0"#), Endpoint::Chat).as_deref(), Some("max_tokens"));
-        assert_eq!(param_of(&chat(r#","max_completion_tokens":-5"#), Endpoint::Chat).as_deref(), Some("max_completion_tokens"));
+        assert_eq!(
+            param_of(&chat(r#","max_completion_tokens":-5"#), Endpoint::Chat).as_deref(),
+            Some("max_completion_tokens")
+        );
         assert_eq!(param_of(&chat(r#","max_tokens":1.5"#), Endpoint::Chat).as_deref(), Some("max_tokens"));
         assert_eq!(param_of(&chat(r#","top_p":0"#), Endpoint::Chat).as_deref(), Some("top_p"));
         assert_eq!(param_of(&chat(r#","stop":[1]"#), Endpoint::Chat).as_deref(), Some("stop"));
@@ -476,8 +501,14 @@ mod tests {
         assert_eq!(param_of(&chat(r#","presence_penalty":9"#), Endpoint::Chat).as_deref(), Some("presence_penalty"));
         assert_eq!(param_of(r#"{"messages":[]}"#, Endpoint::Chat).as_deref(), Some("messages"));
         assert_eq!(param_of(r#"{"messages":"hi"}"#, Endpoint::Chat).as_deref(), Some("messages"));
-        assert_eq!(param_of(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, Endpoint::Chat).as_deref(), Some("messages[0].role"));
-        assert_eq!(param_of(r#"{"messages":[{"role":"user"}]}"#, Endpoint::Chat).as_deref(), Some("messages[0].content"));
+        assert_eq!(
+            param_of(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, Endpoint::Chat).as_deref(),
+            Some("messages[0].role")
+        );
+        assert_eq!(
+            param_of(r#"{"messages":[{"role":"user"}]}"#, Endpoint::Chat).as_deref(),
+            Some("messages[0].content")
+        );
         assert_eq!(param_of(r#"{}"#, Endpoint::Completion).as_deref(), Some("prompt"));
     }
 

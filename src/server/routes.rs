@@ -131,7 +131,9 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .map(str::trim);
     // Compare without an early exit, so timing does not tell how much of a guess was right.
-    let ok = given.is_some_and(|g| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0);
+    let ok = given.is_some_and(|g| {
+        g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    });
     if ok {
         Ok(())
     } else {
@@ -144,7 +146,8 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 /// out: a client blocked sending its body would otherwise see a broken connection, not the error.
 async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Vec<u8>, ApiError> {
     let drain_cap = limit.saturating_mul(8).max(8 << 20);
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     let mut stream = body.into_data_stream();
     if declared.is_some_and(|n| n > limit as u64) {
         if declared.is_some_and(|n| n <= drain_cap as u64) {
@@ -221,12 +224,19 @@ async fn start(
 fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, ApiError> {
     let loaded = state.engine.model();
     let prompt = match &req.prompt {
-        PromptInput::Chat(messages) => loaded.encode_chat(messages).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?,
-        PromptInput::Text(text) => loaded.encode_prompt(text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?,
+        PromptInput::Chat(messages) => {
+            loaded.encode_chat(messages).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?
+        }
+        PromptInput::Text(text) => {
+            loaded.encode_prompt(text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?
+        }
         PromptInput::Ids(ids) => {
             let vocab = loaded.model.config.vocab;
             if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary ({vocab} tokens)")));
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary ({vocab} tokens)"),
+                ));
             }
             ids.clone()
         }
@@ -352,7 +362,10 @@ fn stream_response(
                 Some(EngineEvent::Failed(message)) => {
                     vec![sse(&failure(&state, message).body()), Bytes::from_static(b"data: [DONE]\n\n")]
                 }
-                None => vec![sse(&failure(&state, "the engine stopped".into()).body()), Bytes::from_static(b"data: [DONE]\n\n")],
+                None => vec![
+                    sse(&failure(&state, "the engine stopped".into()).body()),
+                    Bytes::from_static(b"data: [DONE]\n\n"),
+                ],
             };
             let end = out.last().is_some_and(|b| b.as_ref() == b"data: [DONE]\n\n");
             for bytes in out {

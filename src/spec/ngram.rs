@@ -32,12 +32,7 @@ impl NgramProposer {
         if min_ngram == 0 || min_ngram > max_ngram || max_ngram > MAX_NGRAM_LIMIT {
             bail!("n-gram sizes must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram}) <= {MAX_NGRAM_LIMIT}");
         }
-        Ok(Self {
-            min_ngram,
-            max_ngram,
-            seen: Vec::new(),
-            index: vec![HashMap::new(); max_ngram - min_ngram + 1],
-        })
+        Ok(Self { min_ngram, max_ngram, seen: Vec::new(), index: vec![HashMap::new(); max_ngram - min_ngram + 1] })
     }
 
     fn hash(gram: &[u32]) -> u64 {

@@ -118,7 +118,13 @@ struct Snapshot {
 
 impl Snapshot {
     fn of(m: &SpecMetrics) -> Self {
-        Self { steps: m.steps, drafted: m.drafted, accepted: m.accepted, draft_secs: m.draft_secs, verify_secs: m.verify_secs }
+        Self {
+            steps: m.steps,
+            drafted: m.drafted,
+            accepted: m.accepted,
+            draft_secs: m.draft_secs,
+            verify_secs: m.verify_secs,
+        }
     }
 }
 
@@ -282,10 +288,8 @@ pub fn measure_verify_curve(model: &Transformer, max_m: usize) -> Result<Vec<f64
     model.forward(&mut batch)?;
 
     let block = filler(max_m, 1);
-    let mut sizes: Vec<usize> = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-        .into_iter()
-        .filter(|&m| m <= max_m)
-        .collect();
+    let mut sizes: Vec<usize> =
+        [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64].into_iter().filter(|&m| m <= max_m).collect();
     if sizes.last() != Some(&max_m) {
         sizes.push(max_m);
     }
@@ -333,7 +337,12 @@ mod tests {
 
     /// Feeds `steps` steps where every draft is accepted with probability `alpha` (position by
     /// position, deterministic pseudo-randomness), drafting what the policy asks for.
-    fn run(choose: &mut dyn FnMut(&SpecMetrics) -> usize, alpha: f64, steps: usize, draft_secs_per_token: f64) -> (SpecMetrics, Vec<usize>) {
+    fn run(
+        choose: &mut dyn FnMut(&SpecMetrics) -> usize,
+        alpha: f64,
+        steps: usize,
+        draft_secs_per_token: f64,
+    ) -> (SpecMetrics, Vec<usize>) {
         let mut m = SpecMetrics::default();
         let mut rng = crate::sample::SamplerRng::from_seed(11);
         let mut chosen = Vec::new();

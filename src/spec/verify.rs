@@ -40,10 +40,7 @@ pub struct Draft {
 impl Draft {
     /// A deterministic draft (one-hot `q`).
     pub fn deterministic(tokens: Vec<u32>) -> Self {
-        Self {
-            tokens,
-            probs: None,
-        }
+        Self { tokens, probs: None }
     }
 }
 
@@ -82,33 +79,15 @@ pub fn verify<R: AsRef<[f32]>>(
     rng: &mut SamplerRng,
 ) -> Verdict {
     let k = draft.tokens.len();
-    assert_eq!(
-        target_logits.len(),
-        k + 1,
-        "verify needs k + 1 = {} target rows for a draft of {k} tokens",
-        k + 1
-    );
+    assert_eq!(target_logits.len(), k + 1, "verify needs k + 1 = {} target rows for a draft of {k} tokens", k + 1);
     if let Some(probs) = &draft.probs {
-        assert_eq!(
-            probs.len(),
-            k,
-            "draft has {k} tokens but {} probability rows",
-            probs.len()
-        );
+        assert_eq!(probs.len(), k, "draft has {k} tokens but {} probability rows", probs.len());
     }
     let row = |i: usize| target_logits[i].as_ref();
 
     if params.is_greedy() {
-        let accepted = draft
-            .tokens
-            .iter()
-            .enumerate()
-            .take_while(|&(i, &d)| d == sample::argmax(row(i)))
-            .count();
-        return Verdict {
-            accepted,
-            next_token: sample::sample(row(accepted), params, rng),
-        };
+        let accepted = draft.tokens.iter().enumerate().take_while(|&(i, &d)| d == sample::argmax(row(i))).count();
+        return Verdict { accepted, next_token: sample::sample(row(accepted), params, rng) };
     }
 
     for (i, &d) in draft.tokens.iter().enumerate() {
@@ -118,10 +97,7 @@ pub fn verify<R: AsRef<[f32]>>(
             .probs
             .as_ref()
             .map(|probs| probs[i].as_slice())
-            .filter(|q| {
-                q.get(d as usize)
-                    .is_some_and(|&q_d| q_d > 0.0 && q_d.is_finite())
-            });
+            .filter(|q| q.get(d as usize).is_some_and(|&q_d| q_d > 0.0 && q_d.is_finite()));
         let q_d = q_row.map_or(1.0, |q| q[d as usize]);
         // Accept with probability min(1, p/q); draw only when the outcome is uncertain.
         let accept = p_d >= q_d || (p_d > 0.0 && rng.next_f64() * (q_d as f64) < p_d as f64);
@@ -129,26 +105,16 @@ pub fn verify<R: AsRef<[f32]>>(
             continue;
         }
         let next_token = sample_residual(&p, q_row, d, rng);
-        return Verdict {
-            accepted: i,
-            next_token,
-        };
+        return Verdict { accepted: i, next_token };
     }
-    Verdict {
-        accepted: k,
-        next_token: sample::sample(row(k), params, rng),
-    }
+    Verdict { accepted: k, next_token: sample::sample(row(k), params, rng) }
 }
 
 /// After rejecting `draft_token`: a draw from `normalise(max(p − q, 0))`, or from `p` when that
 /// residual has no mass (possible only for a `q` that is not a proper distribution).
 fn sample_residual(p: &[f32], q: Option<&[f32]>, draft_token: u32, rng: &mut SamplerRng) -> u32 {
     let residual: Vec<f32> = match q {
-        Some(q) => p
-            .iter()
-            .enumerate()
-            .map(|(t, &p_t)| (p_t - q.get(t).copied().unwrap_or(0.0)).max(0.0))
-            .collect(),
+        Some(q) => p.iter().enumerate().map(|(t, &p_t)| (p_t - q.get(t).copied().unwrap_or(0.0)).max(0.0)).collect(),
         None => {
             // One-hot q: p without the rejected token (p(d) - 1 <= 0).
             let mut without = p.to_vec();
@@ -217,12 +183,7 @@ mod tests {
 
         fn next_logits(&self, context: &[u32]) -> Vec<f32> {
             let v = self.vocab;
-            let at = |back: usize| {
-                context
-                    .len()
-                    .checked_sub(back)
-                    .map_or(0, |i| context[i] as usize % v)
-            };
+            let at = |back: usize| context.len().checked_sub(back).map_or(0, |i| context[i] as usize % v);
             let start = (at(2) * v + at(1)) * v;
             self.table[start..start + v].to_vec()
         }
@@ -247,13 +208,7 @@ mod tests {
         }
 
         /// Plain decoding: one `sample::sample` per token.
-        fn plain_decode(
-            &self,
-            prompt: &[u32],
-            n: usize,
-            params: &SamplingParams,
-            rng: &mut SamplerRng,
-        ) -> Vec<u32> {
+        fn plain_decode(&self, prompt: &[u32], n: usize, params: &SamplingParams, rng: &mut SamplerRng) -> Vec<u32> {
             let mut context = prompt.to_vec();
             while context.len() < prompt.len() + n {
                 let mut logits = self.next_logits(&context);
@@ -300,9 +255,7 @@ mod tests {
                 }
                 ctx[context.len()..].to_vec()
             };
-            let sampled_rollout = |lm: &ToyLm,
-                                   draft_params: &SamplingParams,
-                                   rng: &mut SamplerRng| {
+            let sampled_rollout = |lm: &ToyLm, draft_params: &SamplingParams, rng: &mut SamplerRng| {
                 let mut ctx = context.to_vec();
                 let mut probs = Vec::new();
                 for _ in 0..k {
@@ -311,19 +264,14 @@ mod tests {
                     ctx.push(token);
                     probs.push(q);
                 }
-                Draft {
-                    tokens: ctx[context.len()..].to_vec(),
-                    probs: Some(probs),
-                }
+                Draft { tokens: ctx[context.len()..].to_vec(), probs: Some(probs) }
             };
             match self {
                 Drafter::Empty => Draft::default(),
                 Drafter::PerfectGreedy(lm) => Draft::deterministic(greedy_rollout(lm)),
-                Drafter::Random { vocab } => Draft::deterministic(
-                    (0..k)
-                        .map(|_| (rng.next_u64() % (*vocab as u64 + 2)) as u32)
-                        .collect(),
-                ),
+                Drafter::Random { vocab } => {
+                    Draft::deterministic((0..k).map(|_| (rng.next_u64() % (*vocab as u64 + 2)) as u32).collect())
+                }
                 Drafter::PartlyRight(lm) => {
                     let mut tokens = greedy_rollout(lm);
                     for t in &mut tokens {
@@ -367,10 +315,7 @@ mod tests {
             let rows = target.verification_rows(&context, prompt.len(), &draft.tokens, params);
             let verdict = verify(&draft, &rows, params, rng);
             assert!(verdict.accepted <= draft.tokens.len());
-            assert!(
-                (verdict.next_token as usize) < target.vocab,
-                "emitted a token outside the vocabulary"
-            );
+            assert!((verdict.next_token as usize) < target.vocab, "emitted a token outside the vocabulary");
             stats.drafted += draft.tokens.len();
             stats.accepted += verdict.accepted;
             context.extend(verdict.committed(&draft.tokens));
@@ -381,124 +326,49 @@ mod tests {
     #[test]
     fn greedy_accepts_the_matching_prefix() {
         // Rows' argmaxes are 2, 0, 1, 3.
-        let rows = [
-            vec![0.0f32, 1.0, 5.0, 0.0],
-            vec![9.0, 1.0, 5.0, 0.0],
-            vec![0.0, 7.0, 5.0, 7.0],
-            vec![0.0, 1.0, 2.0, 3.0],
-        ];
+        let rows =
+            [vec![0.0f32, 1.0, 5.0, 0.0], vec![9.0, 1.0, 5.0, 0.0], vec![0.0, 7.0, 5.0, 7.0], vec![0.0, 1.0, 2.0, 3.0]];
         let g = SamplingParams::greedy();
         let mut rng = SamplerRng::from_seed(0);
         let v = |tokens: Vec<u32>, rng: &mut SamplerRng| {
             let n = tokens.len();
             verify(&Draft::deterministic(tokens), &rows[..n + 1], &g, rng)
         };
-        assert_eq!(
-            v(vec![2, 0, 1], &mut rng),
-            Verdict {
-                accepted: 3,
-                next_token: 3
-            }
-        );
-        assert_eq!(
-            v(vec![2, 0, 3], &mut rng),
-            Verdict {
-                accepted: 2,
-                next_token: 1
-            }
-        ); // tie → 1
-        assert_eq!(
-            v(vec![1, 0, 1], &mut rng),
-            Verdict {
-                accepted: 0,
-                next_token: 2
-            }
-        );
-        assert_eq!(
-            v(vec![2, 99, 1], &mut rng),
-            Verdict {
-                accepted: 1,
-                next_token: 0
-            }
-        );
-        assert_eq!(
-            v(vec![], &mut rng),
-            Verdict {
-                accepted: 0,
-                next_token: 2
-            }
-        );
-        assert_eq!(
-            rng,
-            SamplerRng::from_seed(0),
-            "greedy verification draws nothing"
-        );
-        let verdict = Verdict {
-            accepted: 2,
-            next_token: 1,
-        };
+        assert_eq!(v(vec![2, 0, 1], &mut rng), Verdict { accepted: 3, next_token: 3 });
+        assert_eq!(v(vec![2, 0, 3], &mut rng), Verdict { accepted: 2, next_token: 1 }); // tie → 1
+        assert_eq!(v(vec![1, 0, 1], &mut rng), Verdict { accepted: 0, next_token: 2 });
+        assert_eq!(v(vec![2, 99, 1], &mut rng), Verdict { accepted: 1, next_token: 0 });
+        assert_eq!(v(vec![], &mut rng), Verdict { accepted: 0, next_token: 2 });
+        assert_eq!(rng, SamplerRng::from_seed(0), "greedy verification draws nothing");
+        let verdict = Verdict { accepted: 2, next_token: 1 };
         assert_eq!(verdict.committed(&[2, 0, 3]), vec![2, 0, 1]);
     }
 
     #[test]
     fn stochastic_edge_cases() {
-        let p = SamplingParams {
-            temperature: 1.0,
-            ..SamplingParams::default()
-        };
+        let p = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
         // A draft token outside the vocabulary is rejected and the target samples normally.
         let rows = [vec![0.0f32, 1.0, 2.0], vec![0.0, 0.0, 0.0]];
         for seed in 0..50 {
-            let verdict = verify(
-                &Draft::deterministic(vec![7]),
-                &rows,
-                &p,
-                &mut SamplerRng::from_seed(seed),
-            );
+            let verdict = verify(&Draft::deterministic(vec![7]), &rows, &p, &mut SamplerRng::from_seed(seed));
             assert_eq!(verdict.accepted, 0);
             assert!(verdict.next_token < 3);
         }
         // A token the target cannot produce (filtered by top-k) is always rejected, and the
         // replacement is never a filtered token.
-        let top1 = SamplingParams {
-            top_k: 1,
-            ..p.clone()
-        };
+        let top1 = SamplingParams { top_k: 1, ..p.clone() };
         for seed in 0..50 {
-            let verdict = verify(
-                &Draft::deterministic(vec![0]),
-                &rows,
-                &top1,
-                &mut SamplerRng::from_seed(seed),
-            );
-            assert_eq!(
-                verdict,
-                Verdict {
-                    accepted: 0,
-                    next_token: 2
-                }
-            );
+            let verdict = verify(&Draft::deterministic(vec![0]), &rows, &top1, &mut SamplerRng::from_seed(seed));
+            assert_eq!(verdict, Verdict { accepted: 0, next_token: 2 });
         }
         // A q row that gives its own token no mass is treated as one-hot, not as "infinitely
         // likely to accept"; a certain target token is always accepted.
         let certain = [vec![0.0f32, 100.0, 0.0], vec![0.0, 0.0, 100.0]];
-        let draft = Draft {
-            tokens: vec![1],
-            probs: Some(vec![vec![1.0, 0.0, 0.0]]),
-        };
+        let draft = Draft { tokens: vec![1], probs: Some(vec![vec![1.0, 0.0, 0.0]]) };
         let verdict = verify(&draft, &certain, &p, &mut SamplerRng::from_seed(3));
-        assert_eq!(
-            verdict,
-            Verdict {
-                accepted: 1,
-                next_token: 2
-            }
-        );
+        assert_eq!(verdict, Verdict { accepted: 1, next_token: 2 });
         // q with a different length than the vocabulary.
-        let short_q = Draft {
-            tokens: vec![0],
-            probs: Some(vec![vec![0.9]]),
-        };
+        let short_q = Draft { tokens: vec![0], probs: Some(vec![vec![0.9]]) };
         for seed in 0..50 {
             let verdict = verify(&short_q, &rows, &p, &mut SamplerRng::from_seed(seed));
             assert!(verdict.next_token < 3);
@@ -508,18 +378,13 @@ mod tests {
     #[test]
     fn empty_draft_is_exactly_plain_sampling() {
         let lm = ToyLm::random(7, 11, 2.0, false);
-        let params = SamplingParams {
-            temperature: 0.9,
-            top_p: 0.9,
-            ..SamplingParams::default()
-        };
+        let params = SamplingParams { temperature: 0.9, top_p: 0.9, ..SamplingParams::default() };
         let prompt = [1, 2];
         let plain = lm.plain_decode(&prompt, 300, &params, &mut SamplerRng::from_seed(5));
         let mut rng = SamplerRng::from_seed(5);
         let mut context = prompt.to_vec();
         while context.len() < prompt.len() + 300 {
-            let draft =
-                Drafter::Empty.propose(&context, 2, 0, &params, &mut SamplerRng::from_seed(0));
+            let draft = Drafter::Empty.propose(&context, 2, 0, &params, &mut SamplerRng::from_seed(0));
             let rows = lm.verification_rows(&context, 2, &draft.tokens, &params);
             let verdict = verify(&draft, &rows, &params, &mut rng);
             context.extend(verdict.committed(&draft.tokens));
@@ -538,11 +403,7 @@ mod tests {
 
     #[test]
     fn penalized_rows_see_the_draft_as_history() {
-        let params = SamplingParams {
-            frequency_penalty: 1.0,
-            presence_penalty: 0.5,
-            ..SamplingParams::default()
-        };
+        let params = SamplingParams { frequency_penalty: 1.0, presence_penalty: 0.5, ..SamplingParams::default() };
         let mut rows = vec![vec![0.0f32; 4]; 3];
         penalize_verification_rows(&mut rows, &[1, 1], &[1, 3], &params);
         assert_eq!(rows[0], vec![0.0, -2.5, 0.0, 0.0]);
@@ -603,12 +464,7 @@ mod tests {
     }
 
     /// Exact probability of every `len`-token continuation of `prompt` under plain sampling.
-    fn exact_sequence_distribution(
-        target: &ToyLm,
-        prompt: &[u32],
-        len: usize,
-        params: &SamplingParams,
-    ) -> Vec<f64> {
+    fn exact_sequence_distribution(target: &ToyLm, prompt: &[u32], len: usize, params: &SamplingParams) -> Vec<f64> {
         let v = target.vocab;
         (0..v.pow(len as u32))
             .map(|index| {
@@ -616,8 +472,7 @@ mod tests {
                 let mut probability = 1.0f64;
                 for position in 0..len {
                     let token = (index / v.pow((len - 1 - position) as u32)) % v;
-                    probability *=
-                        sample::probabilities(&target.next_logits(&context), params)[token] as f64;
+                    probability *= sample::probabilities(&target.next_logits(&context), params)[token] as f64;
                     context.push(token as u32);
                 }
                 probability
@@ -644,10 +499,8 @@ mod tests {
         if pooled.1 >= 5.0 {
             cells.push(pooled);
         } else if pooled.1 > 0.0 {
-            let smallest = cells
-                .iter_mut()
-                .min_by(|a, b| a.1.total_cmp(&b.1))
-                .expect("at least one well-populated cell");
+            let smallest =
+                cells.iter_mut().min_by(|a, b| a.1.total_cmp(&b.1)).expect("at least one well-populated cell");
             smallest.0 += pooled.0;
             smallest.1 += pooled.1;
         }
@@ -665,38 +518,10 @@ mod tests {
     fn target_params() -> Vec<(&'static str, SamplingParams)> {
         let d = SamplingParams::default;
         vec![
-            (
-                "T=0.9",
-                SamplingParams {
-                    temperature: 0.9,
-                    ..d()
-                },
-            ),
-            (
-                "T=1.3 top_k=3",
-                SamplingParams {
-                    temperature: 1.3,
-                    top_k: 3,
-                    ..d()
-                },
-            ),
-            (
-                "T=1 top_p=0.7",
-                SamplingParams {
-                    temperature: 1.0,
-                    top_p: 0.7,
-                    ..d()
-                },
-            ),
-            (
-                "T=0.7 top_k=4 min_p=0.15",
-                SamplingParams {
-                    temperature: 0.7,
-                    top_k: 4,
-                    min_p: 0.15,
-                    ..d()
-                },
-            ),
+            ("T=0.9", SamplingParams { temperature: 0.9, ..d() }),
+            ("T=1.3 top_k=3", SamplingParams { temperature: 1.3, top_k: 3, ..d() }),
+            ("T=1 top_p=0.7", SamplingParams { temperature: 1.0, top_p: 0.7, ..d() }),
+            ("T=0.7 top_k=4 min_p=0.15", SamplingParams { temperature: 0.7, top_k: 4, min_p: 0.15, ..d() }),
         ]
     }
 
@@ -706,21 +531,14 @@ mod tests {
         let target = ToyLm::random(vocab, 1234, 2.5, false);
         let other = ToyLm::random(vocab, 999, 2.5, false);
         let prompt = [1u32, 3];
-        let own_q_params = SamplingParams {
-            temperature: 1.5,
-            top_k: 4,
-            ..SamplingParams::default()
-        };
+        let own_q_params = SamplingParams { temperature: 1.5, top_k: 4, ..SamplingParams::default() };
         for (config_index, (name, params)) in target_params().into_iter().enumerate() {
             let expected = exact_sequence_distribution(&target, &prompt, SEQUENCE_LEN, &params);
             let total: f64 = expected.iter().sum();
             assert!((total - 1.0).abs() < 1e-5);
             let drafters = [
                 ("one-hot, often wrong", Drafter::OneHotOther(&other)),
-                (
-                    "random tokens incl. out of vocab",
-                    Drafter::Random { vocab },
-                ),
+                ("random tokens incl. out of vocab", Drafter::Random { vocab }),
                 ("own q", Drafter::OwnQ(&other, own_q_params.clone())),
                 ("q = p", Drafter::ExactTarget(&target)),
             ];
@@ -751,15 +569,9 @@ mod tests {
                     "{name}, drafter {drafter_name}: chi2 = {statistic:.1} >= {critical:.1} ({dof} dof)"
                 );
                 if matches!(drafter, Drafter::ExactTarget(_)) {
-                    assert_eq!(
-                        stats.accepted, stats.drafted,
-                        "q = p must accept every draft"
-                    );
+                    assert_eq!(stats.accepted, stats.drafted, "q = p must accept every draft");
                 } else {
-                    assert!(
-                        stats.accepted < stats.drafted,
-                        "{drafter_name} should see rejections"
-                    );
+                    assert!(stats.accepted < stats.drafted, "{drafter_name} should see rejections");
                 }
             }
         }
@@ -773,10 +585,7 @@ mod tests {
         let target = ToyLm::random(vocab, 1234, 2.5, false);
         let other = ToyLm::random(vocab, 999, 2.5, false);
         let prompt = [1u32, 3];
-        let params = SamplingParams {
-            temperature: 0.9,
-            ..SamplingParams::default()
-        };
+        let params = SamplingParams { temperature: 0.9, ..SamplingParams::default() };
         let expected = exact_sequence_distribution(&target, &prompt, SEQUENCE_LEN, &params);
         let mut rng = SamplerRng::from_seed(42);
         let mut observed = vec![0usize; expected.len()];
@@ -796,10 +605,7 @@ mod tests {
             observed[sequence_index(&context[prompt.len()..], vocab)] += 1;
         }
         let (statistic, dof) = chi_square(&observed, &expected, SAMPLES);
-        assert!(
-            statistic > 3.0 * chi_square_critical_0_001(dof),
-            "chi2 = {statistic} ({dof} dof)"
-        );
+        assert!(statistic > 3.0 * chi_square_critical_0_001(dof), "chi2 = {statistic} ({dof} dof)");
     }
 
     #[test]
@@ -807,10 +613,7 @@ mod tests {
         // Tabulated chi-square critical values at p = 0.001.
         for (dof, table) in [(10, 29.588), (30, 59.703), (60, 99.607), (120, 173.617)] {
             let approx = chi_square_critical_0_001(dof);
-            assert!(
-                (approx - table).abs() / table < 0.01,
-                "dof {dof}: {approx} vs {table}"
-            );
+            assert!((approx - table).abs() / table < 0.01, "dof {dof}: {approx} vs {table}");
         }
     }
 }

@@ -33,10 +33,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
+        Self { role: role.into(), content: content.into() }
     }
 
     pub fn system(content: impl Into<String>) -> Self {
@@ -159,23 +156,11 @@ impl ChatTemplate {
         if !messages.is_array() {
             bail!("chat messages must be a JSON array");
         }
-        self.render_values(
-            json_to_value(messages),
-            tools.map(json_to_value),
-            add_generation_prompt,
-        )
+        self.render_values(json_to_value(messages), tools.map(json_to_value), add_generation_prompt)
     }
 
-    fn render_values(
-        &self,
-        messages: Value,
-        tools: Option<Value>,
-        add_generation_prompt: bool,
-    ) -> Result<String> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| anyhow!("chat template missing: {e}"))?;
+    fn render_values(&self, messages: Value, tools: Option<Value>, add_generation_prompt: bool) -> Result<String> {
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| anyhow!("chat template missing: {e}"))?;
         let ctx = minijinja::context! {
             messages => messages,
             tools => tools,
@@ -233,11 +218,9 @@ fn json_to_value(json: &serde_json::Value) -> Value {
         }
         serde_json::Value::String(s) => Value::from(s.as_str()),
         serde_json::Value::Array(items) => items.iter().map(json_to_value).collect(),
-        serde_json::Value::Object(map) => Value::from(
-            map.iter()
-                .map(|(k, v)| (k.clone(), json_to_value(v)))
-                .collect::<BTreeMap<String, Value>>(),
-        ),
+        serde_json::Value::Object(map) => {
+            Value::from(map.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect::<BTreeMap<String, Value>>())
+        }
     }
 }
 
@@ -267,15 +250,9 @@ mod tests {
     #[test]
     fn renders_hf_style_templates_with_trim_and_lstrip_blocks() {
         let template = ChatTemplate::from_source(HF_STYLE, "<s>", "</s>").unwrap();
-        let messages = [
-            ChatMessage::system("  be brief "),
-            ChatMessage::user("/help"),
-        ];
+        let messages = [ChatMessage::system("  be brief "), ChatMessage::user("/help")];
         let text = template.render(&messages, true).unwrap();
-        assert_eq!(
-            text,
-            "<s>\n[system] be brief\n<cmd>/HELP</cmd>\n[assistant]"
-        );
+        assert_eq!(text, "<s>\n[system] be brief\n<cmd>/HELP</cmd>\n[assistant]");
         let text = template.render(&messages[..1], false).unwrap();
         assert_eq!(text, "<s>\n[system] be brief\n");
     }
@@ -283,37 +260,23 @@ mod tests {
     #[test]
     fn raise_exception_surfaces_the_template_message() {
         let template = ChatTemplate::from_source(HF_STYLE, "<s>", "</s>").unwrap();
-        let err = template
-            .render(&[ChatMessage::new("tool", "x")], true)
-            .unwrap_err();
+        let err = template.render(&[ChatMessage::new("tool", "x")], true).unwrap_err();
         assert!(err.to_string().contains("Unknown role: tool"), "{err}");
     }
 
     #[test]
     fn template_syntax_errors_are_reported_at_load() {
         let err = ChatTemplate::from_source("{% for m in messages %}", "", "").unwrap_err();
-        assert!(
-            err.to_string().contains("chat template does not compile"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("chat template does not compile"), "{err}");
     }
 
     #[test]
     fn bos_written_by_the_template_is_not_doubled_when_the_tokenizer_adds_one() {
         // The toy GGUF has add_bos_token = true with BOS = <|im_start|>.
-        let content = toy_content(
-            "gpt2",
-            Some("smollm"),
-            Some("{{ bos_token }}hi {{ messages[0].content }}"),
-        );
+        let content = toy_content("gpt2", Some("smollm"), Some("{{ bos_token }}hi {{ messages[0].content }}"));
         let template = ChatTemplate::from_gguf(&content).unwrap();
         assert_eq!(template.bos_token(), "<|im_start|>");
-        assert_eq!(
-            template
-                .render(&[ChatMessage::user("there")], false)
-                .unwrap(),
-            "hi there"
-        );
+        assert_eq!(template.render(&[ChatMessage::user("there")], false).unwrap(), "hi there");
     }
 
     #[test]
@@ -321,23 +284,16 @@ mod tests {
         let content = toy_content("gpt2", Some("smollm"), None);
         let template = ChatTemplate::from_gguf(&content).unwrap();
         assert_eq!(template.origin(), TemplateOrigin::ChatMlFallback);
-        let text = template
-            .render(&[ChatMessage::system("s"), ChatMessage::user("u")], true)
-            .unwrap();
-        let chatml =
-            "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n";
+        let text = template.render(&[ChatMessage::system("s"), ChatMessage::user("u")], true).unwrap();
+        let chatml = "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n";
         // The toy tokenizer adds BOS = <|im_start|> itself, so the template's copy is dropped
         // and encoding with add_special restores exactly the ChatML token sequence.
         assert_eq!(Some(text.as_str()), chatml.strip_prefix("<|im_start|>"));
         let tokenizer = crate::tokenize::Tokenizer::from_gguf(&content).unwrap();
-        assert_eq!(
-            tokenizer.encode(&text, true).unwrap(),
-            tokenizer.encode(chatml, false).unwrap()
-        );
+        assert_eq!(tokenizer.encode(&text, true).unwrap(), tokenizer.encode(chatml, false).unwrap());
 
         let mut content = toy_content("gpt2", Some("smollm"), None);
-        let Some(GgufValue::Array(tokens)) = content.metadata.get_mut("tokenizer.ggml.tokens")
-        else {
+        let Some(GgufValue::Array(tokens)) = content.metadata.get_mut("tokenizer.ggml.tokens") else {
             panic!("toy tokens")
         };
         for token in tokens.iter_mut() {
@@ -354,13 +310,8 @@ mod tests {
         let template = ChatTemplate::from_source(CHATML_TEMPLATE, "", "").unwrap();
         let messages = serde_json::json!([{"role": "user", "content": "hi", "name": "x"}]);
         let text = template.render_json(&messages, None, true).unwrap();
-        assert_eq!(
-            text,
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
-        assert!(template
-            .render_json(&serde_json::json!({"role": "user"}), None, true)
-            .is_err());
+        assert_eq!(text, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        assert!(template.render_json(&serde_json::json!({"role": "user"}), None, true).is_err());
     }
 
     #[test]
@@ -368,10 +319,7 @@ mod tests {
         for (key, model, counts) in test_models::all_available() {
             assert_eq!(model.template.origin(), TemplateOrigin::Gguf, "{key}");
             for case in counts.iter().filter(|c| c.chat) {
-                let text = model
-                    .template
-                    .render(&[ChatMessage::user(case.prompt)], true)
-                    .unwrap();
+                let text = model.template.render(&[ChatMessage::user(case.prompt)], true).unwrap();
                 let ids = model.tokenizer.encode(&text, true).unwrap();
                 assert_eq!(ids.len(), case.prompt_tokens, "{key}: {text:?}");
             }

@@ -17,10 +17,7 @@ pub struct StreamDecoder {
 
 impl StreamDecoder {
     pub fn new(skip_special: bool) -> Self {
-        Self {
-            skip_special,
-            pending: Vec::new(),
-        }
+        Self { skip_special, pending: Vec::new() }
     }
 
     /// Feeds one token; returns the text it completes (possibly empty).
@@ -91,8 +88,7 @@ mod tests {
     #[test]
     fn holds_back_partial_utf8_until_the_character_completes() {
         let rocket = "🚀".as_bytes(); // F0 9F 9A 80
-        let (outputs, joined) =
-            stream_all(&[b"go ", &rocket[..1], &rocket[1..3], &rocket[3..], b"!"]);
+        let (outputs, joined) = stream_all(&[b"go ", &rocket[..1], &rocket[1..3], &rocket[3..], b"!"]);
         assert_eq!(outputs, vec!["go ", "", "", "🚀", "!", ""]);
         assert_eq!(joined, "go 🚀!");
     }
@@ -105,9 +101,7 @@ mod tests {
         let chunks: Vec<&[u8]> = bytes.chunks(1).collect();
         let (outputs, joined) = stream_all(&chunks);
         assert_eq!(joined, text);
-        assert!(outputs
-            .iter()
-            .all(|s| !s.contains(char::REPLACEMENT_CHARACTER)));
+        assert!(outputs.iter().all(|s| !s.contains(char::REPLACEMENT_CHARACTER)));
         // 'é' (2 bytes) appears exactly when its second byte arrives.
         assert_eq!(outputs[1], "");
         assert_eq!(outputs[2], "é");
@@ -154,18 +148,9 @@ mod model_tests {
                 let ids = tok.encode(text, false).unwrap();
                 for skip_special in [false, true] {
                     let outputs = stream(tok, &ids, skip_special);
-                    assert_eq!(
-                        outputs.concat(),
-                        tok.decode(&ids, skip_special),
-                        "{key}: {text:?}"
-                    );
+                    assert_eq!(outputs.concat(), tok.decode(&ids, skip_special), "{key}: {text:?}");
                     // Never a broken character mid-stream: these texts are valid UTF-8.
-                    assert!(
-                        outputs
-                            .iter()
-                            .all(|s| !s.contains(char::REPLACEMENT_CHARACTER)),
-                        "{key}: {outputs:?}"
-                    );
+                    assert!(outputs.iter().all(|s| !s.contains(char::REPLACEMENT_CHARACTER)), "{key}: {outputs:?}");
                 }
             }
         }
@@ -178,10 +163,7 @@ mod model_tests {
         };
         let tok = &model.tokenizer;
         let ids = tok.encode("🚀", false).unwrap();
-        assert!(
-            ids.len() > 1,
-            "expected the emoji to span several tokens: {ids:?}"
-        );
+        assert!(ids.len() > 1, "expected the emoji to span several tokens: {ids:?}");
         let outputs = stream(tok, &ids, false);
         // Nothing comes out until the last byte of the emoji arrives.
         let mut expected = vec![String::new(); ids.len() + 1];

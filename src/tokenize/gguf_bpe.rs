@@ -19,8 +19,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 /// GPT-2 style word split (llama.cpp's gpt2/smollm expression).
-const GPT2_WORD_REGEX: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const GPT2_WORD_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 /// Every digit is its own word (applied before the GPT-2 split for SmolLM).
 const SINGLE_DIGIT_REGEX: &str = r"\p{N}";
 /// Qwen2 word split; llama.cpp's case-insensitive-free rewrite of the tokenizer.json regex.
@@ -42,12 +41,7 @@ const EOG_TOKEN_TEXTS: &[&str] = &[
     "<end_of_utterance>",
 ];
 /// Fill-in-the-middle separators that also end generation in llama.cpp.
-const FIM_EOG_TOKEN_TEXTS: &[&str] = &[
-    "<|fim_pad|>",
-    "<|fim_repo|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-];
+const FIM_EOG_TOKEN_TEXTS: &[&str] = &["<|fim_pad|>", "<|fim_repo|>", "<|repo_name|>", "<|file_sep|>"];
 /// Texts llama.cpp uses to find the end-of-turn token when the GGUF has no `eot_token_id`.
 const EOT_TOKEN_TEXTS: &[&str] = &[
     "<|eot_id|>",
@@ -183,17 +177,12 @@ impl GgufVocab {
             bail!("tokenizer.ggml.tokens is empty");
         }
         if u32::try_from(texts.len()).is_err() {
-            bail!(
-                "tokenizer.ggml.tokens has {} entries, more than u32 ids allow",
-                texts.len()
-            );
+            bail!("tokenizer.ggml.tokens has {} entries, more than u32 ids allow", texts.len());
         }
         let kinds = match content.metadata.get("tokenizer.ggml.token_type") {
             None => vec![TokenKind::Normal; texts.len()],
             Some(value) => {
-                let codes = value
-                    .to_vec()
-                    .map_err(|e| anyhow!("tokenizer.ggml.token_type is not an array: {e}"))?;
+                let codes = value.to_vec().map_err(|e| anyhow!("tokenizer.ggml.token_type is not an array: {e}"))?;
                 if codes.len() != texts.len() {
                     bail!(
                         "tokenizer.ggml.token_type has {} entries but tokenizer.ggml.tokens has {}",
@@ -225,14 +214,8 @@ impl GgufVocab {
             }
         };
         // llama.cpp's defaults for gpt2 vocabularies when the keys are absent.
-        let bos = token_id(
-            "tokenizer.ggml.bos_token_id",
-            Some(11).filter(|&id| id < n_tokens),
-        )?;
-        let eos = token_id(
-            "tokenizer.ggml.eos_token_id",
-            Some(11).filter(|&id| id < n_tokens),
-        )?;
+        let bos = token_id("tokenizer.ggml.bos_token_id", Some(11).filter(|&id| id < n_tokens))?;
+        let eos = token_id("tokenizer.ggml.eos_token_id", Some(11).filter(|&id| id < n_tokens))?;
         let add_bos = metadata_bool(content, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
         let add_eos = metadata_bool(content, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         if add_bos && bos.is_none() {
@@ -241,23 +224,12 @@ impl GgufVocab {
         if add_eos && eos.is_none() {
             bail!("tokenizer.ggml.add_eos_token is set but the GGUF has no EOS token");
         }
-        Ok(Self {
-            texts,
-            kinds,
-            bos,
-            eos,
-            add_bos,
-            add_eos,
-        })
+        Ok(Self { texts, kinds, bos, eos, add_bos, add_eos })
     }
 
     /// Text → id; a text stored twice maps to its last id, as in llama.cpp.
     pub(crate) fn text_to_id(&self) -> HashMap<String, u32> {
-        self.texts
-            .iter()
-            .enumerate()
-            .map(|(id, text)| (text.clone(), id as u32))
-            .collect()
+        self.texts.iter().enumerate().map(|(id, text)| (text.clone(), id as u32)).collect()
     }
 
     /// The text a token stands for, the way llama.cpp renders it with `special = true`.
@@ -271,13 +243,10 @@ impl Tokenizer {
     /// Builds the tokenizer from a GGUF header.
     pub fn from_gguf(content: &Content) -> Result<Self> {
         let vocab = GgufVocab::read(content)?;
-        let pre_name = metadata_string(content, "tokenizer.ggml.pre").context(
-            "the GGUF names no pre-tokenizer (tokenizer.ggml.pre); refusing to guess one",
-        )?;
+        let pre_name = metadata_string(content, "tokenizer.ggml.pre")
+            .context("the GGUF names no pre-tokenizer (tokenizer.ggml.pre); refusing to guess one")?;
         let pre = PreTokenizerKind::from_gguf_name(&pre_name).ok_or_else(|| {
-            anyhow!(
-                "unsupported pre-tokenizer `{pre_name}` (tokenizer.ggml.pre); supported: smollm, qwen2"
-            )
+            anyhow!("unsupported pre-tokenizer `{pre_name}` (tokenizer.ggml.pre); supported: smollm, qwen2")
         })?;
         let merges = string_array(content, "tokenizer.ggml.merges")?
             .into_iter()
@@ -287,9 +256,7 @@ impl Tokenizer {
                 let space = merge.as_bytes().iter().skip(1).position(|&b| b == b' ');
                 match space.map(|pos| pos + 1) {
                     Some(pos) => Ok((merge[..pos].to_string(), merge[pos + 1..].to_string())),
-                    None => Err(anyhow!(
-                        "malformed BPE merge `{merge}` (no separating space)"
-                    )),
+                    None => Err(anyhow!("malformed BPE merge `{merge}` (no separating space)")),
                 }
             })
             .collect::<Result<Vec<_>>>()?;
@@ -304,21 +271,13 @@ impl Tokenizer {
         let mut encoder = tokenizers::Tokenizer::new(bpe);
         let mut pre_tokenizers = Vec::new();
         for regex in pre.regexes() {
-            let split = Split::new(
-                SplitPattern::Regex((*regex).to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(|e| anyhow!("compiling pre-tokenizer regex `{regex}`: {e}"))?;
+            let split = Split::new(SplitPattern::Regex((*regex).to_string()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| anyhow!("compiling pre-tokenizer regex `{regex}`: {e}"))?;
             pre_tokenizers.push(PreTokenizerWrapper::Split(split));
         }
         // Words are already split; ByteLevel only maps bytes to the byte-level alphabet.
-        pre_tokenizers.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
-            false, false, false,
-        )));
-        encoder.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(
-            pre_tokenizers,
-        ))));
+        pre_tokenizers.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)));
+        encoder.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(pre_tokenizers))));
 
         // Control / user-defined / unknown tokens are matched whole in text (parse_special).
         let mut kinds = vocab.kinds.clone();
@@ -333,9 +292,7 @@ impl Tokenizer {
             .iter()
             .zip(&kinds)
             .filter(|(text, kind)| kind.is_matched_whole() && !text.is_empty())
-            .map(|(text, kind)| {
-                AddedToken::from(text.clone(), *kind != TokenKind::UserDefined).normalized(false)
-            })
+            .map(|(text, kind)| AddedToken::from(text.clone(), *kind != TokenKind::UserDefined).normalized(false))
             .collect();
         encoder
             .add_special_tokens(whole_tokens.iter().filter(|t| t.special).cloned())
@@ -352,9 +309,7 @@ impl Tokenizer {
                     .ok_or_else(|| anyhow!("tokenizer.ggml.eot_token_id is out of range"))?,
             ),
             // First match in list order, so ChatML models get `<|im_end|>`, not `<|endoftext|>`.
-            None => EOT_TOKEN_TEXTS
-                .iter()
-                .find_map(|t| text_to_id.get(*t).copied()),
+            None => EOT_TOKEN_TEXTS.iter().find_map(|t| text_to_id.get(*t).copied()),
         };
         let mut stop_ids: Vec<u32> = EOG_TOKEN_TEXTS
             .iter()
@@ -371,10 +326,7 @@ impl Tokenizer {
         ] {
             if let Some(v) = content.metadata.get(key) {
                 let id = integer(v).with_context(|| format!("reading {key}"))?;
-                if let Some(id) = u32::try_from(id)
-                    .ok()
-                    .filter(|&id| (id as usize) < kinds.len())
-                {
+                if let Some(id) = u32::try_from(id).ok().filter(|&id| (id as usize) < kinds.len()) {
                     stop_ids.push(id);
                 }
             }
@@ -382,12 +334,7 @@ impl Tokenizer {
         stop_ids.sort_unstable();
         stop_ids.dedup();
 
-        let pieces = vocab
-            .texts
-            .iter()
-            .zip(&kinds)
-            .map(|(text, &kind)| piece_bytes(text, kind))
-            .collect();
+        let pieces = vocab.texts.iter().zip(&kinds).map(|(text, &kind)| piece_bytes(text, kind)).collect();
         Ok(Self {
             encoder,
             pre,
@@ -413,10 +360,7 @@ impl Tokenizer {
     /// Text → token ids. Special tokens written in the text (`<|im_start|>`) become single
     /// tokens. With `add_special`, BOS/EOS are added when the GGUF asks for them.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .encoder
-            .encode_fast(text, false)
-            .map_err(|e| anyhow!("tokenizing text: {e}"))?;
+        let encoding = self.encoder.encode_fast(text, false).map_err(|e| anyhow!("tokenizing text: {e}"))?;
         let body = encoding.get_ids();
         let mut ids = Vec::with_capacity(body.len() + 2);
         if add_special && self.add_bos {
@@ -506,8 +450,7 @@ impl Tokenizer {
 
 /// Reads a GGUF header (metadata and tensor infos, no tensor data).
 pub fn read_gguf_header(path: &Path) -> Result<Content> {
-    let mut file = std::fs::File::open(path)
-        .with_context(|| format!("opening GGUF file {}", path.display()))?;
+    let mut file = std::fs::File::open(path).with_context(|| format!("opening GGUF file {}", path.display()))?;
     Content::read(&mut file).with_context(|| format!("reading GGUF header of {}", path.display()))
 }
 
@@ -526,9 +469,7 @@ fn piece_bytes(text: &str, kind: TokenKind) -> Vec<u8> {
             }
             bytes
         }
-        TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown => {
-            text.as_bytes().to_vec()
-        }
+        TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown => text.as_bytes().to_vec(),
         TokenKind::Unused | TokenKind::Byte => Vec::new(),
     }
 }
@@ -563,24 +504,15 @@ fn byte_of_char(ch: char) -> Option<u8> {
 }
 
 fn metadata_string(content: &Content, key: &str) -> Result<String> {
-    let value = content
-        .metadata
-        .get(key)
-        .ok_or_else(|| anyhow!("GGUF metadata has no `{key}`"))?;
-    value
-        .to_string()
-        .cloned()
-        .map_err(|e| anyhow!("GGUF metadata `{key}` is not a string: {e}"))
+    let value = content.metadata.get(key).ok_or_else(|| anyhow!("GGUF metadata has no `{key}`"))?;
+    value.to_string().cloned().map_err(|e| anyhow!("GGUF metadata `{key}` is not a string: {e}"))
 }
 
 fn metadata_bool(content: &Content, key: &str) -> Result<Option<bool>> {
     content
         .metadata
         .get(key)
-        .map(|v| {
-            v.to_bool()
-                .map_err(|e| anyhow!("GGUF metadata `{key}` is not a bool: {e}"))
-        })
+        .map(|v| v.to_bool().map_err(|e| anyhow!("GGUF metadata `{key}` is not a bool: {e}")))
         .transpose()
 }
 
@@ -588,11 +520,7 @@ pub(crate) fn metadata_opt_string(content: &Content, key: &str) -> Result<Option
     content
         .metadata
         .get(key)
-        .map(|v| {
-            v.to_string()
-                .cloned()
-                .map_err(|e| anyhow!("GGUF metadata `{key}` is not a string: {e}"))
-        })
+        .map(|v| v.to_string().cloned().map_err(|e| anyhow!("GGUF metadata `{key}` is not a string: {e}")))
         .transpose()
 }
 
@@ -606,11 +534,7 @@ fn string_array(content: &Content, key: &str) -> Result<Vec<String>> {
     values
         .iter()
         .enumerate()
-        .map(|(i, v)| {
-            v.to_string()
-                .cloned()
-                .map_err(|e| anyhow!("GGUF metadata `{key}`[{i}] is not a string: {e}"))
-        })
+        .map(|(i, v)| v.to_string().cloned().map_err(|e| anyhow!("GGUF metadata `{key}`[{i}] is not a string: {e}")))
         .collect()
 }
 
@@ -638,35 +562,21 @@ pub(crate) mod tests {
         if byte_stands_for_itself(u32::from(b)) {
             char::from(b)
         } else {
-            let index = SHIFTED_BYTES
-                .iter()
-                .position(|&s| s == b)
-                .expect("shifted byte");
+            let index = SHIFTED_BYTES.iter().position(|&s| s == b).expect("shifted byte");
             char::from_u32(0x100 + index as u32).expect("valid char")
         }
     }
 
     /// A tiny byte-level vocabulary: the 256 byte tokens, a few merges, and special tokens.
-    pub(crate) fn toy_content(
-        model: &str,
-        pre: Option<&str>,
-        chat_template: Option<&str>,
-    ) -> Content {
+    pub(crate) fn toy_content(model: &str, pre: Option<&str>, chat_template: Option<&str>) -> Content {
         let mut tokens: Vec<String> = (0..=255u8).map(|b| char_of_byte(b).to_string()).collect();
         let mut types = vec![1i32; tokens.len()];
-        let merges = [
-            "h e", "l l", "he ll", "hell o", "! h", "!h i", "2 0", "Ġ w", "Ġw o", "Ã ©",
-        ];
+        let merges = ["h e", "l l", "he ll", "hell o", "! h", "!h i", "2 0", "Ġ w", "Ġw o", "Ã ©"];
         for merge in merges {
             tokens.push(merge.replace(' ', ""));
             types.push(1);
         }
-        for (text, kind) in [
-            ("<|im_start|>", 3),
-            ("<|im_end|>", 3),
-            ("<|endoftext|>", 3),
-            ("<tool>", 4),
-        ] {
+        for (text, kind) in [("<|im_start|>", 3), ("<|im_end|>", 3), ("<|endoftext|>", 3), ("<tool>", 4)] {
             tokens.push(text.to_string());
             types.push(kind);
         }
@@ -677,62 +587,32 @@ pub(crate) mod tests {
             metadata.insert("tokenizer.ggml.pre".into(), Value::String(pre.into()));
         }
         if let Some(template) = chat_template {
-            metadata.insert(
-                "tokenizer.chat_template".into(),
-                Value::String(template.into()),
-            );
+            metadata.insert("tokenizer.chat_template".into(), Value::String(template.into()));
         }
-        metadata.insert(
-            "tokenizer.ggml.bos_token_id".into(),
-            Value::U32(id_of("<|im_start|>")),
-        );
-        metadata.insert(
-            "tokenizer.ggml.eos_token_id".into(),
-            Value::U32(id_of("<|im_end|>")),
-        );
+        metadata.insert("tokenizer.ggml.bos_token_id".into(), Value::U32(id_of("<|im_start|>")));
+        metadata.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(id_of("<|im_end|>")));
         metadata.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(true));
         metadata.insert(
             "tokenizer.ggml.merges".into(),
             Value::Array(merges.iter().map(|m| Value::String((*m).into())).collect()),
         );
-        metadata.insert(
-            "tokenizer.ggml.token_type".into(),
-            Value::Array(types.into_iter().map(Value::I32).collect()),
-        );
-        metadata.insert(
-            "tokenizer.ggml.tokens".into(),
-            Value::Array(tokens.into_iter().map(Value::String).collect()),
-        );
-        Content {
-            magic: VersionedMagic::GgufV3,
-            metadata,
-            tensor_infos: HashMap::new(),
-            tensor_data_offset: 0,
-        }
+        metadata.insert("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect()));
+        metadata.insert("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect()));
+        Content { magic: VersionedMagic::GgufV3, metadata, tensor_infos: HashMap::new(), tensor_data_offset: 0 }
     }
 
     fn texts(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
-        ids.iter()
-            .map(|&id| tok.token_text(id).unwrap_or("?").to_string())
-            .collect()
+        ids.iter().map(|&id| tok.token_text(id).unwrap_or("?").to_string()).collect()
     }
 
     #[test]
     fn refuses_unknown_pre_tokenizer_and_model() {
         let err = Tokenizer::from_gguf(&toy_content("gpt2", Some("llama-bpe"), None)).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("unsupported pre-tokenizer `llama-bpe`"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("unsupported pre-tokenizer `llama-bpe`"), "{err}");
         let err = Tokenizer::from_gguf(&toy_content("gpt2", None, None)).unwrap_err();
         assert!(format!("{err:#}").contains("tokenizer.ggml.pre"), "{err:#}");
         let err = Tokenizer::from_gguf(&toy_content("llama", Some("smollm"), None)).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("unsupported tokenizer model `llama`"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("unsupported tokenizer model `llama`"), "{err}");
     }
 
     #[test]
@@ -741,10 +621,7 @@ pub(crate) mod tests {
         // "2 0" is a merge, but SmolLM isolates every digit before BPE.
         let ids = tok.encode("2020 x!hi", false).unwrap();
         // GPT-2 split: "!" and "hi" are separate words, so the "! h" merge cannot apply.
-        assert_eq!(
-            texts(&tok, &ids),
-            ["2", "0", "2", "0", "Ġ", "x", "!", "h", "i"]
-        );
+        assert_eq!(texts(&tok, &ids), ["2", "0", "2", "0", "Ġ", "x", "!", "h", "i"]);
     }
 
     #[test]
@@ -763,15 +640,10 @@ pub(crate) mod tests {
         let start = tok.id_of("<|im_start|>").unwrap();
         let end = tok.id_of("<|im_end|>").unwrap();
         let tool = tok.id_of("<tool>").unwrap();
-        let ids = tok
-            .encode("<|im_start|>hello<tool><|im_end|>", false)
-            .unwrap();
+        let ids = tok.encode("<|im_start|>hello<tool><|im_end|>", false).unwrap();
         assert_eq!(ids, [start, tok.id_of("hello").unwrap(), tool, end]);
         // add_bos_token = true in the toy GGUF, and BOS is <|im_start|>.
-        assert_eq!(
-            tok.encode("hello", true).unwrap(),
-            [start, tok.id_of("hello").unwrap()]
-        );
+        assert_eq!(tok.encode("hello", true).unwrap(), [start, tok.id_of("hello").unwrap()]);
         assert_eq!(tok.decode(&ids, false), "<|im_start|>hello<tool><|im_end|>");
         // Control tokens are skipped, user-defined ones are text.
         assert_eq!(tok.decode(&ids, true), "hello<tool>");
@@ -804,12 +676,7 @@ pub(crate) mod tests {
         for (key, model, counts) in test_models::all_available() {
             for case in counts.iter().filter(|c| !c.chat) {
                 let ids = model.tokenizer.encode(case.prompt, true).unwrap();
-                assert_eq!(
-                    ids.len(),
-                    case.prompt_tokens,
-                    "{key}: {:?} -> {ids:?}",
-                    case.prompt
-                );
+                assert_eq!(ids.len(), case.prompt_tokens, "{key}: {:?} -> {ids:?}", case.prompt);
             }
         }
     }
@@ -827,11 +694,7 @@ pub(crate) mod tests {
         assert_eq!((tok.bos_id(), tok.eos_id()), (Some(1), Some(2)));
         assert_eq!(tok.id_of("<|im_end|>"), Some(2));
         assert_eq!(tok.eot_id(), Some(2));
-        assert!(
-            tok.is_stop(2) && tok.is_stop(0),
-            "stop ids {:?}",
-            tok.stop_ids()
-        );
+        assert!(tok.is_stop(2) && tok.is_stop(0), "stop ids {:?}", tok.stop_ids());
         assert_eq!(tok.pre_tokenizer(), PreTokenizerKind::SmolLm);
     }
 
@@ -855,16 +718,9 @@ pub(crate) mod tests {
                 assert_eq!(ids.len(), expected, "{key} {}: {prompt:?}", result["mode"]);
                 // Generated ids must decode to llama.cpp's text.
                 if let Some(generated) = result["token_ids"].as_array() {
-                    let generated: Vec<u32> = generated
-                        .iter()
-                        .map(|v| v.as_u64().unwrap() as u32)
-                        .collect();
+                    let generated: Vec<u32> = generated.iter().map(|v| v.as_u64().unwrap() as u32).collect();
                     let decoded = model.tokenizer.decode(&generated, false);
-                    assert_eq!(
-                        decoded,
-                        result["text"].as_str().unwrap(),
-                        "{key}: {prompt:?}"
-                    );
+                    assert_eq!(decoded, result["text"].as_str().unwrap(), "{key}: {prompt:?}");
                     // And re-encoding that text gives llama.cpp's exact ids (the model emitted
                     // the canonical tokenization for these continuations).
                     let reencoded = model.tokenizer.encode(&decoded, false).unwrap();
@@ -881,20 +737,9 @@ pub(crate) mod tests {
                 let ids = model.tokenizer.encode(text, false).unwrap();
                 assert_eq!(model.tokenizer.decode(&ids, false), *text, "{key}: {ids:?}");
             }
-            let ids = model
-                .tokenizer
-                .encode("<|im_start|>user\nhi<|im_end|>", false)
-                .unwrap();
-            assert_eq!(
-                ids[0],
-                model.tokenizer.id_of("<|im_start|>").unwrap(),
-                "{key}"
-            );
-            assert_eq!(
-                *ids.last().unwrap(),
-                model.tokenizer.id_of("<|im_end|>").unwrap(),
-                "{key}"
-            );
+            let ids = model.tokenizer.encode("<|im_start|>user\nhi<|im_end|>", false).unwrap();
+            assert_eq!(ids[0], model.tokenizer.id_of("<|im_start|>").unwrap(), "{key}");
+            assert_eq!(*ids.last().unwrap(), model.tokenizer.id_of("<|im_end|>").unwrap(), "{key}");
             assert_eq!(model.tokenizer.decode(&ids, true), "user\nhi", "{key}");
         }
     }

@@ -32,11 +32,7 @@ pub(crate) mod test_models {
     }
 
     const fn count(chat: bool, prompt: &'static str, prompt_tokens: usize) -> ReferenceCount {
-        ReferenceCount {
-            chat,
-            prompt,
-            prompt_tokens,
-        }
+        ReferenceCount { chat, prompt, prompt_tokens }
     }
 
     /// SmolLM2-135M-Instruct.Q4_1.json
@@ -76,9 +72,7 @@ pub(crate) mod test_models {
     fn specula_home() -> PathBuf {
         match std::env::var_os("SPECULA_HOME") {
             Some(home) => PathBuf::from(home),
-            None => {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula")
-            }
+            None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula"),
         }
     }
 
@@ -101,10 +95,7 @@ pub(crate) mod test_models {
             return None;
         }
         static CACHE: OnceLock<Mutex<HashMap<String, Arc<LoadedModel>>>> = OnceLock::new();
-        let mut cache = CACHE
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
         let loaded = cache.entry(key.to_string()).or_insert_with(|| {
             let content = super::read_gguf_header(&path).expect("reading GGUF header");
             Arc::new(LoadedModel {
@@ -130,15 +121,8 @@ pub(crate) mod test_models {
 
     /// Every available model with its reference counts.
     pub fn all_available() -> Vec<(&'static str, Arc<LoadedModel>, &'static [ReferenceCount])> {
-        let mut models: Vec<_> = smollm2()
-            .map(|m| ("smollm2-135m", m, SMOLLM2_COUNTS))
-            .into_iter()
-            .collect();
-        models.extend(
-            qwen25_coder()
-                .into_iter()
-                .map(|(k, m)| (k, m, QWEN25_CODER_COUNTS)),
-        );
+        let mut models: Vec<_> = smollm2().map(|m| ("smollm2-135m", m, SMOLLM2_COUNTS)).into_iter().collect();
+        models.extend(qwen25_coder().into_iter().map(|(k, m)| (k, m, QWEN25_CODER_COUNTS)));
         models
     }
 

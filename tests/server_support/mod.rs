@@ -95,7 +95,9 @@ impl Streamed {
     pub fn text(&self) -> String {
         self.events
             .iter()
-            .filter_map(|e| e.pointer("/choices/0/delta/content").or_else(|| e.pointer("/choices/0/text")).and_then(Value::as_str))
+            .filter_map(|e| {
+                e.pointer("/choices/0/delta/content").or_else(|| e.pointer("/choices/0/text")).and_then(Value::as_str)
+            })
             .collect()
     }
 
@@ -160,9 +162,10 @@ pub fn stream_blocking(rt: &tokio::runtime::Runtime, addr: &str, path: &str, bod
 }
 
 pub async fn stream_async(addr: &str, path: &str, body: &Value) -> Streamed {
-    let mut s = http_client::send(addr, "POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
-        .await
-        .unwrap();
+    let mut s =
+        http_client::send(addr, "POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
+            .await
+            .unwrap();
     let status = s.status;
     let mut events = Vec::new();
     let mut done = false;

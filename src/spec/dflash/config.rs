@@ -90,13 +90,17 @@ fn as_f64(v: &Value, key: &str) -> Result<f64> {
 impl DflashConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let json: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+        let json: Value =
+            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
         Self::from_json(&json).with_context(|| format!("{}", path.display()))
     }
 
     pub fn from_json(c: &Value) -> Result<Self> {
-        let arches: Vec<&str> =
-            c.get("architectures").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+        let arches: Vec<&str> = c
+            .get("architectures")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
         if arches.contains(&"DFlash2DraftModel") {
             bail!("DFlash 2 drafters (`DFlash2DraftModel`: convolutions and a candidate selector) are a different method and not supported");
         }
@@ -116,7 +120,8 @@ impl DflashConfig {
         let hidden = req_usize("hidden_size")?;
         let n_layers = req_usize("num_hidden_layers")?;
         let n_heads = req_usize("num_attention_heads")?;
-        let n_kv_heads = top("num_key_value_heads").map(|v| as_usize(v, "num_key_value_heads")).transpose()?.unwrap_or(n_heads);
+        let n_kv_heads =
+            top("num_key_value_heads").map(|v| as_usize(v, "num_key_value_heads")).transpose()?.unwrap_or(n_heads);
         let head_dim = match top("head_dim") {
             Some(v) => as_usize(v, "head_dim")?,
             None if n_heads > 0 => hidden / n_heads,
@@ -156,9 +161,12 @@ impl DflashConfig {
         if block_size < 2 {
             bail!("`block_size` is {block_size}; a block needs the anchor and at least one mask");
         }
-        let mask_token_id = draft_value("mask_token_id").context("config.json has no `mask_token_id` (in `dflash_config` or at the top level)")?;
-        let mask_token_id = u32::try_from(as_usize(mask_token_id, "mask_token_id")?).context("`mask_token_id` does not fit in 32 bits")?;
-        let num_target_layers = draft_value("num_target_layers").map(|v| as_usize(v, "num_target_layers")).transpose()?;
+        let mask_token_id = draft_value("mask_token_id")
+            .context("config.json has no `mask_token_id` (in `dflash_config` or at the top level)")?;
+        let mask_token_id = u32::try_from(as_usize(mask_token_id, "mask_token_id")?)
+            .context("`mask_token_id` does not fit in 32 bits")?;
+        let num_target_layers =
+            draft_value("num_target_layers").map(|v| as_usize(v, "num_target_layers")).transpose()?;
         let target_layer_ids = match draft_value("target_layer_ids") {
             Some(v) => v
                 .as_array()
@@ -167,7 +175,9 @@ impl DflashConfig {
                 .map(|x| as_usize(x, "target_layer_ids"))
                 .collect::<Result<Vec<_>>>()?,
             None => {
-                let n = num_target_layers.context("config.json has neither `target_layer_ids` nor `num_target_layers` to derive them from")?;
+                let n = num_target_layers.context(
+                    "config.json has neither `target_layer_ids` nor `num_target_layers` to derive them from",
+                )?;
                 if n < 4 && n_layers > 1 {
                     bail!("`num_target_layers` is {n}: too shallow for the default tapped layers (1..=N−3); give `target_layer_ids`");
                 }
@@ -225,7 +235,8 @@ impl DflashConfig {
             // Without `layer_types`, Qwen3Config derives them from `use_sliding_window`.
             None => {
                 let on = top("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) && window.is_some();
-                let from = top("max_window_layers").map(|v| as_usize(v, "max_window_layers")).transpose()?.unwrap_or(28);
+                let from =
+                    top("max_window_layers").map(|v| as_usize(v, "max_window_layers")).transpose()?.unwrap_or(28);
                 (0..n_layers).map(|i| on && i >= from).collect()
             }
         };
@@ -234,7 +245,8 @@ impl DflashConfig {
             .into_iter()
             .map(|is_sliding| {
                 let window = if is_sliding {
-                    let w = window.context("`layer_types` has sliding_attention layers but `sliding_window` is not set")?;
+                    let w =
+                        window.context("`layer_types` has sliding_attention layers but `sliding_window` is not set")?;
                     if w == 0 {
                         bail!("`sliding_window` must be positive");
                     }

@@ -30,7 +30,9 @@ use std::path::Path;
 /// id); errors name the drafter and the problem.
 pub fn load_for_target(dir: &Path, target: &Transformer, device: &Device) -> Result<DflashDrafter> {
     let config = DflashConfig::from_file(&dir.join("config.json"))?;
-    config.check_target(&target.config).with_context(|| format!("DFlash drafter {} cannot draft for this target", dir.display()))?;
+    config
+        .check_target(&target.config)
+        .with_context(|| format!("DFlash drafter {} cannot draft for this target", dir.display()))?;
     DflashDrafter::load(dir, device)
 }
 
@@ -48,9 +50,12 @@ pub fn parse_drafter_arg(arg: &str) -> Result<(std::path::PathBuf, DflashSetting
             "window" => &mut settings.context_window,
             _ => break,
         };
-        let n = value.trim().parse::<usize>().ok().filter(|&n| n >= 1).with_context(|| {
-            format!("dflash setting `{key}` needs a positive whole number, got `{value}`")
-        })?;
+        let n = value
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .with_context(|| format!("dflash setting `{key}` needs a positive whole number, got `{value}`"))?;
         if slot.replace(n).is_some() {
             anyhow::bail!("dflash setting `{key}` given twice");
         }
@@ -68,7 +73,9 @@ pub fn parse_drafter_arg(arg: &str) -> Result<(std::path::PathBuf, DflashSetting
 /// `dflash:PATH,...` as written back for labels (settings in a fixed order).
 pub fn drafter_label(path: &Path, settings: &DflashSettings) -> String {
     let mut label = format!("dflash:{}", path.display());
-    for (key, value) in [("block", settings.block_size), ("max", settings.max_draft), ("window", settings.context_window)] {
+    for (key, value) in
+        [("block", settings.block_size), ("max", settings.max_draft), ("window", settings.context_window)]
+    {
         if let Some(v) = value {
             label.push_str(&format!(",{key}={v}"));
         }

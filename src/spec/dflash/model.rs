@@ -33,7 +33,14 @@ impl TargetHead {
     pub fn of(target: &Transformer) -> Self {
         let (embedding, final_norm, lm_head) = target.embedding_norm_head();
         let c = &target.config;
-        Self { embedding, final_norm, rms_eps: c.rms_eps, n_layers: c.n_layers, lm_head, device: target.device().clone() }
+        Self {
+            embedding,
+            final_norm,
+            rms_eps: c.rms_eps,
+            n_layers: c.n_layers,
+            lm_head,
+            device: target.device().clone(),
+        }
     }
 
     /// From the parts directly (tests, tools): `embedding` and `lm_head` `[vocab, hidden]`, the
@@ -172,7 +179,8 @@ impl DflashDrafter {
         }
         // SAFETY: mapped read-only; like every mmap loader we assume nobody truncates the files
         // while they are loaded.
-        let st = unsafe { MmapedSafetensors::multi(&shards) }.map_err(|e| anyhow::anyhow!("{origin}: cannot read safetensors: {e}"))?;
+        let st = unsafe { MmapedSafetensors::multi(&shards) }
+            .map_err(|e| anyhow::anyhow!("{origin}: cannot read safetensors: {e}"))?;
         // Released checkpoints have bare names (`fc.weight`); tolerate a `model.` prefix.
         let prefix = if st.get("fc.weight").is_err() && st.get("model.fc.weight").is_ok() { "model." } else { "" };
         for (name, shape) in expected_tensors(&config) {
@@ -225,9 +233,8 @@ impl DflashDrafter {
             });
         }
         let d = config.head_dim;
-        let inv_freq = (0..d / 2)
-            .map(|j| 1.0f32 / (config.rope_theta as f32).powf((2 * j) as f32 / d as f32))
-            .collect();
+        let inv_freq =
+            (0..d / 2).map(|j| 1.0f32 / (config.rope_theta as f32).powf((2 * j) as f32 / d as f32)).collect();
         Ok(Self {
             fc: linear("fc", h, config.target_layer_ids.len() * h, false)?,
             hidden_norm: get("hidden_norm.weight", &[h])?,
@@ -311,7 +318,11 @@ impl DflashDrafter {
         let c = &self.config;
         let n = block.dim(0)?;
         if n != block_positions.len() || context.len() != self.layers.len() {
-            bail!("forward_block: {n} block rows with {} positions, {} context layers", block_positions.len(), context.len());
+            bail!(
+                "forward_block: {n} block rows with {} positions, {} context layers",
+                block_positions.len(),
+                context.len()
+            );
         }
         let ctx_len = context_positions.len();
         let (cos, sin) = self.rope_tables(block_positions)?;
@@ -387,10 +398,11 @@ impl DflashDrafter {
             own_scores
         };
         let scores = match mask {
-            Some(m) => scores
-                .reshape((c.n_kv_heads, groups, n, ctx_len + n))?
-                .broadcast_add(m)?
-                .reshape((c.n_kv_heads, groups * n, ctx_len + n))?,
+            Some(m) => scores.reshape((c.n_kv_heads, groups, n, ctx_len + n))?.broadcast_add(m)?.reshape((
+                c.n_kv_heads,
+                groups * n,
+                ctx_len + n,
+            ))?,
             None => scores,
         };
         let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;

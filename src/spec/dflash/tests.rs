@@ -77,7 +77,15 @@ fn rows(taps: &[Tensor], r: std::ops::Range<usize>) -> Vec<Tensor> {
 
 /// The stateless reference: block `[anchor, MASK…]` at `start..` against context rows given
 /// by `ctx_taps` at `ctx_positions`.
-fn stateless_logits(d: &DflashDrafter, h: &TargetHead, ctx_taps: &[Tensor], ctx_positions: &[usize], anchor: u32, start: usize, masks: usize) -> Vec<Vec<f32>> {
+fn stateless_logits(
+    d: &DflashDrafter,
+    h: &TargetHead,
+    ctx_taps: &[Tensor],
+    ctx_positions: &[usize],
+    anchor: u32,
+    start: usize,
+    masks: usize,
+) -> Vec<Vec<f32>> {
     let mut ids = vec![d.config.mask_token_id; masks + 1];
     ids[0] = anchor;
     let block = h.embed(&ids).unwrap();
@@ -162,7 +170,8 @@ fn rerun_rows_replace_cached_ones_and_a_gap_restarts_the_context() {
     // The engine ran rows 9..13 again: the new features win.
     p.observe(&tokens(14), 9..13, &rerun).unwrap();
     assert_eq!(p.context_rows(), 0..13);
-    let expect: Vec<Tensor> = rows(&first, 0..9).iter().zip(&rerun).map(|(a, b)| Tensor::cat(&[a, b], 0).unwrap()).collect();
+    let expect: Vec<Tensor> =
+        rows(&first, 0..9).iter().zip(&rerun).map(|(a, b)| Tensor::cat(&[a, b], 0).unwrap()).collect();
     let toks = tokens(14);
     let positions: Vec<usize> = (0..13).collect();
     let cached = p.draft_logits(&toks, 5).unwrap().to_vec2::<f32>().unwrap();
@@ -233,7 +242,9 @@ fn full_layers_are_bidirectional_sliding_layers_causal_and_windowed() {
     let block = random_tensor(&mut rng, &[6, HIDDEN], 1.0, 0.0);
     let ctx = taps(10, 3, 17);
     let changed_last = with_row(&block, 5, 18);
-    let same_rows = |a: &[Vec<f32>], b: &[Vec<f32>], r: std::ops::Range<usize>| r.into_iter().all(|i| max_diff(&a[i..i + 1], &b[i..i + 1]) < 1e-6);
+    let same_rows = |a: &[Vec<f32>], b: &[Vec<f32>], r: std::ops::Range<usize>| {
+        r.into_iter().all(|i| max_diff(&a[i..i + 1], &b[i..i + 1]) < 1e-6)
+    };
 
     // Full attention (the Qwen3 drafters): the last block row influences the first.
     let full = drafter(&config_json(), 19);
@@ -269,11 +280,15 @@ fn loads_checkpoints_in_bf16_and_names_missing_or_misshapen_tensors() {
     let dir = tempfile::tempdir().unwrap();
 
     // bf16 on disk loads, held in f32, equal to the bf16-rounded weights.
-    let bf16: HashMap<String, Tensor> = weights.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap())).collect();
+    let bf16: HashMap<String, Tensor> =
+        weights.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap())).collect();
     write_checkpoint(dir.path(), &c, &bf16);
     let loaded = DflashDrafter::load(dir.path(), &Device::Cpu).unwrap();
-    let rounded: HashMap<String, Tensor> = bf16.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::F32).unwrap())).collect();
-    let expected = DflashDrafter::from_var_builder(cfg.clone(), VarBuilder::from_tensors(rounded, DType::F32, &Device::Cpu)).unwrap();
+    let rounded: HashMap<String, Tensor> =
+        bf16.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::F32).unwrap())).collect();
+    let expected =
+        DflashDrafter::from_var_builder(cfg.clone(), VarBuilder::from_tensors(rounded, DType::F32, &Device::Cpu))
+            .unwrap();
     let ctx = taps(4, 3, 23);
     let mut rng = SamplerRng::from_seed(24);
     let block = random_tensor(&mut rng, &[3, HIDDEN], 1.0, 0.0);
@@ -298,7 +313,8 @@ fn loads_checkpoints_in_bf16_and_names_missing_or_misshapen_tensors() {
 #[test]
 fn the_last_target_layer_is_tapped_after_the_final_norm_as_in_hugging_face() {
     let mut rng = SamplerRng::from_seed(25);
-    let emb = Arc::new(QTensor::quantize(&random_tensor(&mut rng, &[VOCAB, HIDDEN], 1.0, 0.0), GgmlDType::F32).unwrap());
+    let emb =
+        Arc::new(QTensor::quantize(&random_tensor(&mut rng, &[VOCAB, HIDDEN], 1.0, 0.0), GgmlDType::F32).unwrap());
     let lm = TargetLinear::from_qtensor(emb.clone(), None, WeightFormat::F32, &Device::Cpu).unwrap();
     let norm = random_tensor(&mut rng, &[HIDDEN], 0.2, 1.0);
     let h = TargetHead::from_parts(emb, norm.clone(), 1e-6, 4, lm, &Device::Cpu);

@@ -59,10 +59,7 @@ impl StepCostModel {
     pub fn measure(model: &Transformer, max_rows: usize) -> Result<Self> {
         const DEPTH: usize = 64;
         let max_rows = max_rows.max(1);
-        let vocab = model.config.vocab;
-        let filler = |n: usize, salt: usize| -> Vec<u32> {
-            (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect()
-        };
+        let filler = |n: usize, salt: usize| crate::spec::policy::timing_filler(model.config.vocab, n, salt);
         let pool = model.new_kv_pool(DEPTH + max_rows + 16);
         let mut cache = pool.new_sequence();
         let context = filler(DEPTH, 0);

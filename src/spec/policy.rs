@@ -265,6 +265,12 @@ impl AdaptiveState {
     }
 }
 
+/// Ordinary-looking token ids for timing runs, away from the special ones at either end of the
+/// vocabulary; `salt` gives a different sequence of the same kind.
+pub fn timing_filler(vocab: usize, n: usize, salt: usize) -> Vec<u32> {
+    (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect()
+}
+
 /// Measures the target's verify-cost curve: `result[m - 1]` = time to run m new tokens (logits
 /// for all of them) on top of a 64-token context, relative to one token. Measured at a few
 /// block sizes (best of 2 each: the minimum is the least disturbed by other load) and
@@ -275,11 +281,7 @@ pub fn measure_verify_curve(model: &Transformer, max_m: usize) -> Result<Vec<f64
     if max_m == 0 {
         bail!("the verify curve needs max_m >= 1");
     }
-    let vocab = model.config.vocab;
-    // Ordinary-looking token ids, away from the special ones at either end.
-    let filler = |n: usize, salt: usize| -> Vec<u32> {
-        (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect()
-    };
+    let filler = |n: usize, salt: usize| timing_filler(model.config.vocab, n, salt);
     let pool = model.new_kv_pool(DEPTH + max_m + 16);
     let mut cache = pool.new_sequence();
     let context = filler(DEPTH, 0);

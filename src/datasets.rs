@@ -2,8 +2,13 @@
 //!
 //! Each set is fetched on first use ([`crate::fetch::fetch`]) and read into [`Prompt`]s in the
 //! file's own order, so every run sees the same prompts. The evaluation sets (gsm8k-100,
-//! gsm8k-fewshot, humaneval, mt-bench, math500) must never feed training: use
+//! gsm8k-fewshot, humaneval, humaneval-edit, mt-bench, math500) must never feed training: use
 //! [`is_training_set`] / [`is_evaluation_set`] to guard that.
+//!
+//! `humaneval-edit` is derived from HumanEval rather than fetched on its own: each prompt gives
+//! the model a complete reference function (prompt + canonical solution) and asks for a small
+//! edit of it, so most of the answer repeats the given code. That is the workload where prompt
+//! lookup (n-gram drafting) pays most: code rewriting and editing.
 
 use std::path::Path;
 
@@ -33,14 +38,38 @@ pub struct Prompt {
 }
 
 /// Sets used to measure quality and speed: never train on them.
-pub const EVALUATION_SETS: &[&str] = &["gsm8k-100", "gsm8k-fewshot", "humaneval", "mt-bench", "math500"];
+pub const EVALUATION_SETS: &[&str] =
+    &["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "mt-bench", "math500"];
 
 /// Sets that may feed training (drafter heads and the like); prompts only.
 pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy", "humaneval-rust"];
 
 /// Sets [`load`] turns into prompts.
-pub const PROMPT_SETS: &[&str] =
-    &["gsm8k-100", "humaneval", "mt-bench", "math500", "sharegpt", "fastchat-dummy", "humaneval-rust"];
+pub const PROMPT_SETS: &[&str] = &[
+    "gsm8k-100",
+    "humaneval",
+    "humaneval-edit",
+    "mt-bench",
+    "math500",
+    "sharegpt",
+    "fastchat-dummy",
+    "humaneval-rust",
+];
+
+/// The edits `humaneval-edit` asks for, taken in turn; each leaves most of the code as it is.
+const CODE_EDITS: &[&str] = &[
+    "Add Python type hints to the function signature. Keep the body and docstring unchanged.",
+    "Rename the function to `solution`. Keep everything else exactly as it is.",
+    "Add a short comment above the first line of the function body. Keep everything else unchanged.",
+];
+
+/// The file a prompt set is read from: derived sets read their source's file.
+fn source_file_key(key: &str) -> &str {
+    match key {
+        "humaneval-edit" => "humaneval",
+        other => other,
+    }
+}
 
 pub fn is_evaluation_set(key: &str) -> bool {
     EVALUATION_SETS.contains(&key)
@@ -53,7 +82,7 @@ pub fn is_training_set(key: &str) -> bool {
 /// Loads up to `limit` prompts of a set, fetching it first when it is not cached yet.
 pub fn load(key: &str, limit: Option<usize>) -> Result<Vec<Prompt>> {
     check_prompt_set(key)?;
-    let path = fetch::fetch(key, true)?;
+    let path = fetch::fetch(source_file_key(key), true)?;
     load_from_path(key, &path, limit)
 }
 
@@ -107,6 +136,24 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                     kind: PromptKind::Completion,
                     reference: row.canonical_solution,
                 });
+                true
+            })?;
+        }
+        "humaneval-edit" => {
+            #[derive(Deserialize)]
+            struct Row {
+                task_id: String,
+                prompt: String,
+                canonical_solution: String,
+            }
+            for_each_json_line(bytes, limit, |row: Row| {
+                let edit = CODE_EDITS[prompts.len() % CODE_EDITS.len()];
+                let code = format!("{}{}", row.prompt, row.canonical_solution);
+                let text = format!(
+                    "{edit} Reply with the whole edited function in one Python code block.\n\n```python\n{}\n```",
+                    code.trim_end()
+                );
+                prompts.push(chat(format!("humaneval-edit/{}", row.task_id), text, None));
                 true
             })?;
         }
@@ -331,6 +378,19 @@ mod tests {
     }
 
     #[test]
+    fn humaneval_edit_embeds_the_whole_reference_function() {
+        let he = "{\"task_id\": \"HumanEval/0\", \"prompt\": \"def f():\\n\", \"canonical_solution\": \"    return 1\\n\"}\n\
+                  {\"task_id\": \"HumanEval/1\", \"prompt\": \"def g():\\n\", \"canonical_solution\": \"    return 2\\n\"}\n";
+        let p = parse("humaneval-edit", he.as_bytes(), usize::MAX).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].id, "humaneval-edit/HumanEval/0");
+        assert_eq!(p[0].kind, PromptKind::Chat);
+        assert!(p[0].text.starts_with(CODE_EDITS[0]), "{}", p[0].text);
+        assert!(p[0].text.contains("```python\ndef f():\n    return 1\n```"), "{}", p[0].text);
+        assert!(p[1].text.starts_with(CODE_EDITS[1]), "{}", p[1].text);
+    }
+
+    #[test]
     fn math500_keeps_only_math500_problems() {
         let json = r#"[{"question": "AIME q", "answer": "204", "data_source": "AIME2024", "data_source_id": 0, "lang": "en", "gid": 1},
                        {"question": "How many divisors does 196 have?", "answer": "9", "data_source": "MATH500", "data_source_id": 3, "lang": "en", "gid": 63}]"#;
@@ -340,14 +400,14 @@ mod tests {
 
     #[test]
     fn evaluation_and_training_sets_are_disjoint() {
-        for key in ["gsm8k-100", "humaneval", "mt-bench", "math500"] {
+        for key in ["gsm8k-100", "humaneval", "humaneval-edit", "mt-bench", "math500"] {
             assert!(is_evaluation_set(key) && !is_training_set(key), "{key}");
         }
         for key in TRAINING_SETS {
             assert!(!is_evaluation_set(key), "{key}");
         }
         for key in EVALUATION_SETS.iter().chain(TRAINING_SETS) {
-            assert!(fetch::find_asset(key).is_some(), "{key} has no fetchable asset");
+            assert!(fetch::find_asset(source_file_key(key)).is_some(), "{key} has no fetchable asset");
         }
     }
 
@@ -366,6 +426,7 @@ mod tests {
         let expected = [
             ("gsm8k-100", 100),
             ("humaneval", 164),
+            ("humaneval-edit", 164),
             ("humaneval-rust", 180),
             ("mt-bench", 80),
             ("math500", 311),

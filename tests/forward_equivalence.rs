@@ -165,3 +165,47 @@ fn kv_pool_exhaustion_is_an_error_that_changes_nothing() {
     drop(a);
     assert_eq!(pool.stats().free_blocks, 2, "dropping a sequence frees its blocks");
 }
+
+/// Lossless speculation needs more than closeness: a verified block's rows must be exactly the
+/// logits single decode steps give, or greedy output flips at near-ties. Checks every weight
+/// format the model runs in by default or on request, with the default (f16) KV cache.
+fn assert_block_rows_bitwise_equal_single_steps(m: &Transformer, what: &str) {
+    let ctx = tokens(12, 45);
+    for block_len in [2usize, 5, 16] {
+        let block = tokens(13 + block_len as u32, block_len);
+        let pool = m.new_kv_pool(512);
+        let mut cache = pool.new_sequence();
+        let mut b = ForwardBatch::new();
+        b.push(&ctx, &mut cache, LogitsRows::None);
+        m.forward(&mut b).unwrap();
+        let mut b = ForwardBatch::new();
+        b.push(&block, &mut cache, LogitsRows::All);
+        let all = m.forward(&mut b).unwrap().seq_logits(0).unwrap();
+        cache.truncate(ctx.len());
+        for (i, t) in block.iter().enumerate() {
+            let one = [*t];
+            let mut b = ForwardBatch::new();
+            b.push(&one, &mut cache, LogitsRows::Last);
+            let row = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
+            let d = max_abs_diff(&row, &all[i]);
+            assert!(d == 0.0, "{what}: block of {block_len}, row {i}: block vs single step differ by {d}");
+        }
+    }
+}
+
+#[test]
+fn verified_rows_are_bitwise_single_steps() {
+    for format in [WeightFormat::Q8_0, WeightFormat::Native, WeightFormat::F32, WeightFormat::F16] {
+        assert_block_rows_bitwise_equal_single_steps(&model(format), &format!("smollm2 {format:?}"));
+    }
+}
+
+/// `cargo test --release --test forward_equivalence -- --ignored` (needs qwen2.5-coder-1.5b:
+/// Q4_K and Q6_K weights, whose candle kernels change with the row count).
+#[test]
+#[ignore = "needs qwen2.5-coder-1.5b (specula fetch qwen2.5-coder-1.5b)"]
+fn qwen_verified_rows_are_bitwise_single_steps() {
+    let path = specula::fetch::resolve_model("qwen2.5-coder-1.5b", false).unwrap();
+    let m = Transformer::from_path(&path, Some(WeightFormat::Native), &Device::Cpu).unwrap();
+    assert_block_rows_bitwise_equal_single_steps(&m, "qwen2.5-coder-1.5b native");
+}

@@ -14,10 +14,11 @@ use std::time::Duration;
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Drafter for every request: ngram[:N] or draft-model:KEY|PATH (default: none). The draft
-    /// length adapts per request and to the load; a request can opt out with "speculate": false.
-    #[arg(long)]
-    drafter: Option<String>,
+    /// Drafter for every request: ngram[:N], draft-model:KEY|PATH, dflash:DIR, or `none`. The
+    /// draft length adapts per request and to the load (down to none when the batch is
+    /// compute-bound); a request can opt out with "speculate": false.
+    #[arg(long, default_value = "ngram")]
+    drafter: String,
     /// Address to listen on (loopback by default; anything else exposes the server).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -47,7 +48,10 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let drafter = args.drafter.as_deref().map(DrafterSpec::parse).transpose().context("--drafter")?;
+    let drafter = match args.drafter.as_str() {
+        "none" => None,
+        spec => Some(DrafterSpec::parse(spec).context("--drafter")?),
+    };
     let kv_dtype = crate::kv::KvDtype::parse(&args.model.kv_type).map_err(anyhow::Error::msg)?;
     let loaded = Arc::new(args.model.load()?);
     let (model_id, aliases) = model_names(&args.model.model, &loaded.path);

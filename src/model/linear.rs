@@ -98,16 +98,59 @@ impl Linear {
         self.in_features
     }
 
-    /// `x`: `[rows, in_features]` → `[rows, out_features]`.
+    /// `x`: `[rows, in_features]` → `[rows, out_features]`. Each row's result is the same
+    /// whatever the number of rows (see [`row_invariant_matmul`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match self.padded_in {
-            Some(p) => self.weight.forward(&x.pad_with_zeros(1, 0, p - self.in_features)?)?,
-            None => self.weight.forward(x)?,
+            Some(p) => row_invariant_matmul(&self.weight, &x.pad_with_zeros(1, 0, p - self.in_features)?)?,
+            None => row_invariant_matmul(&self.weight, x)?,
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+/// Rows at or above this count take candle's AMX kernel for Q4_K, whose rounding differs
+/// from its tile kernel's.
+const Q4K_AMX_MIN_ROWS: usize = 32;
+
+/// `weight.forward(x)`, arranged so that a row's output does not depend on how many rows
+/// are multiplied together. Lossless speculative decoding needs this: verifying a block of
+/// m tokens must give each token exactly the logits a single decode step would, or greedy
+/// output can flip at near-ties. candle 0.11.1 picks its x86 kernel by row count, with
+/// different rounding: Q6_K runs its compact kernel at one row and repacked tiles above,
+/// and Q4_K switches to AMX tiles at 32 rows; dense f32/f16 weights take a gemv path at one
+/// row. So a single row is padded with a zero row (Q6_K, dense), and Q4_K batches are cut
+/// into chunks below the AMX threshold (about 5–10% of Qwen2.5-1.5B's prefill speed).
+/// Checked by `tests/forward_equivalence.rs` (`*_bitwise_*`).
+fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    let rows = x.dim(0)?;
+    let QMatMul::QTensor(q) = weight else {
+        if rows == 1 {
+            let two = x.pad_with_zeros(0, 0, 1)?;
+            return Ok(weight.forward(&two)?.narrow(0, 0, 1)?);
+        }
+        return Ok(weight.forward(x)?);
+    };
+    if !cfg!(target_arch = "x86_64") {
+        return Ok(weight.forward(x)?);
+    }
+    match q.dtype() {
+        GgmlDType::Q6K if rows == 1 => {
+            let two = x.pad_with_zeros(0, 0, 1)?;
+            Ok(weight.forward(&two)?.narrow(0, 0, 1)?)
+        }
+        GgmlDType::Q4K if rows >= Q4K_AMX_MIN_ROWS => {
+            let chunk = Q4K_AMX_MIN_ROWS - 1;
+            let parts = (0..rows)
+                .step_by(chunk)
+                .map(|start| weight.forward(&x.narrow(0, start, chunk.min(rows - start))?))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(Tensor::cat(&parts, 0)?)
+        }
+        _ => Ok(weight.forward(x)?),
     }
 }
 

@@ -40,7 +40,7 @@ pub struct BenchArgs {
     /// Longest draft the adaptive policy may choose.
     #[arg(long, default_value_t = DEFAULT_ADAPTIVE_MAX)]
     max_draft_len: usize,
-    /// Prompt set: gsm8k-100, humaneval, mt-bench, math500; repeatable.
+    /// Prompt set: gsm8k-100, humaneval, humaneval-edit, mt-bench, math500, sharegpt; repeatable.
     #[arg(long, default_values_t = vec!["humaneval".to_string(), "gsm8k-100".to_string()])]
     dataset: Vec<String>,
     /// Prompts per data set (default: all).

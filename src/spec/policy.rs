@@ -152,6 +152,12 @@ impl AdaptiveState {
         (self.accepted + tuning::PRIOR_ALPHA * tuning::PRIOR_TRIALS) / (self.trials + tuning::PRIOR_TRIALS)
     }
 
+    /// The decayed (accepted, tried) draft-position counts behind [`Self::alpha`], without the
+    /// prior, for callers that bring their own.
+    pub fn acceptance_counts(&self) -> (f64, f64) {
+        (self.accepted, self.trials)
+    }
+
     /// Estimated draft time per drafted token relative to one target decode step.
     pub fn draft_cost(&self) -> f64 {
         if self.draft_cost_weight > 0.0 {

@@ -104,6 +104,9 @@ struct OneResult {
     usage: Value,
 }
 
+/// How long requests still running when the time window closes get to finish.
+const DRAIN: Duration = Duration::from_secs(120);
+
 /// Runs the load and returns the report.
 pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
     let addr = loopback_addr(&cfg.url)?;
@@ -126,7 +129,9 @@ pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
                     return;
                 }
                 let prompt = &cfg.prompts[i % cfg.prompts.len()];
-                let deadline = cfg.max_duration.saturating_sub(started.elapsed()) + Duration::from_secs(5);
+                // A request started inside the window may finish after it: a slow server is
+                // measured, not reported as failing, unless it stalls for DRAIN beyond the window.
+                let deadline = cfg.max_duration.saturating_sub(started.elapsed()) + DRAIN;
                 let result = tokio::time::timeout(deadline, one_request(&addr, &cfg, prompt)).await;
                 let mut s = samples.lock().unwrap_or_else(|e| e.into_inner());
                 match result {

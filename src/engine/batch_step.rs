@@ -14,7 +14,7 @@ use super::sequence::{FinishReason, Sequence};
 use super::text_stream::TextStream;
 use crate::kv::{KvDtype, KvPool, PoolExhausted};
 use crate::model::{ForwardBatch, ForwardOutput, LogitsRows};
-use crate::spec::policy::AdaptiveState;
+use crate::spec::policy::{alpha_estimate, AdaptiveState};
 use crate::spec::verify::penalize_verification_rows;
 use crate::spec::{build_proposer, verify, Draft, DrafterSpec, Proposer};
 use anyhow::{Context, Result};
@@ -366,7 +366,7 @@ impl FleetAcceptance {
 
     /// A request's α: its own decayed counts, with the fleet estimate as prior.
     fn alpha_for(&self, own_accepted: f64, own_tried: f64) -> f64 {
-        (own_accepted + Self::PRIOR_WEIGHT * self.alpha()) / (own_tried + Self::PRIOR_WEIGHT)
+        alpha_estimate(own_accepted, own_tried, self.alpha(), Self::PRIOR_WEIGHT)
     }
 }
 

@@ -127,22 +127,17 @@ const Q4K_AMX_MIN_ROWS: usize = 32;
 /// Checked by `tests/forward_equivalence.rs` (`*_bitwise_*`).
 fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
     let rows = x.dim(0)?;
-    let QMatMul::QTensor(q) = weight else {
-        if rows == 1 {
-            let two = x.pad_with_zeros(0, 0, 1)?;
-            return Ok(weight.forward(&two)?.narrow(0, 0, 1)?);
-        }
-        return Ok(weight.forward(x)?);
+    let dtype = match weight {
+        QMatMul::QTensor(q) if cfg!(target_arch = "x86_64") => Some(q.dtype()),
+        QMatMul::QTensor(_) => return Ok(weight.forward(x)?),
+        QMatMul::Tensor(_) | QMatMul::TensorF16(_) => None, // dense: gemv at one row
     };
-    if !cfg!(target_arch = "x86_64") {
-        return Ok(weight.forward(x)?);
-    }
-    match q.dtype() {
-        GgmlDType::Q6K if rows == 1 => {
+    match dtype {
+        None | Some(GgmlDType::Q6K) if rows == 1 => {
             let two = x.pad_with_zeros(0, 0, 1)?;
             Ok(weight.forward(&two)?.narrow(0, 0, 1)?)
         }
-        GgmlDType::Q4K if rows >= Q4K_AMX_MIN_ROWS => {
+        Some(GgmlDType::Q4K) if rows >= Q4K_AMX_MIN_ROWS => {
             let chunk = Q4K_AMX_MIN_ROWS - 1;
             let parts = (0..rows)
                 .step_by(chunk)

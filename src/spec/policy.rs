@@ -16,6 +16,12 @@ use crate::model::{ForwardBatch, LogitsRows, Transformer};
 use anyhow::{bail, Result};
 use std::time::Instant;
 
+/// α from counts of accepted and tried draft positions, pulled towards `prior` with the weight
+/// of `prior_trials` tried positions.
+pub fn alpha_estimate(accepted: f64, tried: f64, prior: f64, prior_trials: f64) -> f64 {
+    (accepted + prior * prior_trials) / (tried + prior_trials)
+}
+
 /// How each step's draft length is chosen.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DraftPolicy {
@@ -149,11 +155,11 @@ impl AdaptiveState {
 
     /// Estimated acceptance α of one draft position given the earlier ones were accepted.
     pub fn alpha(&self) -> f64 {
-        (self.accepted + tuning::PRIOR_ALPHA * tuning::PRIOR_TRIALS) / (self.trials + tuning::PRIOR_TRIALS)
+        alpha_estimate(self.accepted, self.trials, tuning::PRIOR_ALPHA, tuning::PRIOR_TRIALS)
     }
 
-    /// The decayed (accepted, tried) draft-position counts behind [`Self::alpha`], without the
-    /// prior, for callers that bring their own.
+    /// The decayed (accepted, tried) draft-position counts behind [`Self::alpha`], for callers
+    /// that bring their own prior (the server: the acceptance of its other requests).
     pub fn acceptance_counts(&self) -> (f64, f64) {
         (self.accepted, self.trials)
     }

@@ -93,6 +93,20 @@ TARGET_INIT_STD = 0.05
 MAX_SEED_ATTEMPTS = 10
 
 
+# config.json fields the target and the drafter share (both are Qwen3 models).
+QWEN3_COMMON = {
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": VOCAB,
+}
+
+
 def target_config_dict(num_layers):
     """A Qwen3 target config.json in the layout of published Qwen3 checkpoints (top-level rope_theta)."""
     return {
@@ -112,15 +126,7 @@ def target_config_dict(num_layers):
         "num_attention_heads": 4,
         "num_hidden_layers": num_layers,
         "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6,
-        "rope_scaling": None,
-        "rope_theta": 10000.0,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": VOCAB,
+        **QWEN3_COMMON,
     }
 
 
@@ -150,15 +156,7 @@ def drafter_config_dict(case):
         "num_hidden_layers": d["layers"],
         "num_key_value_heads": d["kv_heads"],
         "num_target_layers": case["target"]["layers"],
-        "rms_norm_eps": 1e-6,
-        "rope_scaling": None,
-        "rope_theta": 10000.0,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": VOCAB,
+        **QWEN3_COMMON,
     }
 
 

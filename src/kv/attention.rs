@@ -4,8 +4,8 @@
 //! rows written in this forward, causally. Reading the block table directly avoids gathering
 //! each sequence's cache into a contiguous tensor every step.
 
+use super::block_kernels as kernels;
 use super::pool::PoolStorage;
-use rayon::prelude::*;
 
 /// One sequence's part of a packed batch, as attention sees it.
 #[derive(Debug, Clone)]
@@ -46,70 +46,71 @@ pub fn paged_attention(
         }
     }
 
-    out.par_chunks_mut(hd).enumerate().for_each_init(
-        || (vec![0f32; bs * hd], Vec::new()),
-        |(block_f32, scores), (item, out_head)| {
-            let row = item / n_heads;
-            let kv_head = (item % n_heads) / group;
+    // One work item per (row, kv head): each cached block is converted to f32 once and
+    // serves all `group` query heads that share it (GQA). Each query head's arithmetic runs
+    // in the same order as it would alone, so results do not depend on the grouping.
+    let n_kv = layout.n_kv_heads;
+    let item_len = group * hd;
+    assert_eq!(out.len(), rows * n_kv * item_len, "attention output shape");
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    // candle's own worker pool runs the matmuls; running attention on it too keeps a second
+    // pool from competing for the same cores while the first one's workers spin.
+    candle_core::utils::barrier_pool().execute_chunked(rows * n_kv, |items| {
+        let mut scores = Vec::new();
+        let (mut max, mut inv) = (vec![0f32; group], vec![0f32; group]);
+        for item in items {
+            let row = item / n_kv;
+            let kv_head = item % n_kv;
             let (si, pos) = row_seq[row];
             let blocks = seqs[si].blocks;
-            let q_head = &q[item * hd..(item + 1) * hd];
             let n_keys = pos + 1;
+            let n_blocks = n_keys.div_ceil(bs);
+            let q_heads = &q[item * item_len..(item + 1) * item_len];
+            // SAFETY: items are disjoint, and item `i` writes only `out[i*item_len..(i+1)*item_len]`,
+            // which is in bounds by the assert above; `out` outlives this call.
+            let out_heads = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(item * item_len), item_len) };
 
             scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for (bi, &block) in blocks.iter().enumerate().take(n_keys.div_ceil(bs)) {
+            scores.resize(group * n_keys, 0f32);
+            max.fill(f32::NEG_INFINITY);
+            for (bi, &block) in blocks.iter().enumerate().take(n_blocks) {
                 let n = (n_keys - bi * bs).min(bs);
-                let off = storage.head_offset(block, kv_head);
-                let chunk = &mut block_f32[..n * hd];
-                keys.load(off, chunk);
-                for k in chunk.chunks_exact(hd) {
-                    let s = dot(q_head, k) * scale;
-                    max = max.max(s);
-                    scores.push(s);
+                let block_keys = keys.view(storage.head_offset(block, kv_head), n * hd);
+                for (g, q_head) in q_heads.chunks_exact(hd).enumerate() {
+                    let block_scores = &mut scores[g * n_keys + bi * bs..g * n_keys + bi * bs + n];
+                    kernels::block_scores(q_head, block_keys, scale, block_scores);
+                    max[g] = block_scores.iter().fold(max[g], |m, &s| m.max(s));
                 }
             }
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
+            for g in 0..group {
+                let mut sum = 0f32;
+                for s in scores[g * n_keys..(g + 1) * n_keys].iter_mut() {
+                    *s = (*s - max[g]).exp();
+                    sum += *s;
+                }
+                inv[g] = 1.0 / sum;
             }
-            let inv = 1.0 / sum;
-            out_head.fill(0.0);
-            for (bi, &block) in blocks.iter().enumerate().take(n_keys.div_ceil(bs)) {
+            out_heads.fill(0.0);
+            for (bi, &block) in blocks.iter().enumerate().take(n_blocks) {
                 let n = (n_keys - bi * bs).min(bs);
-                let off = storage.head_offset(block, kv_head);
-                let chunk = &mut block_f32[..n * hd];
-                values.load(off, chunk);
-                for (j, v) in chunk.chunks_exact(hd).enumerate() {
-                    axpy(scores[bi * bs + j] * inv, v, out_head);
+                let block_values = values.view(storage.head_offset(block, kv_head), n * hd);
+                for (g, out_head) in out_heads.chunks_exact_mut(hd).enumerate() {
+                    let weights = &scores[g * n_keys + bi * bs..g * n_keys + bi * bs + n];
+                    kernels::block_accumulate(weights, inv[g], block_values, out_head);
                 }
             }
-        },
-    );
-}
-
-/// Dot product with eight independent accumulators so the compiler can vectorise it.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, ar) = a.split_at(a.len() / 8 * 8);
-    let (bc, br) = b.split_at(ac.len());
-    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
         }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y;
-    }
-    s
+    });
 }
 
-#[inline]
-fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * xi;
+/// The output pointer shared by the attention workers (each writes a disjoint range).
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: only used for disjoint writes, see `paged_attention`.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }

@@ -3,6 +3,7 @@
 //! cancelled request can never leak blocks.
 
 mod attention;
+mod block_kernels;
 mod pool;
 
 pub use attention::{paged_attention, AttentionSeq};

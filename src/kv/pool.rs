@@ -1,5 +1,6 @@
 //! Block pool and per-sequence block tables.
 
+use super::block_kernels::KvView;
 use half::{f16, slice::HalfFloatSliceExt};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -62,12 +63,12 @@ impl KvBuffer {
         }
     }
 
-    /// Copies `dst.len()` elements starting at `off` into `dst` as f32.
+    /// `len` elements starting at `off`, in their stored type.
     #[inline]
-    pub fn load(&self, off: usize, dst: &mut [f32]) {
+    pub fn view(&self, off: usize, len: usize) -> KvView<'_> {
         match self {
-            Self::F16(b) => b[off..off + dst.len()].convert_to_f32_slice(dst),
-            Self::F32(b) => dst.copy_from_slice(&b[off..off + dst.len()]),
+            Self::F16(b) => KvView::F16(&b[off..off + len]),
+            Self::F32(b) => KvView::F32(&b[off..off + len]),
         }
     }
 }

@@ -138,7 +138,9 @@ fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
             Ok(weight.forward(&two)?.narrow(0, 0, 1)?)
         }
         Some(GgmlDType::Q4K) if rows >= Q4K_AMX_MIN_ROWS => {
-            let chunk = Q4K_AMX_MIN_ROWS - 1;
+            // The tile kernel takes rows four at a time; 28 keeps every unit full (31 would
+            // leave a 3-row unit costing as much as a 4-row one).
+            let chunk = (Q4K_AMX_MIN_ROWS - 1) / 4 * 4;
             let parts = (0..rows)
                 .step_by(chunk)
                 .map(|start| weight.forward(&x.narrow(0, start, chunk.min(rows - start))?))

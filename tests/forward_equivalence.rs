@@ -171,7 +171,8 @@ fn kv_pool_exhaustion_is_an_error_that_changes_nothing() {
 /// format the model runs in by default or on request, with the default (f16) KV cache.
 fn assert_block_rows_bitwise_equal_single_steps(m: &Transformer, what: &str) {
     let ctx = tokens(12, 45);
-    for block_len in [2usize, 5, 16] {
+    // 40 rows: past the row counts where candle switches kernels (Q4_K: AMX from 32).
+    for block_len in [2usize, 5, 16, 40] {
         let block = tokens(13 + block_len as u32, block_len);
         let pool = m.new_kv_pool(512);
         let mut cache = pool.new_sequence();

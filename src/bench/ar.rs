@@ -54,6 +54,15 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
 
     // Prefill: one chunk of `prefill_tokens`, last-row logits.
     let prompt = filler(s.prefill_tokens, vocab);
+    // One untimed pass first, as llama-bench does: candle repacks each weight matrix on its
+    // first use (and again into AMX tiles on the first batch of 32+ rows), a one-off cost
+    // that would otherwise land in the first timed sample.
+    {
+        let mut cache = pool.new_sequence();
+        let mut b = ForwardBatch::new();
+        b.push(&prompt, &mut cache, LogitsRows::Last);
+        model.forward(&mut b)?;
+    }
     let mut times = Vec::new();
     for _ in 0..s.repeats {
         let mut cache = pool.new_sequence();

@@ -112,19 +112,15 @@ impl Linear {
     }
 }
 
-/// Rows at or above this count take candle's AMX kernel for Q4_K, whose rounding differs
-/// from its tile kernel's.
-const Q4K_AMX_MIN_ROWS: usize = 32;
-
 /// `weight.forward(x)`, arranged so that a row's output does not depend on how many rows
 /// are multiplied together. Lossless speculative decoding needs this: verifying a block of
 /// m tokens must give each token exactly the logits a single decode step would, or greedy
-/// output can flip at near-ties. candle 0.11.1 picks its x86 kernel by row count, with
-/// different rounding: Q6_K runs its compact kernel at one row and repacked tiles above,
-/// and Q4_K switches to AMX tiles at 32 rows; dense f32/f16 weights take a gemv path at one
-/// row. So a single row is padded with a zero row (Q6_K, dense), and Q4_K batches are cut
-/// into chunks below the AMX threshold (about 5–10% of Qwen2.5-1.5B's prefill speed).
-/// Checked by `tests/forward_equivalence.rs` (`*_bitwise_*`).
+/// output can flip at near-ties. candle 0.11.1 picks its x86 kernel by row count, and two of
+/// its one-row paths round differently from its batched ones: Q6_K's compact kernel and the
+/// dense f32/f16 gemv. So a single row is padded with a zero row for those. Q4_K's AMX path
+/// (from 32 rows) needs nothing: it applies the same per-sub-block scale and min updates in
+/// the same order as the tile kernel to exact integer sums, so it matches it bit for bit.
+/// Checked by `tests/forward_equivalence.rs` (`*_bitwise_*`, blocks of up to 40 rows).
 fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
     let rows = x.dim(0)?;
     let dtype = match weight {
@@ -136,16 +132,6 @@ fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
         None | Some(GgmlDType::Q6K) if rows == 1 => {
             let two = x.pad_with_zeros(0, 0, 1)?;
             Ok(weight.forward(&two)?.narrow(0, 0, 1)?)
-        }
-        Some(GgmlDType::Q4K) if rows >= Q4K_AMX_MIN_ROWS => {
-            // The tile kernel takes rows four at a time; 28 keeps every unit full (31 would
-            // leave a 3-row unit costing as much as a 4-row one).
-            let chunk = (Q4K_AMX_MIN_ROWS - 1) / 4 * 4;
-            let parts = (0..rows)
-                .step_by(chunk)
-                .map(|start| weight.forward(&x.narrow(0, start, chunk.min(rows - start))?))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            Ok(Tensor::cat(&parts, 0)?)
         }
         _ => Ok(weight.forward(x)?),
     }

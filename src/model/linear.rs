@@ -133,8 +133,27 @@ fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
             let two = x.pad_with_zeros(0, 0, 1)?;
             Ok(weight.forward(&two)?.narrow(0, 0, 1)?)
         }
+        Some(GgmlDType::Q4K) if rows >= Q4K_AMX_MIN_ROWS && no_amx() => {
+            // Same results either way (see above); this only trades prefill speed for memory.
+            let chunk = (Q4K_AMX_MIN_ROWS - 1) / 4 * 4; // whole 4-row units of the tile kernel
+            let parts = (0..rows)
+                .step_by(chunk)
+                .map(|start| weight.forward(&x.narrow(0, start, chunk.min(rows - start))?))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(Tensor::cat(&parts, 0)?)
+        }
         _ => Ok(weight.forward(x)?),
     }
+}
+
+/// Batches of this many rows or more take candle's AMX kernel for Q4_K (where the CPU has it).
+const Q4K_AMX_MIN_ROWS: usize = 32;
+
+/// `SPECULA_NO_AMX=1` keeps Q4_K batches below the AMX threshold. AMX keeps its own copy of
+/// every Q4_K matrix at one byte per weight (+1.4 GB for Qwen2.5-1.5B) for faster prefill.
+fn no_amx() -> bool {
+    static NO_AMX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NO_AMX.get_or_init(|| std::env::var("SPECULA_NO_AMX").is_ok_and(|v| !v.is_empty() && v != "0"))
 }
 
 /// Several projections of the same input run as one matmul (q/k/v, gate/up): one parallel

@@ -47,8 +47,8 @@ pub fn paged_attention(
     }
 
     // One work item per (row, kv head): each cached block is read once for all `group`
-    // query heads that share it (GQA). Each query head's arithmetic runs
-    // in the same order as it would alone, so results do not depend on the grouping.
+    // query heads that share it (GQA). Each query head's arithmetic runs in the same order
+    // as it would alone, so results do not depend on the grouping.
     let n_kv = layout.n_kv_heads;
     let item_len = group * hd;
     assert_eq!(out.len(), rows * n_kv * item_len, "attention output shape");

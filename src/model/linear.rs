@@ -7,6 +7,7 @@
 //! (docs/performance.md).
 
 use super::gguf::WeightFormat;
+use super::q8_kernel::{self, PackedQ8};
 use super::source::TensorSource;
 use anyhow::{Context, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
@@ -30,8 +31,15 @@ pub fn repacked_q8_available() -> bool {
 }
 
 #[derive(Clone)]
+enum Weight {
+    Candle(QMatMul),
+    /// Q8_0 on our own kernel (`q8_kernel`), where the CPU has it.
+    PackedQ8(Arc<PackedQ8>),
+}
+
+#[derive(Clone)]
 pub struct Linear {
-    weight: QMatMul,
+    weight: Weight,
     bias: Option<Tensor>,
     in_features: usize,
     /// Input width the weight was padded to, when padded.
@@ -57,15 +65,28 @@ impl Linear {
         let target = match format {
             WeightFormat::Native => None,
             WeightFormat::F32 => {
-                return Ok(Self { weight: QMatMul::Tensor(q.dequantize(device)?), bias, in_features, padded_in: None })
+                let weight = Weight::Candle(QMatMul::Tensor(q.dequantize(device)?));
+                return Ok(Self { weight, bias, in_features, padded_in: None });
             }
             WeightFormat::F16 => {
                 let w = q.dequantize(device)?.to_dtype(DType::F16)?;
-                return Ok(Self { weight: QMatMul::TensorF16(w), bias, in_features, padded_in: None });
+                return Ok(Self { weight: Weight::Candle(QMatMul::TensorF16(w)), bias, in_features, padded_in: None });
             }
             WeightFormat::Q8_0 => Some(GgmlDType::Q8_0),
             WeightFormat::Q4_0 => Some(GgmlDType::Q4_0),
         };
+        let out_features = q.shape().dims2()?.0;
+        let ends_q8_0 = target == Some(GgmlDType::Q8_0) || (target.is_none() && q.dtype() == GgmlDType::Q8_0);
+        if ends_q8_0 && device.is_cpu() && q8_kernel::available() && q8_kernel::fits(out_features, in_features) {
+            let q8 = if q.dtype() == GgmlDType::Q8_0 {
+                q.clone()
+            } else {
+                Arc::new(QTensor::quantize(&q.dequantize(device)?, GgmlDType::Q8_0)?)
+            };
+            if let Some(packed) = PackedQ8::from_qtensor(&q8)? {
+                return Ok(Self { weight: Weight::PackedQ8(Arc::new(packed)), bias, in_features, padded_in: None });
+            }
+        }
         let pad = target == Some(GgmlDType::Q8_0)
             && in_features % REPACK_K != 0
             && device.is_cpu()
@@ -83,14 +104,15 @@ impl Linear {
             }
         };
         let padded_in = pad.then(|| in_features.next_multiple_of(REPACK_K));
-        Ok(Self { weight, bias, in_features, padded_in })
+        Ok(Self { weight: Weight::Candle(weight), bias, in_features, padded_in })
     }
 
     /// Output rows × input width of the weight as stored (before padding).
     pub fn out_features(&self) -> usize {
         match &self.weight {
-            QMatMul::QTensor(q) => q.shape().dims()[0],
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims()[0],
+            Weight::Candle(QMatMul::QTensor(q)) => q.shape().dims()[0],
+            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.dims()[0],
+            Weight::PackedQ8(p) => p.out_features(),
         }
     }
 
@@ -101,9 +123,14 @@ impl Linear {
     /// `x`: `[rows, in_features]` → `[rows, out_features]`. Each row's result is the same
     /// whatever the number of rows (see [`row_invariant_matmul`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match self.padded_in {
-            Some(p) => row_invariant_matmul(&self.weight, &x.pad_with_zeros(1, 0, p - self.in_features)?)?,
-            None => row_invariant_matmul(&self.weight, x)?,
+        let y = match (&self.weight, self.padded_in) {
+            (Weight::PackedQ8(p), _) => {
+                let rows = x.dim(0)?;
+                let input = x.flatten_all()?.to_vec1::<f32>()?;
+                Tensor::from_vec(p.matmul(&input), (rows, p.out_features()), x.device())?
+            }
+            (Weight::Candle(w), Some(p)) => row_invariant_matmul(w, &x.pad_with_zeros(1, 0, p - self.in_features)?)?,
+            (Weight::Candle(w), None) => row_invariant_matmul(w, x)?,
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,

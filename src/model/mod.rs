@@ -6,6 +6,7 @@ mod config;
 mod gguf;
 mod hf;
 mod linear;
+mod q8_kernel;
 mod rope;
 mod source;
 mod transformer;

@@ -76,7 +76,11 @@ impl Linear {
             WeightFormat::Q4_0 => Some(GgmlDType::Q4_0),
         };
         let out_features = q.shape().dims2()?.0;
-        let ends_q8_0 = target == Some(GgmlDType::Q8_0) || (target.is_none() && q.dtype() == GgmlDType::Q8_0);
+        // Only for `--weights q8_0` (the default where the file's types are slow in candle):
+        // `native` keeps candle's kernels for the file's own types, the configuration that
+        // is checked against llama.cpp's reference. Both compute the same products, but in
+        // a different float order, and a greedy pick at a 0.09-nat gap can follow that.
+        let ends_q8_0 = target == Some(GgmlDType::Q8_0);
         if ends_q8_0 && device.is_cpu() && q8_kernel::available() && q8_kernel::fits(out_features, in_features) {
             let q8 = if q.dtype() == GgmlDType::Q8_0 {
                 q.clone()

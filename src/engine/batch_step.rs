@@ -85,6 +85,9 @@ pub struct EngineSnapshot {
     pub preemptions: u64,
     /// Seconds spent in steps (forward + bookkeeping).
     pub busy_secs: f64,
+    /// Of those, seconds in the model's forward: the rest is drafting, sampling,
+    /// verification, detokenising and streaming.
+    pub forward_secs: f64,
     pub finished_requests: u64,
     pub failed_requests: u64,
     pub cancelled_requests: u64,
@@ -615,6 +618,7 @@ impl Worker {
             self.model.model.forward(&mut batch)
         };
         let forward_secs = t_forward.elapsed().as_secs_f64();
+        self.totals.forward_secs += forward_secs;
         let out = match result {
             Ok(out) => out,
             Err(e) if e.is::<PoolExhausted>() => {

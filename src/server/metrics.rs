@@ -165,6 +165,12 @@ impl ServerMetrics {
             format!("{}", e.busy_secs),
         );
         metric(
+            "specula_engine_forward_seconds_total",
+            "counter",
+            "Of the busy seconds, those in the model's forward.",
+            format!("{}", e.forward_secs),
+        );
+        metric(
             "specula_preemptions_total",
             "counter",
             "Sequences preempted (KV freed, recomputed later).",

@@ -63,6 +63,12 @@ fn serve_loadtest_and_sigterm() {
             assert_eq!(r["errors"], 0, "{r}");
             assert!(r["completion_tokens"].as_u64().unwrap() > 0);
             assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+            // Prompt tokens count too: total throughput is above completion-only throughput.
+            let total = r["total_tokens_per_s"].as_f64().unwrap();
+            let wall = r["wall_secs"].as_f64().unwrap();
+            let tokens = r["prompt_tokens"].as_u64().unwrap() + r["completion_tokens"].as_u64().unwrap();
+            assert!((total * wall - tokens as f64).abs() < 1e-6 * tokens as f64, "{r}");
+            assert!(total > r["tokens_per_s"].as_f64().unwrap(), "{r}");
             assert!(r["ttft_p50_ms"].as_f64().unwrap() > 0.0);
             assert!(r["ttft_p99_ms"].as_f64().unwrap() >= r["ttft_p50_ms"].as_f64().unwrap());
             if extra.is_empty() {

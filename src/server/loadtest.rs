@@ -77,6 +77,9 @@ pub struct LoadReport {
     pub wall_secs: f64,
     /// Completion tokens per second of wall time, all clients together.
     pub tokens_per_s: f64,
+    /// Prompt and completion tokens per second (vLLM's "total token throughput"): the unit a
+    /// prefill benchmark measures.
+    pub total_tokens_per_s: f64,
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
     pub itl_p50_ms: f64,
@@ -167,6 +170,7 @@ pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
         completion_tokens: s.completion_tokens,
         wall_secs: wall,
         tokens_per_s: s.completion_tokens as f64 / wall.max(1e-9),
+        total_tokens_per_s: (s.prompt_tokens + s.completion_tokens) as f64 / wall.max(1e-9),
         ttft_p50_ms: percentile(&s.ttft, 0.50) * 1e3,
         ttft_p99_ms: percentile(&s.ttft, 0.99) * 1e3,
         itl_p50_ms: percentile(&s.itl, 0.50) * 1e3,
@@ -255,11 +259,12 @@ impl LoadReport {
     pub fn render(&self) -> String {
         let accept = if self.draft_n > 0 { self.draft_n_accepted as f64 / self.draft_n as f64 } else { 0.0 };
         let mut s = format!(
-            "clients {:>3} | ok {:>4} | errors {:>3} | {:>8.1} tok/s | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>7.1} ms p99 {:>7.1} ms | drafted {} accepted {} ({:.0}%) | {} tokens in {:.1} s",
+            "clients {:>3} | ok {:>4} | errors {:>3} | {:>8.1} tok/s ({:.1} with prompts) | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>7.1} ms p99 {:>7.1} ms | drafted {} accepted {} ({:.0}%) | {} tokens in {:.1} s",
             self.clients,
             self.requests_ok,
             self.errors,
             self.tokens_per_s,
+            self.total_tokens_per_s,
             self.ttft_p50_ms,
             self.ttft_p99_ms,
             self.itl_p50_ms,

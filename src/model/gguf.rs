@@ -42,9 +42,10 @@ impl WeightFormat {
     }
 
     /// The default for a file, chosen by measurement (docs/performance.md): keep the file's
-    /// types where candle has fast kernels for them; otherwise convert to Q8_0, which
-    /// [`super::linear`] pads onto the repacked kernels. Q4_1/Q5_0/Q5_1 run scalar in candle,
-    /// and any width that is not a multiple of 256 misses the repacked kernels.
+    /// types where candle has fast kernels for them; otherwise convert to Q8_0, which runs on
+    /// our own kernel (or, on CPUs without AVX-512 VNNI, is padded onto candle's repacked
+    /// one; see [`super::linear`]). Q4_1/Q5_0/Q5_1 run scalar in candle, and any width that
+    /// is not a multiple of 256 misses its repacked kernels.
     pub fn default_for(file: &GgufFile) -> Self {
         let slow = file.content.tensor_infos.iter().filter(|(name, _)| name.starts_with("blk.")).any(|(_, t)| {
             let k = t.shape.dims().last().copied().unwrap_or(0);

@@ -1,4 +1,5 @@
-//! Matmul weights in the chosen format, padded where that unlocks candle's fast kernels.
+//! Matmul weights in the chosen format: `q8_0` on our own kernel (`q8_kernel`) where the CPU
+//! has AVX-512 VNNI, everything else on candle's, padded where that unlocks its fast kernels.
 //!
 //! candle 0.11.1's repacked x86 kernels (one weight read for up to 16 activation rows, VNNI
 //! dot products) apply to Q8_0/Q4_K/Q6_K only when the input width is a multiple of 256.
@@ -80,8 +81,11 @@ impl Linear {
         // `native` keeps candle's kernels for the file's own types, the configuration that
         // is checked against llama.cpp's reference. Both compute the same products, but in
         // a different float order, and a greedy pick at a 0.09-nat gap can follow that.
-        let ends_q8_0 = target == Some(GgmlDType::Q8_0);
-        if ends_q8_0 && device.is_cpu() && q8_kernel::available() && q8_kernel::fits(out_features, in_features) {
+        if target == Some(GgmlDType::Q8_0)
+            && device.is_cpu()
+            && q8_kernel::available()
+            && q8_kernel::fits(out_features, in_features)
+        {
             let q8 = if q.dtype() == GgmlDType::Q8_0 {
                 q.clone()
             } else {

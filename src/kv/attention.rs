@@ -83,12 +83,7 @@ pub fn paged_attention(
                 }
             }
             for g in 0..group {
-                let mut sum = 0f32;
-                for s in scores[g * n_keys..(g + 1) * n_keys].iter_mut() {
-                    *s = (*s - max[g]).exp();
-                    sum += *s;
-                }
-                inv[g] = 1.0 / sum;
+                inv[g] = 1.0 / kernels::exp_shifted_sum(&mut scores[g * n_keys..(g + 1) * n_keys], max[g]);
             }
             out_heads.fill(0.0);
             for (bi, &block) in blocks.iter().enumerate().take(n_blocks) {

@@ -49,6 +49,33 @@ pub fn block_accumulate(weights: &[f32], inv: f32, values: KvView<'_>, out: &mut
     accumulate_portable(weights, inv, values, out);
 }
 
+/// `scores[i] = exp(scores[i] - max)`, returning their sum. The vector path evaluates
+/// glibc's `expf` algorithm (a 32-entry table of 2^(i/32) and a cubic in double precision)
+/// eight lanes at a time, so each value is what `f32::exp` returns on glibc, bit for bit
+/// (`exp_matches_libm_bitwise`), and sums in eight lanes: a single running sum was a chain of
+/// dependent adds as slow as the exponentials. The order depends only on the slice, so a
+/// row's softmax is the same whatever else is in the batch.
+pub fn exp_shifted_sum(scores: &mut [f32], max: f32) -> f32 {
+    let (mut done, mut sum) = (0, 0f32);
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        // SAFETY: the CPU has AVX-512F.
+        (done, sum) = unsafe { x86::exp_shifted_avx512(scores, max) };
+    }
+    for s in &mut scores[done..] {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| is_x86_feature_detected!("avx512f"))
+}
+
 #[cfg(target_arch = "x86_64")]
 fn avx2_f16c() -> bool {
     use std::sync::OnceLock;
@@ -285,11 +312,112 @@ mod x86 {
     pub unsafe fn accumulate_f32(weights: &[f32], inv: f32, values: &[f32], out: &mut [f32]) {
         unsafe { accumulate(weights, inv, values, out) }
     }
+
+    /// glibc's `__exp2f_data`: `TABLE[i]` = bits of 2^(i/32) minus `i << 47`, so that adding
+    /// `k << 47` puts k/32's integer part into the exponent.
+    fn exp_table() -> &'static [u64; 32] {
+        use std::sync::OnceLock;
+        static TABLE: OnceLock<[u64; 32]> = OnceLock::new();
+        TABLE.get_or_init(|| std::array::from_fn(|i| (i as f64 / 32.0).exp2().to_bits() - ((i as u64) << 47)))
+    }
+    const INV_LN2_32: f64 = 1.4426950408889634 * 32.0; // 0x1.71547652b82fep+0 · 32
+    const SHIFT: u64 = 0x4338_0000_0000_0000; // 0x1.8p+52: adding it rounds to an integer
+    const C0: u64 = 0x3FAC_6AF8_4B91_2394; // 0x1.c6af84b912394p-5, scaled by 32^-3 below
+    const C1: u64 = 0x3FCE_BFCE_50FA_C4F3; // 0x1.ebfce50fac4f3p-3, by 32^-2
+    const C2: u64 = 0x3FE6_2E42_FF0C_52D6; // 0x1.62e42ff0c52d6p-1, by 32^-1
+
+    /// Whole groups of eight from the start; returns how many were done and their sum (eight
+    /// lane sums, then added lane 0 to 7). A group with any |x| ≥ 88 or NaN stops it, and the
+    /// caller's `f32::exp` takes over from there.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp_shifted_avx512(scores: &mut [f32], max: f32) -> (usize, f32) {
+        let table = exp_table();
+        let (t0, t1, t2, t3) = unsafe {
+            (
+                _mm512_loadu_si512(table.as_ptr() as *const _),
+                _mm512_loadu_si512(table.as_ptr().add(8) as *const _),
+                _mm512_loadu_si512(table.as_ptr().add(16) as *const _),
+                _mm512_loadu_si512(table.as_ptr().add(24) as *const _),
+            )
+        };
+        let inv_ln2 = _mm512_set1_pd(INV_LN2_32);
+        let shift = _mm512_set1_pd(f64::from_bits(SHIFT));
+        let c0 = _mm512_set1_pd(f64::from_bits(C0) / 32768.0);
+        let c1 = _mm512_set1_pd(f64::from_bits(C1) / 1024.0);
+        let c2 = _mm512_set1_pd(f64::from_bits(C2) / 32.0);
+        let one = _mm512_set1_pd(1.0);
+        let limit = _mm256_set1_ps(88.0);
+        let vmax = _mm256_set1_ps(max);
+        let mut lanes = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= scores.len() {
+            let p = unsafe { scores.as_mut_ptr().add(i) };
+            let x = _mm256_sub_ps(unsafe { _mm256_loadu_ps(p) }, vmax);
+            // glibc's special cases (|x| ≥ 88, NaN) are left to the scalar call.
+            let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
+            if _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(abs, limit)) != 0 {
+                break;
+            }
+            let z = _mm512_mul_pd(inv_ln2, _mm512_cvtps_pd(x));
+            let kd_shifted = _mm512_add_pd(z, shift);
+            let ki = _mm512_castpd_si512(kd_shifted);
+            let r = _mm512_sub_pd(z, _mm512_sub_pd(kd_shifted, shift));
+            let lo = _mm512_permutex2var_epi64(t0, ki, t1);
+            let hi = _mm512_permutex2var_epi64(t2, ki, t3);
+            let upper = _mm512_test_epi64_mask(ki, _mm512_set1_epi64(16));
+            let t = _mm512_add_epi64(_mm512_mask_blend_epi64(upper, lo, hi), _mm512_slli_epi64::<47>(ki));
+            let s = _mm512_castsi512_pd(t);
+            let zp = _mm512_fmadd_pd(c0, r, c1);
+            let r2 = _mm512_mul_pd(r, r);
+            let y = _mm512_fmadd_pd(zp, r2, _mm512_fmadd_pd(c2, r, one));
+            let e = _mm512_cvtpd_ps(_mm512_mul_pd(y, s));
+            unsafe { _mm256_storeu_ps(p, e) };
+            lanes = _mm256_add_ps(lanes, e);
+            i += 8;
+        }
+        let mut out = [0f32; 8];
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), lanes) };
+        (i, out.iter().fold(0f32, |a, &b| a + b))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vector exp returns exactly what `f32::exp` (glibc's `expf`) returns, over the range
+    /// softmax feeds it and beyond, including the special cases it hands back.
+    #[test]
+    fn exp_matches_libm_bitwise() {
+        let mut x: Vec<f32> = Vec::new();
+        let mut s = 12345u64;
+        for _ in 0..4_000_000 {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x.push(-((s >> 40) as f32 / (1u64 << 24) as f32) * 87.99);
+        }
+        x.extend((0..20_000).map(|i| -(i as f32) * 1e-4));
+        x.extend([0.0, -0.0, -87.99, -1e-30, -1e-40, 0.5, 3.0, -1.0]);
+        let bulk = x.len() / 8 * 8;
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            let mut probe = x[..bulk].to_vec();
+            // SAFETY: the CPU has AVX-512F.
+            assert_eq!(unsafe { x86::exp_shifted_avx512(&mut probe, 0.0) }.0, bulk, "the vector path ran");
+        }
+        // Then the cases it leaves to the scalar call.
+        x.extend([-88.0, -103.9, -104.0, -1e30, f32::NEG_INFINITY, f32::NAN, 88.5, 0.25]);
+        let want: Vec<u32> = x.iter().map(|v| v.exp().to_bits()).collect();
+        let mut got = x.clone();
+        exp_shifted_sum(&mut got, 0.0);
+        let bad: Vec<(f32, u32, u32)> = x
+            .iter()
+            .zip(got.iter().zip(&want))
+            .filter(|(_, (g, w))| g.to_bits() != **w)
+            .map(|(v, (g, w))| (*v, g.to_bits(), *w))
+            .take(5)
+            .collect();
+        assert!(bad.is_empty(), "{bad:?}");
+    }
 
     /// Whichever path this CPU takes gives bit-for-bit the portable loops' results (that is
     /// what keeps outputs identical across machines' cache types and batch shapes), for full

@@ -60,13 +60,14 @@ pub struct PackedQ8 {
 const Q8_0_BYTES: usize = 2 + BLOCK;
 
 impl PackedQ8 {
-    /// Packs a `[n, k]` Q8_0 tensor; `None` when the shape does not fit the tiling.
+    /// Packs a `[n, k]` Q8_0 tensor; `None` when the shape does not fit the tiling or the CPU
+    /// cannot run the kernel (so a `PackedQ8` exists only where `matmul` is safe to call).
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
         if q.dtype() != GgmlDType::Q8_0 {
             bail!("PackedQ8 needs Q8_0 weights, got {:?}", q.dtype());
         }
         let (n, k) = q.shape().dims2()?;
-        if !fits(n, k) {
+        if !available() || !fits(n, k) {
             return Ok(None);
         }
         let data = q.data()?;
@@ -107,8 +108,8 @@ impl PackedQ8 {
             let out_ptr = out_ptr;
             for nt in tiles {
                 for r0 in (0..m).step_by(MAX_ROWS) {
-                    // SAFETY: `available()` was checked when the matrix was packed, and each
-                    // tile writes only its own 16 columns.
+                    // SAFETY: `from_qtensor` packs only where `available()`, and each tile
+                    // writes only its own 16 columns of rows that exist.
                     unsafe { self.tile(nt, &acts, r0, (m - r0).min(MAX_ROWS), out_ptr.get()) };
                 }
             }
@@ -238,7 +239,7 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
-        debug_assert!(xs.len() == BLOCK && qs.len() == BLOCK);
+        assert!(xs.len() == BLOCK && qs.len() == BLOCK, "one block of 32");
         let lo = _mm512_loadu_ps(xs.as_ptr());
         let hi = _mm512_loadu_ps(xs.as_ptr().add(16));
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));

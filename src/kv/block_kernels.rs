@@ -412,7 +412,10 @@ mod tests {
         let bad: Vec<(f32, u32, u32)> = x
             .iter()
             .zip(got.iter().zip(&want))
-            .filter(|(_, (g, w))| g.to_bits() != **w)
+            // The algorithm is glibc's; another libm may differ from it in the last bit.
+            .filter(
+                |(_, (g, w))| if cfg!(target_env = "gnu") { g.to_bits() != **w } else { g.to_bits().abs_diff(**w) > 1 },
+            )
             .map(|(v, (g, w))| (*v, g.to_bits(), *w))
             .take(5)
             .collect();

@@ -19,6 +19,7 @@ pub mod engine;
 pub mod fetch;
 pub mod kv;
 pub mod model;
+mod parallel;
 pub mod sample;
 pub mod server;
 pub mod spec;

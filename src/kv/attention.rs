@@ -6,6 +6,7 @@
 
 use super::block_kernels as kernels;
 use super::pool::PoolStorage;
+use crate::parallel::SyncPtr;
 
 /// One sequence's part of a packed batch, as attention sees it.
 #[derive(Debug, Clone)]
@@ -96,16 +97,4 @@ pub fn paged_attention(
             }
         }
     });
-}
-
-/// The output pointer shared by the attention workers (each writes a disjoint range).
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: only used for disjoint writes, see `paged_attention`.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }

@@ -188,7 +188,7 @@ const Q4K_AMX_MIN_ROWS: usize = 32;
 /// every Q4_K matrix at one byte per weight (+1.4 GB for Qwen2.5-1.5B) for faster prefill.
 fn no_amx() -> bool {
     static NO_AMX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *NO_AMX.get_or_init(|| std::env::var("SPECULA_NO_AMX").is_ok_and(|v| !v.is_empty() && v != "0"))
+    *NO_AMX.get_or_init(|| super::env_flag("SPECULA_NO_AMX"))
 }
 
 /// Several projections of the same input run as one matmul (q/k/v, gate/up): one parallel

@@ -18,3 +18,8 @@ pub use hf::HfModelDir;
 pub use linear::{repacked_q8_available, Linear};
 pub use source::TensorSource;
 pub use transformer::Transformer;
+
+/// An on/off setting from the environment: set, non-empty and not "0".
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
+}

@@ -15,6 +15,8 @@ use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
+use crate::parallel::SyncPtr;
+
 const BLOCK: usize = 32;
 /// Output rows per weight tile: one 512-bit vector of i32 sums.
 const TILE_N: usize = 16;
@@ -25,7 +27,7 @@ const MAX_ROWS: usize = 8;
 pub fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        let off = std::env::var("SPECULA_NO_Q8_KERNEL").is_ok_and(|v| !v.is_empty() && v != "0");
+        let off = super::env_flag("SPECULA_NO_Q8_KERNEL");
         #[cfg(target_arch = "x86_64")]
         {
             !off && is_x86_feature_detected!("avx512f")
@@ -184,17 +186,6 @@ fn quantize_block_portable(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
         sum += *q as i32;
     }
     (d, sum)
-}
-
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: tiles write disjoint columns, see `PackedQ8::matmul`.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 #[cfg(target_arch = "x86_64")]

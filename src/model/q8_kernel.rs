@@ -193,6 +193,10 @@ mod avx512 {
     use super::{PackedQ8, QuantizedRows, BLOCK, TILE_N};
     use core::arch::x86_64::*;
 
+    /// How far ahead, in 16×32 weight blocks (8 KiB here), to ask for the weights.
+    /// 8–16 measured alike on this machine; 0 and 32 were slower.
+    const PREFETCH_BLOCKS: usize = 16;
+
     /// `rows` activation rows from `r0` against output tile `nt`, all of `k`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_rows<const ROWS: usize>(
@@ -208,6 +212,14 @@ mod avx512 {
         let mut acc = [_mm512_setzero_ps(); ROWS];
         for b in 0..kb_n {
             let w = qs.add(b * TILE_N * BLOCK);
+            // The hardware prefetcher alone does not keep up once several rows share a
+            // tile: without this, loading and computing took turns (8 rows: 1.5× slower).
+            // Past the end of this thread's tiles it only prefetches lines it will not use.
+            let ahead = w.wrapping_add(PREFETCH_BLOCKS * TILE_N * BLOCK);
+            for line in 0..TILE_N * BLOCK / 64 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64) as *const i8);
+            }
+            _mm_prefetch::<_MM_HINT_T0>(scales.wrapping_add((b + PREFETCH_BLOCKS) * TILE_N) as *const i8);
             let ws = _mm512_loadu_ps(scales.add(b * TILE_N));
             let wv: [__m512i; 8] = core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _));
             for (r, acc) in acc.iter_mut().enumerate() {

@@ -24,3 +24,4 @@ pub mod sample;
 pub mod server;
 pub mod spec;
 pub mod tokenize;
+mod vmath;

@@ -47,9 +47,9 @@ pub fn paged_attention(
         }
     }
 
-    // One work item per (row, kv head): each cached block is read once for all `group`
-    // query heads that share it (GQA). Each query head's arithmetic runs in the same order
-    // as it would alone, so results do not depend on the grouping.
+    // One work item per (row, kv head): each cached block is read, and widened from f16,
+    // once for all `group` query heads that share it (GQA). Each query head's arithmetic runs
+    // in the same order as it would alone, so results do not depend on the grouping.
     let n_kv = layout.n_kv_heads;
     let item_len = group * hd;
     assert_eq!(out.len(), rows * n_kv * item_len, "attention output shape");
@@ -77,10 +77,10 @@ pub fn paged_attention(
             for (bi, &block) in blocks.iter().enumerate().take(n_blocks) {
                 let n = (n_keys - bi * bs).min(bs);
                 let block_keys = keys.view(storage.head_offset(block, kv_head), n * hd);
-                for (g, q_head) in q_heads.chunks_exact(hd).enumerate() {
-                    let block_scores = &mut scores[g * n_keys + bi * bs..g * n_keys + bi * bs + n];
-                    kernels::block_scores(q_head, block_keys, scale, block_scores);
-                    max[g] = block_scores.iter().fold(max[g], |m, &s| m.max(s));
+                kernels::group_scores(q_heads, hd, block_keys, n, scale, &mut scores[bi * bs..], n_keys);
+                for (g, max) in max.iter_mut().enumerate() {
+                    let block_scores = &scores[g * n_keys + bi * bs..g * n_keys + bi * bs + n];
+                    *max = block_scores.iter().fold(*max, |m, &s| m.max(s));
                 }
             }
             for g in 0..group {
@@ -90,10 +90,7 @@ pub fn paged_attention(
             for (bi, &block) in blocks.iter().enumerate().take(n_blocks) {
                 let n = (n_keys - bi * bs).min(bs);
                 let block_values = values.view(storage.head_offset(block, kv_head), n * hd);
-                for (g, out_head) in out_heads.chunks_exact_mut(hd).enumerate() {
-                    let weights = &scores[g * n_keys + bi * bs..g * n_keys + bi * bs + n];
-                    kernels::block_accumulate(weights, inv[g], block_values, out_head);
-                }
+                kernels::group_accumulate(&scores[bi * bs..], n_keys, n, &inv, block_values, out_heads);
             }
         }
     });

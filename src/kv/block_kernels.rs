@@ -17,6 +17,19 @@ pub enum KvView<'a> {
     F32(&'a [f32]),
 }
 
+impl KvView<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            KvView::F16(x) => x.len(),
+            KvView::F32(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// `out[j] = scale * (q · key_j)` for the first `out.len()` keys of `keys` (each `q.len()` wide).
 pub fn block_scores(q: &[f32], keys: KvView<'_>, scale: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -49,6 +62,73 @@ pub fn block_accumulate(weights: &[f32], inv: f32, values: KvView<'_>, out: &mut
     accumulate_portable(weights, inv, values, out);
 }
 
+/// Scores of the query heads that share one KV head (GQA), `q_heads` holding them one after
+/// another: `out[g * stride + j] = scale * (q_g · key_j)` for the first `n` keys. Each head
+/// gets bit for bit what `block_scores` gives it alone; the AVX-512 path widens each key
+/// once for all the heads, two keys per register.
+pub fn group_scores(
+    q_heads: &[f32],
+    hd: usize,
+    keys: KvView<'_>,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let heads = q_heads.len() / hd;
+    assert!(heads == 0 || (heads - 1) * stride + n <= out.len(), "scores output too short");
+    #[cfg(target_arch = "x86_64")]
+    if hd % 8 == 0 && avx512_f16c() {
+        assert!(keys.len() >= n * hd, "block holds fewer keys than asked for");
+        for (c, q) in q_heads.chunks(GROUP_CHUNK * hd).enumerate() {
+            let out = &mut out[c * GROUP_CHUNK * stride..];
+            // SAFETY: the CPU has the features; bounds are asserted above.
+            unsafe {
+                match keys {
+                    KvView::F16(k) => x86::group_scores_f16(q, hd, k, n, scale, out, stride),
+                    KvView::F32(k) => x86::group_scores_f32(q, hd, k, n, scale, out, stride),
+                }
+            }
+        }
+        return;
+    }
+    for (g, q) in q_heads.chunks_exact(hd).enumerate() {
+        block_scores(q, keys, scale, &mut out[g * stride..g * stride + n]);
+    }
+}
+
+/// The weighted value sums of the heads that share one KV head: for each head `g`,
+/// `out[g*hd..][..hd] += Σ_j (weights[g * stride + j] * inv[g]) * value_j` over the first `n`
+/// values, in order. Bit for bit what `block_accumulate` gives each head alone; the AVX-512
+/// path widens each value once for all the heads.
+pub fn group_accumulate(weights: &[f32], stride: usize, n: usize, inv: &[f32], values: KvView<'_>, out: &mut [f32]) {
+    let heads = inv.len();
+    let hd = if heads == 0 { 0 } else { out.len() / heads };
+    assert!(heads == 0 || (heads - 1) * stride + n <= weights.len(), "weights too short");
+    #[cfg(target_arch = "x86_64")]
+    if hd % 16 == 0 && avx512_f16c() {
+        assert!(values.len() >= n * hd, "block holds fewer values than asked for");
+        for (c, (inv, out)) in inv.chunks(GROUP_CHUNK).zip(out.chunks_mut(GROUP_CHUNK * hd)).enumerate() {
+            let weights = &weights[c * GROUP_CHUNK * stride..];
+            // SAFETY: the CPU has the features; bounds are asserted above.
+            unsafe {
+                match values {
+                    KvView::F16(v) => x86::group_accumulate_f16(weights, stride, n, inv, v, out),
+                    KvView::F32(v) => x86::group_accumulate_f32(weights, stride, n, inv, v, out),
+                }
+            }
+        }
+        return;
+    }
+    for (g, out) in out.chunks_exact_mut(hd.max(1)).enumerate().take(heads) {
+        block_accumulate(&weights[g * stride..g * stride + n], inv[g], values, out);
+    }
+}
+
+/// Query heads handled together by the group kernels: their accumulators (4 registers a
+/// head) and the shared keys fit AVX-512's 32 registers. Larger groups go in chunks.
+const GROUP_CHUNK: usize = 4;
+
 /// `scores[i] = exp(scores[i] - max)`, returning their sum. The vector path evaluates
 /// glibc's `expf` algorithm (a 32-entry table of 2^(i/32) and a cubic in double precision)
 /// eight lanes at a time, so each value is what `f32::exp` returns on glibc, bit for bit
@@ -71,9 +151,12 @@ pub fn exp_shifted_sum(scores: &mut [f32], max: f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 fn avx512() -> bool {
-    use std::sync::OnceLock;
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    crate::vmath::exp8_available()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_f16c() -> bool {
+    avx512() && avx2_f16c()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -124,6 +207,7 @@ fn dot_portable<T>(a: &[f32], b: &[T], widen: impl Fn(&T) -> f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use crate::vmath::x86::Exp8;
     use core::arch::x86_64::*;
     use half::f16;
 
@@ -131,6 +215,10 @@ mod x86 {
     trait Lanes: Copy {
         unsafe fn load8(p: *const Self) -> __m256;
         fn widen(self) -> f32;
+        /// Eight elements from `a` in the low half, eight from `b` in the high half (AVX-512).
+        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512;
+        /// Sixteen elements (AVX-512).
+        unsafe fn load16(p: *const Self) -> __m512;
     }
 
     impl Lanes for f16 {
@@ -142,6 +230,17 @@ mod x86 {
         fn widen(self) -> f32 {
             self.to_f32()
         }
+        #[inline(always)]
+        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
+            unsafe {
+                let lo = _mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i));
+                _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(lo, _mm_loadu_si128(b as *const __m128i)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const Self) -> __m512 {
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+        }
     }
 
     impl Lanes for f32 {
@@ -152,6 +251,17 @@ mod x86 {
         #[inline(always)]
         fn widen(self) -> f32 {
             self
+        }
+        #[inline(always)]
+        unsafe fn load8x2(a: *const Self, b: *const Self) -> __m512 {
+            unsafe {
+                let lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+                _mm512_castpd_ps(_mm512_insertf64x4::<1>(lo, _mm256_castps_pd(_mm256_loadu_ps(b))))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const Self) -> __m512 {
+            unsafe { _mm512_loadu_ps(p) }
         }
     }
 
@@ -313,64 +423,223 @@ mod x86 {
         unsafe { accumulate(weights, inv, values, out) }
     }
 
-    /// glibc's `__exp2f_data`: `TABLE[i]` = bits of 2^(i/32) minus `i << 47`, so that adding
-    /// `k << 47` puts k/32's integer part into the exponent.
-    fn exp_table() -> &'static [u64; 32] {
-        use std::sync::OnceLock;
-        static TABLE: OnceLock<[u64; 32]> = OnceLock::new();
-        TABLE.get_or_init(|| std::array::from_fn(|i| (i as f64 / 32.0).exp2().to_bits() - ((i as u64) << 47)))
+    /// `group_scores` for up to four heads. Key pairs share a register (key `j` in the low
+    /// half, `j+1` in the high half), so every lane does what `scores`' eight-lane sums do, and
+    /// the halves are split back into the same per-key vectors before the same transpose.
+    #[inline(always)]
+    unsafe fn scores_group<const G: usize, T: Lanes>(
+        q: &[f32],
+        hd: usize,
+        keys: &[T],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        unsafe {
+            let scale8 = _mm256_set1_ps(scale);
+            let mut j = 0;
+            while j + 8 <= n {
+                let mut acc = [[_mm512_setzero_ps(); 4]; G];
+                let mut i = 0;
+                while i < hd {
+                    let qd: [__m512; G] = core::array::from_fn(|g| {
+                        _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(
+                            q.as_ptr().add(g * hd + i),
+                        ))))
+                    });
+                    for p in 0..4 {
+                        let k0 = keys.as_ptr().add((j + 2 * p) * hd + i);
+                        let kv = T::load8x2(k0, k0.add(hd));
+                        for g in 0..G {
+                            acc[g][p] = _mm512_add_ps(acc[g][p], _mm512_mul_ps(qd[g], kv));
+                        }
+                    }
+                    i += 8;
+                }
+                for (g, acc) in acc.iter().enumerate() {
+                    let per_key: [__m256; 8] = core::array::from_fn(|r| {
+                        let v = _mm512_castps_pd(acc[r / 2]);
+                        _mm256_castpd_ps(if r % 2 == 0 {
+                            _mm512_castpd512_pd256(v)
+                        } else {
+                            _mm512_extractf64x4_pd::<1>(v)
+                        })
+                    });
+                    let lanes = transpose8(per_key);
+                    let mut sum = lanes[0];
+                    for lane in &lanes[1..] {
+                        sum = _mm256_add_ps(sum, *lane);
+                    }
+                    _mm256_storeu_ps(out.as_mut_ptr().add(g * stride + j), _mm256_mul_ps(sum, scale8));
+                }
+                j += 8;
+            }
+            for g in 0..G {
+                for jj in j..n {
+                    out[g * stride + jj] = dot(&q[g * hd..(g + 1) * hd], &keys[jj * hd..(jj + 1) * hd]) * scale;
+                }
+            }
+        }
     }
-    const INV_LN2_32: f64 = 1.4426950408889634 * 32.0; // 0x1.71547652b82fep+0 · 32
-    const SHIFT: u64 = 0x4338_0000_0000_0000; // 0x1.8p+52: adding it rounds to an integer
-    const C0: u64 = 0x3FAC_6AF8_4B91_2394; // 0x1.c6af84b912394p-5, scaled by 32^-3 below
-    const C1: u64 = 0x3FCE_BFCE_50FA_C4F3; // 0x1.ebfce50fac4f3p-3, by 32^-2
-    const C2: u64 = 0x3FE6_2E42_FF0C_52D6; // 0x1.62e42ff0c52d6p-1, by 32^-1
+
+    #[inline(always)]
+    unsafe fn scores_group_any<T: Lanes>(
+        q: &[f32],
+        hd: usize,
+        keys: &[T],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        unsafe {
+            match q.len() / hd {
+                1 => scores_group::<1, T>(q, hd, keys, n, scale, out, stride),
+                2 => scores_group::<2, T>(q, hd, keys, n, scale, out, stride),
+                3 => scores_group::<3, T>(q, hd, keys, n, scale, out, stride),
+                _ => scores_group::<4, T>(q, hd, keys, n, scale, out, stride),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn group_scores_f16(
+        q: &[f32],
+        hd: usize,
+        keys: &[f16],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        unsafe { scores_group_any(q, hd, keys, n, scale, out, stride) }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn group_scores_f32(
+        q: &[f32],
+        hd: usize,
+        keys: &[f32],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        unsafe { scores_group_any(q, hd, keys, n, scale, out, stride) }
+    }
+
+    /// `group_accumulate` for up to four heads over `NV` × 16 output dims from `d0`: each
+    /// value slice is widened once and added into every head's registers, values in order
+    /// (each lane does what `accumulate` does).
+    #[inline(always)]
+    unsafe fn accumulate_group<const G: usize, const NV: usize, T: Lanes>(
+        weights: &[f32],
+        stride: usize,
+        n: usize,
+        inv: &[f32],
+        values: &[T],
+        hd: usize,
+        d0: usize,
+        out: &mut [f32],
+    ) {
+        unsafe {
+            let mut o = [[_mm512_setzero_ps(); NV]; G];
+            for (g, o) in o.iter_mut().enumerate() {
+                for (x, v) in o.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(out.as_ptr().add(g * hd + d0 + 16 * x));
+                }
+            }
+            for j in 0..n {
+                let v: [__m512; NV] = core::array::from_fn(|x| T::load16(values.as_ptr().add(j * hd + d0 + 16 * x)));
+                for (g, o) in o.iter_mut().enumerate() {
+                    let a = _mm512_set1_ps(*weights.get_unchecked(g * stride + j) * inv[g]);
+                    for (x, ov) in o.iter_mut().enumerate() {
+                        *ov = _mm512_add_ps(*ov, _mm512_mul_ps(a, v[x]));
+                    }
+                }
+            }
+            for (g, o) in o.iter().enumerate() {
+                for (x, v) in o.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + d0 + 16 * x), *v);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn accumulate_group_any<T: Lanes>(
+        weights: &[f32],
+        stride: usize,
+        n: usize,
+        inv: &[f32],
+        values: &[T],
+        out: &mut [f32],
+    ) {
+        let hd = out.len() / inv.len();
+        macro_rules! run {
+            ($g:literal) => {{
+                let mut d0 = 0;
+                while d0 + 64 <= hd {
+                    accumulate_group::<$g, 4, T>(weights, stride, n, inv, values, hd, d0, out);
+                    d0 += 64;
+                }
+                while d0 < hd {
+                    accumulate_group::<$g, 1, T>(weights, stride, n, inv, values, hd, d0, out);
+                    d0 += 16;
+                }
+            }};
+        }
+        unsafe {
+            match inv.len() {
+                1 => run!(1),
+                2 => run!(2),
+                3 => run!(3),
+                _ => run!(4),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn group_accumulate_f16(
+        weights: &[f32],
+        stride: usize,
+        n: usize,
+        inv: &[f32],
+        values: &[f16],
+        out: &mut [f32],
+    ) {
+        unsafe { accumulate_group_any(weights, stride, n, inv, values, out) }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn group_accumulate_f32(
+        weights: &[f32],
+        stride: usize,
+        n: usize,
+        inv: &[f32],
+        values: &[f32],
+        out: &mut [f32],
+    ) {
+        unsafe { accumulate_group_any(weights, stride, n, inv, values, out) }
+    }
 
     /// Whole groups of eight from the start; returns how many were done and their sum (eight
     /// lane sums, then added lane 0 to 7). A group with any |x| ≥ 88 or NaN stops it, and the
     /// caller's `f32::exp` takes over from there.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn exp_shifted_avx512(scores: &mut [f32], max: f32) -> (usize, f32) {
-        let table = exp_table();
-        let (t0, t1, t2, t3) = unsafe {
-            (
-                _mm512_loadu_si512(table.as_ptr() as *const _),
-                _mm512_loadu_si512(table.as_ptr().add(8) as *const _),
-                _mm512_loadu_si512(table.as_ptr().add(16) as *const _),
-                _mm512_loadu_si512(table.as_ptr().add(24) as *const _),
-            )
-        };
-        let inv_ln2 = _mm512_set1_pd(INV_LN2_32);
-        let shift = _mm512_set1_pd(f64::from_bits(SHIFT));
-        let c0 = _mm512_set1_pd(f64::from_bits(C0) / 32768.0);
-        let c1 = _mm512_set1_pd(f64::from_bits(C1) / 1024.0);
-        let c2 = _mm512_set1_pd(f64::from_bits(C2) / 32.0);
-        let one = _mm512_set1_pd(1.0);
-        let limit = _mm256_set1_ps(88.0);
+        let exp = unsafe { Exp8::new() };
         let vmax = _mm256_set1_ps(max);
         let mut lanes = _mm256_setzero_ps();
         let mut i = 0;
         while i + 8 <= scores.len() {
             let p = unsafe { scores.as_mut_ptr().add(i) };
             let x = _mm256_sub_ps(unsafe { _mm256_loadu_ps(p) }, vmax);
-            // glibc's special cases (|x| ≥ 88, NaN) are left to the scalar call.
-            let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
-            if _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(abs, limit)) != 0 {
+            if !Exp8::in_range(x) {
                 break;
             }
-            let z = _mm512_mul_pd(inv_ln2, _mm512_cvtps_pd(x));
-            let kd_shifted = _mm512_add_pd(z, shift);
-            let ki = _mm512_castpd_si512(kd_shifted);
-            let r = _mm512_sub_pd(z, _mm512_sub_pd(kd_shifted, shift));
-            let lo = _mm512_permutex2var_epi64(t0, ki, t1);
-            let hi = _mm512_permutex2var_epi64(t2, ki, t3);
-            let upper = _mm512_test_epi64_mask(ki, _mm512_set1_epi64(16));
-            let t = _mm512_add_epi64(_mm512_mask_blend_epi64(upper, lo, hi), _mm512_slli_epi64::<47>(ki));
-            let s = _mm512_castsi512_pd(t);
-            let zp = _mm512_fmadd_pd(c0, r, c1);
-            let r2 = _mm512_mul_pd(r, r);
-            let y = _mm512_fmadd_pd(zp, r2, _mm512_fmadd_pd(c2, r, one));
-            let e = _mm512_cvtpd_ps(_mm512_mul_pd(y, s));
+            let e = unsafe { exp.exp(x) };
             unsafe { _mm256_storeu_ps(p, e) };
             lanes = _mm256_add_ps(lanes, e);
             i += 8;
@@ -452,6 +721,48 @@ mod tests {
                     acc_want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                     "values, hd {hd}"
                 );
+            }
+        }
+    }
+
+    /// The GQA group kernels give every head bit for bit what the one-head kernels give it,
+    /// for group sizes below, at and above the chunk of four, full groups of eight keys and
+    /// tails, both cache types, and head sizes the vector path takes or leaves.
+    #[test]
+    fn group_kernels_equal_one_head_at_a_time_bitwise() {
+        for hd in [64usize, 128, 80, 48, 13] {
+            for heads in [1usize, 2, 3, 4, 5, 7] {
+                for n in [16usize, 13, 5] {
+                    let stride = n + 3;
+                    let q: Vec<f32> = (0..heads * hd).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.137).collect();
+                    let k32: Vec<f32> = (0..n * hd).map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.0913).collect();
+                    let k16: Vec<f16> = k32.iter().map(|&x| f16::from_f32(x)).collect();
+                    let inv: Vec<f32> = (0..heads).map(|g| 0.3 + g as f32 * 0.07).collect();
+                    for keys in [KvView::F32(&k32), KvView::F16(&k16)] {
+                        let mut got = vec![0f32; heads * stride];
+                        group_scores(&q, hd, keys, n, 0.125, &mut got, stride);
+                        let mut want = vec![0f32; heads * stride];
+                        for g in 0..heads {
+                            scores_portable(
+                                &q[g * hd..(g + 1) * hd],
+                                keys,
+                                0.125,
+                                &mut want[g * stride..g * stride + n],
+                            );
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "scores, hd {hd}, {heads} heads, {n} keys");
+
+                        let mut acc = vec![0.25f32; heads * hd];
+                        group_accumulate(&got, stride, n, &inv, keys, &mut acc);
+                        let mut acc_want = vec![0.25f32; heads * hd];
+                        for g in 0..heads {
+                            let w = &got[g * stride..g * stride + n];
+                            accumulate_portable(w, inv[g], keys, &mut acc_want[g * hd..(g + 1) * hd]);
+                        }
+                        assert_eq!(bits(&acc), bits(&acc_want), "values, hd {hd}, {heads} heads, {n} keys");
+                    }
+                }
             }
         }
     }

@@ -1,0 +1,92 @@
+//! Vector math shared by the model and attention: glibc's `expf`, eight lanes at a time,
+//! bit for bit. Softmax and SiLU both call `exp`, and both must round exactly as the scalar
+//! `f32::exp` does, or a 30-layer model turns last-bit differences into visible log-prob
+//! shifts (and single steps would stop matching verified blocks).
+
+/// Whether this CPU runs [`x86::Exp8`].
+pub(crate) fn exp8_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use core::arch::x86_64::*;
+
+    /// glibc's `__exp2f_data`: `TABLE[i]` = bits of 2^(i/32) minus `i << 47`, so that adding
+    /// `k << 47` puts k/32's integer part into the exponent.
+    fn exp_table() -> &'static [u64; 32] {
+        use std::sync::OnceLock;
+        static TABLE: OnceLock<[u64; 32]> = OnceLock::new();
+        TABLE.get_or_init(|| std::array::from_fn(|i| (i as f64 / 32.0).exp2().to_bits() - ((i as u64) << 47)))
+    }
+    const INV_LN2_32: f64 = 1.4426950408889634 * 32.0; // 0x1.71547652b82fep+0 · 32
+    const SHIFT: u64 = 0x4338_0000_0000_0000; // 0x1.8p+52: adding it rounds to an integer
+    const C0: u64 = 0x3FAC_6AF8_4B91_2394; // 0x1.c6af84b912394p-5, scaled by 32^-3 below
+    const C1: u64 = 0x3FCE_BFCE_50FA_C4F3; // 0x1.ebfce50fac4f3p-3, by 32^-2
+    const C2: u64 = 0x3FE6_2E42_FF0C_52D6; // 0x1.62e42ff0c52d6p-1, by 32^-1
+
+    /// glibc's `expf` algorithm (a 32-entry table of 2^(i/32) and a cubic in double
+    /// precision) on eight lanes. Only for inputs that pass [`Exp8::in_range`]: glibc's
+    /// special cases (|x| ≥ 88, NaN) are left to the scalar call. Callers must be compiled
+    /// with AVX-512F (the methods are inlined into them).
+    pub(crate) struct Exp8 {
+        t: [__m512i; 4],
+        inv_ln2: __m512d,
+        shift: __m512d,
+        c: [__m512d; 3],
+    }
+
+    impl Exp8 {
+        #[inline(always)]
+        pub(crate) unsafe fn new() -> Self {
+            let table = exp_table();
+            unsafe {
+                Self {
+                    t: core::array::from_fn(|i| _mm512_loadu_si512(table.as_ptr().add(8 * i) as *const _)),
+                    inv_ln2: _mm512_set1_pd(INV_LN2_32),
+                    shift: _mm512_set1_pd(f64::from_bits(SHIFT)),
+                    c: [
+                        _mm512_set1_pd(f64::from_bits(C0) / 32768.0),
+                        _mm512_set1_pd(f64::from_bits(C1) / 1024.0),
+                        _mm512_set1_pd(f64::from_bits(C2) / 32.0),
+                    ],
+                }
+            }
+        }
+
+        /// Every lane finite and below 88 in magnitude.
+        #[inline(always)]
+        pub(crate) fn in_range(x: __m256) -> bool {
+            unsafe {
+                let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
+                _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(abs, _mm256_set1_ps(88.0))) == 0
+            }
+        }
+
+        #[inline(always)]
+        pub(crate) unsafe fn exp(&self, x: __m256) -> __m256 {
+            unsafe {
+                let z = _mm512_mul_pd(self.inv_ln2, _mm512_cvtps_pd(x));
+                let kd_shifted = _mm512_add_pd(z, self.shift);
+                let ki = _mm512_castpd_si512(kd_shifted);
+                let r = _mm512_sub_pd(z, _mm512_sub_pd(kd_shifted, self.shift));
+                let lo = _mm512_permutex2var_epi64(self.t[0], ki, self.t[1]);
+                let hi = _mm512_permutex2var_epi64(self.t[2], ki, self.t[3]);
+                let upper = _mm512_test_epi64_mask(ki, _mm512_set1_epi64(16));
+                let t = _mm512_add_epi64(_mm512_mask_blend_epi64(upper, lo, hi), _mm512_slli_epi64::<47>(ki));
+                let s = _mm512_castsi512_pd(t);
+                let zp = _mm512_fmadd_pd(self.c[0], r, self.c[1]);
+                let r2 = _mm512_mul_pd(r, r);
+                let y = _mm512_fmadd_pd(zp, r2, _mm512_fmadd_pd(self.c[2], r, _mm512_set1_pd(1.0)));
+                _mm512_cvtpd_ps(_mm512_mul_pd(y, s))
+            }
+        }
+    }
+}

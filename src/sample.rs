@@ -206,16 +206,20 @@ impl rand::RngCore for SamplerRng {
 /// Index of the largest logit; ties → lowest id; NaN entries are skipped. Returns 0 for an empty
 /// or all-NaN slice.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in logits.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some((i, v));
+    // Two passes the compiler vectorises (the largest value, then where it first occurs)
+    // instead of one branchy scan: this runs on every row of every step, over the whole
+    // vocabulary. `f32::max` skips NaN, and if every entry is NaN nothing equals the max.
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = m.max(v);
         }
     }
-    best.map_or(0, |(i, _)| i as u32)
+    let max = rest.iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    logits.iter().position(|&v| v == max).map_or(0, |i| i as u32)
 }
 
 /// One token that survived the filters so far.
@@ -533,6 +537,42 @@ mod tests {
         assert_eq!(probabilities(&[1.0, 4.0, 4.0], &g), vec![0.0, 1.0, 0.0]);
         let (token, probs) = sample_with_probabilities(&[1.0, 4.0, 4.0], &g, &mut rng);
         assert_eq!((token, probs), (1, vec![0.0, 1.0, 0.0]));
+    }
+
+    /// The vectorised argmax against a plain scan, on vocabulary-sized rows: ties across
+    /// lanes and chunks go to the lowest id, NaN is skipped, all-NaN gives 0.
+    #[test]
+    fn argmax_equals_a_plain_scan() {
+        let scan = |xs: &[f32]| {
+            let mut best: Option<(usize, f32)> = None;
+            for (i, &v) in xs.iter().enumerate() {
+                if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+                    best = Some((i, v));
+                }
+            }
+            best.map_or(0, |(i, _)| i as u32)
+        };
+        let mut s = 5u64;
+        for len in [0usize, 1, 15, 16, 17, 49152, 151936 + 3] {
+            let mut xs: Vec<f32> = (0..len)
+                .map(|_| {
+                    s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((s >> 40) % 1000) as f32 / 100.0
+                })
+                .collect();
+            assert_eq!(argmax(&xs), scan(&xs), "len {len}");
+            if len > 40 {
+                xs[len / 3] = 50.0;
+                xs[len / 3 + 17] = 50.0;
+                xs[len - 1] = 50.0;
+                xs[2] = f32::NAN;
+                assert_eq!(argmax(&xs), (len / 3) as u32, "ties, len {len}");
+                xs.iter_mut().for_each(|x| *x = f32::NAN);
+                assert_eq!(argmax(&xs), 0, "all NaN, len {len}");
+                xs[len - 2] = f32::NEG_INFINITY;
+                assert_eq!(argmax(&xs), (len - 2) as u32, "one -inf among NaN, len {len}");
+            }
+        }
     }
 
     #[test]

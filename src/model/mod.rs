@@ -3,6 +3,7 @@
 
 mod batch;
 mod config;
+mod elementwise;
 mod gguf;
 mod hf;
 mod linear;

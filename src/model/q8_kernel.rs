@@ -103,7 +103,9 @@ impl PackedQ8 {
         let m = x.len() / self.k;
         assert_eq!(x.len(), m * self.k, "input is not whole rows");
         let acts = QuantizedRows::new(x, self.k);
-        let mut out = vec![0f32; m * self.n];
+        // Not zeroed first: every element is written by exactly one tile below (a zeroed
+        // 8 × 49152 logits buffer was a page-faulting memset on every step).
+        let mut out: Vec<f32> = Vec::with_capacity(m * self.n);
         let out_ptr = SyncPtr(out.as_mut_ptr());
         let n_tiles = self.n / TILE_N;
         candle_core::utils::barrier_pool().execute_chunked(n_tiles, |tiles| {
@@ -116,6 +118,8 @@ impl PackedQ8 {
                 }
             }
         });
+        // SAFETY: the tiles cover all n/16 column groups of all m rows.
+        unsafe { out.set_len(m * self.n) };
         out
     }
 
@@ -139,6 +143,9 @@ impl PackedQ8 {
     }
 }
 
+/// Activation blocks per work item when quantising.
+const QUANT_CHUNK: usize = 32;
+
 /// Activations quantised per 32 values: `q = round(x / d)`, `d = max|x| / 127`.
 struct QuantizedRows {
     q: Vec<i8>,
@@ -150,18 +157,28 @@ struct QuantizedRows {
 }
 
 impl QuantizedRows {
+    /// On all cores: for a few decode rows this was a serial stretch the other core spent
+    /// waiting through, in every matmul.
     fn new(x: &[f32], k: usize) -> Self {
         let blocks = x.len() / BLOCK;
         let mut q = vec![0i8; x.len()];
         let mut d = vec![0f32; blocks];
         let mut offset = vec![0i32; blocks];
-        for ((xs, qs), (d, offset)) in
-            x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).zip(d.iter_mut().zip(offset.iter_mut()))
-        {
-            let (scale, sum) = quantize_block(xs, qs);
-            *d = scale;
-            *offset = 128 * sum;
-        }
+        let (q_ptr, d_ptr, off_ptr) = (SyncPtr(q.as_mut_ptr()), SyncPtr(d.as_mut_ptr()), SyncPtr(offset.as_mut_ptr()));
+        candle_core::utils::barrier_pool().execute_chunked(blocks.div_ceil(QUANT_CHUNK), |chunks| {
+            let (q_ptr, d_ptr, off_ptr) = (q_ptr, d_ptr, off_ptr);
+            for c in chunks {
+                for b in c * QUANT_CHUNK..blocks.min((c + 1) * QUANT_CHUNK) {
+                    // SAFETY: chunks are disjoint block ranges inside the three buffers.
+                    let qs = unsafe { std::slice::from_raw_parts_mut(q_ptr.get().add(b * BLOCK), BLOCK) };
+                    let (scale, sum) = quantize_block(&x[b * BLOCK..(b + 1) * BLOCK], qs);
+                    unsafe {
+                        *d_ptr.get().add(b) = scale;
+                        *off_ptr.get().add(b) = 128 * sum;
+                    }
+                }
+            }
+        });
         Self { q, d, offset, k }
     }
 }

@@ -277,7 +277,7 @@ impl Transformer {
 
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
             let gate_up = layer.gate_up.forward(&h)?;
-            let gated = (gate_up[0].silu()? * &gate_up[1])?;
+            let gated = super::elementwise::silu_mul(&gate_up[0], &gate_up[1])?;
             x = (x + layer.down.forward(&gated)?)?;
 
             for (slot, &tl) in taps.iter_mut().zip(&batch.tap_layers) {

@@ -54,8 +54,9 @@ pub struct PackedQ8 {
     /// `[n/16][k/32][8 groups of 4 inputs][16 rows][4]`, each weight + 128 as u8, because
     /// `vpdpbusd` multiplies unsigned by signed bytes.
     qs: Vec<u8>,
-    /// `[n/16][k/32][16]` block scales.
-    scales: Vec<f32>,
+    /// `[n/16][k/32][16]` block scales, as stored in the file: f16 keeps the bytes streamed
+    /// per step down (decode is bound by reading the weights), and widening is exact.
+    scales: Vec<f16>,
 }
 
 /// GGML's Q8_0 block: an f16 scale and 32 signed bytes.
@@ -78,13 +79,13 @@ impl PackedQ8 {
             bail!("Q8_0 tensor of {n}×{k} has {} bytes", data.len());
         }
         let mut qs = vec![0u8; n * k];
-        let mut scales = vec![0f32; n * kb];
+        let mut scales = vec![f16::ZERO; n * kb];
         for row in 0..n {
             let (nt, lane) = (row / TILE_N, row % TILE_N);
             for b in 0..kb {
                 let block = &data[(row * kb + b) * Q8_0_BYTES..][..Q8_0_BYTES];
                 let tile = (nt * kb + b) * TILE_N * BLOCK;
-                scales[(nt * kb + b) * TILE_N + lane] = f16::from_le_bytes([block[0], block[1]]).to_f32();
+                scales[(nt * kb + b) * TILE_N + lane] = f16::from_le_bytes([block[0], block[1]]);
                 for (i, &w) in block[2..].iter().enumerate() {
                     let (group, byte) = (i / 4, i % 4);
                     qs[tile + (group * TILE_N + lane) * 4 + byte] = (w as i8 as i16 + 128) as u8;
@@ -237,7 +238,7 @@ mod avx512 {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64) as *const i8);
             }
             _mm_prefetch::<_MM_HINT_T0>(scales.wrapping_add((b + PREFETCH_BLOCKS) * TILE_N) as *const i8);
-            let ws = _mm512_loadu_ps(scales.add(b * TILE_N));
+            let ws = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(b * TILE_N) as *const __m256i));
             let wv: [__m512i; 8] = core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let row = r0 + r;
@@ -299,7 +300,7 @@ fn matmul_portable(p: &PackedQ8, x: &[f32]) -> Vec<f32> {
                     let w = p.qs[tile + (i / 4 * TILE_N + lane) * 4 + i % 4] as i32;
                     isum += w * q[b * BLOCK + i] as i32;
                 }
-                let scale = p.scales[(nt * kb_n + b) * TILE_N + lane] * d;
+                let scale = p.scales[(nt * kb_n + b) * TILE_N + lane].to_f32() * d;
                 acc = (isum as f32).mul_add(scale, acc);
             }
             out[r * n + col] = acc;

@@ -46,9 +46,16 @@ fn reference_cases(file: &str) -> Vec<Case> {
         .collect()
 }
 
+/// How far apart two candidates may be and still count as a near-tie, where a different greedy
+/// pick is legitimate. 0.1 nats: llama.cpp itself, built from source on this machine (same
+/// commit month as the reference, AVX-512 kernels), picks differently from the reference at a
+/// 0.089-nat gap (qwen2.5-coder-0.5b, "The capital of France is", step 11; docs/performance.md,
+/// "Two builds of llama.cpp itself"). A tighter bound would fail llama.cpp's own build.
+const NEAR_TIE_NATS: f32 = 0.1;
+
 /// Teacher-forced comparison: one forward over prompt + llama.cpp's 24 tokens, logits for every
-/// row. At each step our argmax must be llama.cpp's token unless its top two were within
-/// 0.05 nats, and our log-prob of llama.cpp's token must be within 0.05 of theirs.
+/// row. At each step our argmax must be llama.cpp's token unless the two were within
+/// [`NEAR_TIE_NATS`]; the log-prob differences are bounded on average and per step below.
 fn check_model(key_or_path: &str, reference_file: &str, weights: WeightFormat) {
     let path = specula::fetch::resolve_model(key_or_path, false).unwrap();
     let loaded = LoadedModel::load(&path, Some(weights), &candle_core::Device::Cpu).unwrap();
@@ -67,10 +74,10 @@ fn check_model(key_or_path: &str, reference_file: &str, weights: WeightFormat) {
             let lp = log_softmax(&rows[prompt.len() - 1 + i]);
             let ours_top = specula::sample::argmax(&lp);
             let theirs = step.top[0].1;
-            // A different pick is legitimate when the two candidates are within 0.05 nats,
+            // A different pick is legitimate when the two candidates are within a near-tie,
             // by llama.cpp's numbers or by ours.
-            let near_tie = (step.top.len() > 1 && (step.top[0].1 - step.top[1].1) < 0.05)
-                || (lp[ours_top as usize] - lp[step.token as usize]) < 0.05;
+            let near_tie = (step.top.len() > 1 && (step.top[0].1 - step.top[1].1) < NEAR_TIE_NATS)
+                || (lp[ours_top as usize] - lp[step.token as usize]) < NEAR_TIE_NATS;
             let diff = (lp[step.token as usize] - theirs).abs();
             if std::env::var("SPECULA_PARITY_VERBOSE").is_ok() {
                 eprintln!(

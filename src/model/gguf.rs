@@ -42,15 +42,21 @@ impl WeightFormat {
     }
 
     /// The default for a file, chosen by measurement (docs/performance.md): keep the file's
-    /// types where candle has fast kernels for them; otherwise convert to Q8_0, which runs on
-    /// our own kernel (or, on CPUs without AVX-512 VNNI, is padded onto candle's repacked
-    /// one; see [`super::linear`]). Q4_1/Q5_0/Q5_1 run scalar in candle, and any width that
-    /// is not a multiple of 256 misses its repacked kernels.
+    /// types where there are fast kernels for them (ours for Q8_0 and Q4_1 on CPUs with
+    /// AVX-512 VNNI, candle's repacked ones for widths that are multiples of 256); otherwise
+    /// convert to Q8_0, which runs on our kernel (or, without AVX-512 VNNI, is padded onto
+    /// candle's repacked one; see [`super::linear`]). Q4_0/Q4_1/Q5_0/Q5_1 run scalar in
+    /// candle, and any width that is not a multiple of 256 misses its repacked kernels.
     pub fn default_for(file: &GgufFile) -> Self {
         let slow = file.content.tensor_infos.iter().filter(|(name, _)| name.starts_with("blk.")).any(|(_, t)| {
-            let k = t.shape.dims().last().copied().unwrap_or(0);
-            matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q4_0)
-                || (t.shape.rank() == 2 && k % 256 != 0 && super::linear::repacked_q8_available())
+            let dims = t.shape.dims();
+            let k = dims.last().copied().unwrap_or(0);
+            let ours = t.shape.rank() == 2
+                && super::vnni_matmul::available()
+                && super::vnni_matmul::supports(t.ggml_dtype, dims[0], k);
+            !ours
+                && (matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q4_0)
+                    || (t.shape.rank() == 2 && k % 256 != 0 && super::linear::repacked_q8_available()))
         });
         if slow {
             Self::Q8_0

@@ -1,5 +1,6 @@
-//! Matmul weights in the chosen format: `q8_0` on our own kernel (`q8_kernel`) where the CPU
-//! has AVX-512 VNNI, everything else on candle's, padded where that unlocks its fast kernels.
+//! Matmul weights in the chosen format: Q8_0 and Q4_1 on our own kernels (`vnni_matmul`)
+//! where the CPU has AVX-512 VNNI, everything else on candle's, padded where that unlocks its
+//! fast kernels.
 //!
 //! candle 0.11.1's repacked x86 kernels (one weight read for up to 16 activation rows, VNNI
 //! dot products) apply to Q8_0/Q4_K/Q6_K only when the input width is a multiple of 256.
@@ -8,8 +9,8 @@
 //! (docs/performance.md).
 
 use super::gguf::WeightFormat;
-use super::q8_kernel::{self, PackedQ8};
 use super::source::TensorSource;
+use super::vnni_matmul::{self, PackedMatrix};
 use anyhow::{Context, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -34,8 +35,8 @@ pub fn repacked_q8_available() -> bool {
 #[derive(Clone)]
 enum Weight {
     Candle(QMatMul),
-    /// Q8_0 on our own kernel (`q8_kernel`), where the CPU has it.
-    PackedQ8(Arc<PackedQ8>),
+    /// Q8_0 or Q4_1 on our own kernels (`vnni_matmul`), where the CPU has them.
+    Vnni(Arc<PackedMatrix>),
 }
 
 #[derive(Clone)]
@@ -77,22 +78,17 @@ impl Linear {
             WeightFormat::Q4_0 => Some(GgmlDType::Q4_0),
         };
         let out_features = q.shape().dims2()?.0;
-        // Only for `--weights q8_0` (the default where the file's types are slow in candle):
-        // `native` keeps candle's kernels for the file's own types, the configuration that
-        // is checked against llama.cpp's reference. Both compute the same products, but in
-        // a different float order, and a greedy pick at a 0.09-nat gap can follow that.
-        if target == Some(GgmlDType::Q8_0)
-            && device.is_cpu()
-            && q8_kernel::available()
-            && q8_kernel::fits(out_features, in_features)
-        {
-            let q8 = if q.dtype() == GgmlDType::Q8_0 {
+        // The file's own Q8_0/Q4_1 tensors (`native`), or anything converted to Q8_0, run on
+        // our kernels where the CPU has them.
+        let final_type = target.unwrap_or(q.dtype());
+        if device.is_cpu() && vnni_matmul::available() && vnni_matmul::supports(final_type, out_features, in_features) {
+            let converted = if final_type == q.dtype() {
                 q.clone()
             } else {
-                Arc::new(QTensor::quantize(&q.dequantize(device)?, GgmlDType::Q8_0)?)
+                Arc::new(QTensor::quantize(&q.dequantize(device)?, final_type)?)
             };
-            if let Some(packed) = PackedQ8::from_qtensor(&q8)? {
-                return Ok(Self { weight: Weight::PackedQ8(Arc::new(packed)), bias, in_features, padded_in: None });
+            if let Some(packed) = PackedMatrix::from_qtensor(&converted)? {
+                return Ok(Self { weight: Weight::Vnni(Arc::new(packed)), bias, in_features, padded_in: None });
             }
         }
         let pad = target == Some(GgmlDType::Q8_0)
@@ -120,7 +116,7 @@ impl Linear {
         match &self.weight {
             Weight::Candle(QMatMul::QTensor(q)) => q.shape().dims()[0],
             Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.dims()[0],
-            Weight::PackedQ8(p) => p.out_features(),
+            Weight::Vnni(p) => p.out_features(),
         }
     }
 
@@ -132,7 +128,7 @@ impl Linear {
     /// whatever the number of rows (see [`row_invariant_matmul`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match (&self.weight, self.padded_in) {
-            (Weight::PackedQ8(p), _) => {
+            (Weight::Vnni(p), _) => {
                 let rows = x.dim(0)?;
                 let input = x.flatten_all()?.to_vec1::<f32>()?;
                 Tensor::from_vec(p.matmul(&input), (rows, p.out_features()), x.device())?

@@ -7,10 +7,10 @@ mod elementwise;
 mod gguf;
 mod hf;
 mod linear;
-mod q8_kernel;
 mod rope;
 mod source;
 mod transformer;
+mod vnni_matmul;
 
 pub use batch::{ForwardBatch, ForwardOutput, LogitsRows, SeqInput};
 pub use config::{Arch, ModelConfig, RopeStyle};

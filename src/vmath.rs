@@ -26,7 +26,7 @@ pub(crate) mod x86 {
         static TABLE: OnceLock<[u64; 32]> = OnceLock::new();
         TABLE.get_or_init(|| std::array::from_fn(|i| (i as f64 / 32.0).exp2().to_bits() - ((i as u64) << 47)))
     }
-    const INV_LN2_32: f64 = 1.4426950408889634 * 32.0; // 0x1.71547652b82fep+0 · 32
+    const INV_LN2_32: f64 = std::f64::consts::LOG2_E * 32.0; // 0x1.71547652b82fep+0 · 32
     const SHIFT: u64 = 0x4338_0000_0000_0000; // 0x1.8p+52: adding it rounds to an integer
     const C0: u64 = 0x3FAC_6AF8_4B91_2394; // 0x1.c6af84b912394p-5, scaled by 32^-3 below
     const C1: u64 = 0x3FCE_BFCE_50FA_C4F3; // 0x1.ebfce50fac4f3p-3, by 32^-2

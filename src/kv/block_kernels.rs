@@ -78,7 +78,7 @@ pub fn group_scores(
     let heads = q_heads.len() / hd;
     assert!(heads == 0 || (heads - 1) * stride + n <= out.len(), "scores output too short");
     #[cfg(target_arch = "x86_64")]
-    if hd % 8 == 0 && avx512_f16c() {
+    if hd.is_multiple_of(8) && avx512_f16c() {
         assert!(keys.len() >= n * hd, "block holds fewer keys than asked for");
         for (c, q) in q_heads.chunks(GROUP_CHUNK * hd).enumerate() {
             let out = &mut out[c * GROUP_CHUNK * stride..];
@@ -103,10 +103,10 @@ pub fn group_scores(
 /// path widens each value once for all the heads.
 pub fn group_accumulate(weights: &[f32], stride: usize, n: usize, inv: &[f32], values: KvView<'_>, out: &mut [f32]) {
     let heads = inv.len();
-    let hd = if heads == 0 { 0 } else { out.len() / heads };
+    let hd = out.len().checked_div(heads).unwrap_or(0);
     assert!(heads == 0 || (heads - 1) * stride + n <= weights.len(), "weights too short");
     #[cfg(target_arch = "x86_64")]
-    if hd % 16 == 0 && avx512_f16c() {
+    if hd.is_multiple_of(16) && avx512_f16c() {
         assert!(values.len() >= n * hd, "block holds fewer values than asked for");
         for (c, (inv, out)) in inv.chunks(GROUP_CHUNK).zip(out.chunks_mut(GROUP_CHUNK * hd)).enumerate() {
             let weights = &weights[c * GROUP_CHUNK * stride..];

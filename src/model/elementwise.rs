@@ -49,6 +49,8 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let out_ptr = SyncPtr(out.as_mut_ptr());
     let chunks_per_row = width.div_ceil(CHUNK);
     candle_core::utils::barrier_pool().execute_chunked(rows * chunks_per_row, |items| {
+        // Captures the whole `SyncPtr` (a closure would otherwise capture its raw field).
+        #[allow(clippy::redundant_locals)]
         let out_ptr = out_ptr;
         for item in items {
             let (row, c) = (item / chunks_per_row, item % chunks_per_row);

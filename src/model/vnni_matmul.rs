@@ -50,7 +50,11 @@ pub fn available() -> bool {
 
 /// Whether a `[n, k]` matrix of this type has a kernel here (CPU aside).
 pub fn supports(dtype: GgmlDType, n: usize, k: usize) -> bool {
-    matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_1) && n > 0 && k > 0 && n % TILE_N == 0 && k % BLOCK == 0
+    matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_1)
+        && n > 0
+        && k > 0
+        && n.is_multiple_of(TILE_N)
+        && k.is_multiple_of(BLOCK)
 }
 
 /// A Q8_0 or Q4_1 matrix rearranged into tiles of 16 output rows × 32 inputs.
@@ -140,6 +144,8 @@ impl PackedMatrix {
         let mut out: Vec<f32> = Vec::with_capacity(m * self.n);
         let out_ptr = SyncPtr(out.as_mut_ptr());
         candle_core::utils::barrier_pool().execute_chunked(self.n / TILE_N, |tiles| {
+            // Captures the whole `SyncPtr` (a closure would otherwise capture its raw field).
+            #[allow(clippy::redundant_locals)]
             let out_ptr = out_ptr;
             for nt in tiles {
                 for r0 in (0..m).step_by(MAX_ROWS) {

@@ -1,5 +1,5 @@
 //! The HTTP server end to end on the real SmolLM2-135M: greedy outputs equal `specula generate`
-//! (alone, 8 at once, with speculation, under preemption), stop sequences, seeds, usage,
+//! (alone, 8 at once, with speculation, with and without prefix caching, under preemption), stop sequences, seeds, usage,
 //! every bad input, the queue limit, auth, cancellation on disconnect, graceful shutdown.
 
 mod server_support;
@@ -98,6 +98,16 @@ fn greedy_outputs_equal_generate_with_and_without_speculation() {
         assert!(results.iter().all(|r| r.sources().iter().all(|s| s == "target")), "no drafter, no draft tokens");
         let metrics = server.get("/metrics").text();
         assert!(metrics.contains("specula_draft_tokens_total 0\n"), "{metrics}");
+        // The chat prompts share the template's system-prompt block: later ones attach it
+        // from the prefix cache, and their outputs above are still exactly generate's.
+        assert!(!metrics.contains("specula_prefix_cache_hit_tokens_total 0\n"), "{metrics}");
+    }
+    {
+        let server =
+            start(EngineConfig { prefix_caching: false, ..EngineConfig::default() }, ServerConfig::new(MODEL_ID));
+        check_greedy_equality(&server, &refs);
+        let metrics = server.get("/metrics").text();
+        assert!(metrics.contains("specula_prefix_cache_hit_tokens_total 0\n"), "{metrics}");
     }
     let server = start(ngram_engine(), ServerConfig::new(MODEL_ID));
     let results = check_greedy_equality(&server, &refs);

@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// Longest draft per sequence and step.
     #[arg(long, default_value_t = 8)]
     max_draft: usize,
+    /// Do not reuse the K/V of prompt prefixes shared between requests (prefix caching is
+    /// on by default; outputs are the same either way).
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// Require `Authorization: Bearer KEY` on /v1 routes.
     #[arg(long)]
     api_key: Option<String>,
@@ -64,6 +68,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         drafter,
         max_draft: args.max_draft,
         step_cost: None,
+        prefix_caching: !args.no_prefix_cache,
     };
     let engine = Arc::new(Engine::start(loaded, config)?);
     let server_config = ServerConfig {

@@ -44,6 +44,9 @@ pub struct EngineConfig {
     pub max_draft: usize,
     /// Step-cost curve for the draft budget; None = measured at start (with a drafter).
     pub step_cost: Option<StepCostModel>,
+    /// Reuse the K/V of full prompt blocks already computed for an earlier request with the
+    /// same leading tokens (vLLM's automatic prefix caching). Outputs are unchanged.
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +60,7 @@ impl Default for EngineConfig {
             drafter: None,
             max_draft: 8,
             step_cost: None,
+            prefix_caching: true,
         }
     }
 }
@@ -69,6 +73,8 @@ pub struct EngineSnapshot {
     pub running: usize,
     pub kv_total_blocks: usize,
     pub kv_free_blocks: usize,
+    /// Blocks holding a published prompt prefix (held by a request or kept for reuse).
+    pub kv_cached_blocks: usize,
     pub kv_block_size: usize,
     /// Forward steps run.
     pub steps: u64,
@@ -76,6 +82,8 @@ pub struct EngineSnapshot {
     pub rows: u64,
     /// Prompt (and recomputed) tokens prefilled.
     pub prefill_tokens: u64,
+    /// Prompt tokens whose K/V came from the prefix cache instead of a prefill.
+    pub prefix_cache_hit_tokens: u64,
     /// Tokens committed to requests.
     pub generated_tokens: u64,
     /// Decode (verification) steps summed over sequences.
@@ -163,6 +171,7 @@ impl Engine {
             curve,
             drafter: config.drafter.clone(),
             max_draft: config.max_draft,
+            prefix_caching: config.prefix_caching,
             totals: EngineSnapshot::default(),
             fleet: FleetAcceptance::default(),
         };
@@ -326,6 +335,7 @@ struct Worker {
     curve: Vec<f64>,
     drafter: Option<DrafterSpec>,
     max_draft: usize,
+    prefix_caching: bool,
     stop_ids: Vec<u32>,
     totals: EngineSnapshot,
     /// Acceptance seen across all requests: the prior for each request's own estimate.
@@ -436,7 +446,14 @@ impl Worker {
         let policy = proposer.as_ref().map(|_| AdaptiveState::new(self.max_draft, self.curve.clone()));
         let text = TextStream::new(req.params.stop_strings.clone());
         let ignore_eos = req.ignore_eos;
-        let seq = Sequence::new(&req.prompt, self.pool.new_sequence(), req.params);
+        let mut cache = self.pool.new_sequence();
+        // Proposers that read the target's hidden states (EAGLE-3, DFlash) need every prompt
+        // position computed, so they prefill everything.
+        let needs_taps = proposer.as_ref().is_some_and(|p| !p.tap_layers().is_empty());
+        if self.prefix_caching && !needs_taps {
+            self.totals.prefix_cache_hit_tokens += cache.attach_prefix(&req.prompt) as u64;
+        }
+        let seq = Sequence::new(&req.prompt, cache, req.params);
         self.sched.waiting.push_back(Active {
             seq,
             pool: self.pool.clone(),
@@ -484,6 +501,7 @@ impl Worker {
         s.running = self.sched.running.len();
         s.kv_total_blocks = stats.total_blocks;
         s.kv_free_blocks = stats.free_blocks;
+        s.kv_cached_blocks = stats.cached_blocks;
         s.kv_block_size = stats.block_size;
         *self.shared.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
@@ -705,6 +723,9 @@ impl Worker {
                 })
                 .collect()
         };
+        if self.prefix_caching && matches!(slot.kind, SlotKind::Prefill { .. }) {
+            a.seq.cache.publish_prefix(&a.seq.tokens[..a.seq.prompt_len]);
+        }
         if let SlotKind::Prefill { last: false } = slot.kind {
             self.totals.prefill_tokens += slot.rows as u64;
             let taps = taps_for(a, slot.rows)?;

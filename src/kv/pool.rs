@@ -1,7 +1,13 @@
-//! Block pool and per-sequence block tables.
+//! Block pool and per-sequence block tables, with prefix caching: full blocks of prompt
+//! tokens are published under a hash of their whole prefix, and a later sequence whose prompt
+//! starts the same way attaches them instead of recomputing them (vLLM's automatic prefix
+//! caching). The forward is row-invariant, so attached K/V are bit for bit what recomputing
+//! would write, and outputs do not change.
 
 use super::block_kernels::KvView;
 use half::{f16, slice::HalfFloatSliceExt};
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Shape of the cache: identical for every layer of one model.
@@ -102,8 +108,46 @@ pub struct PoolStorage {
     pub layout: KvLayout,
     pub k: Vec<KvBuffer>,
     pub v: Vec<KvBuffer>,
+    /// Blocks nobody holds and nobody published.
     free: Vec<u32>,
     n_blocks: usize,
+    prefix: PrefixIndex,
+}
+
+/// Which blocks hold a published prompt prefix, and who holds each block.
+struct PrefixIndex {
+    /// Sequences holding each block.
+    refs: Vec<u32>,
+    /// Published blocks: their prefix key and their own tokens (checked on every match, so a
+    /// hash collision can only cost a cache miss, never wrong K/V).
+    published: Vec<Option<(u64, Box<[u32]>)>>,
+    by_key: HashMap<u64, u32>,
+    /// Published blocks nobody holds, oldest release first: reused last, evicted in this order.
+    evictable: BTreeMap<u64, u32>,
+    released_at: Vec<u64>,
+    clock: u64,
+}
+
+impl PrefixIndex {
+    fn new(n_blocks: usize) -> Self {
+        Self {
+            refs: vec![0; n_blocks],
+            published: vec![None; n_blocks],
+            by_key: HashMap::new(),
+            evictable: BTreeMap::new(),
+            released_at: vec![0; n_blocks],
+            clock: 0,
+        }
+    }
+}
+
+/// The key of a block of tokens that follows the prefix whose key is `parent` (0 at the start).
+fn prefix_key(parent: u64, tokens: &[u32]) -> u64 {
+    // SipHash with fixed keys: the same on every run, which keeps behaviour reproducible.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
 }
 
 impl PoolStorage {
@@ -113,6 +157,53 @@ impl PoolStorage {
     pub fn head_offset(&self, block: u32, kv_head: usize) -> usize {
         let l = &self.layout;
         ((block as usize * l.n_kv_heads + kv_head) * l.block_size) * l.head_dim
+    }
+
+    /// Blocks a sequence can still get: free ones, and published ones nobody holds (evicted
+    /// on demand).
+    fn available(&self) -> usize {
+        self.free.len() + self.prefix.evictable.len()
+    }
+
+    /// A block for one sequence: a free one, or else the least recently released published one.
+    fn take_block(&mut self) -> Option<u32> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => {
+                let (_, b) = self.prefix.evictable.pop_first()?;
+                if let Some((key, _)) = self.prefix.published[b as usize].take() {
+                    self.prefix.by_key.remove(&key);
+                }
+                b
+            }
+        };
+        self.prefix.refs[b as usize] = 1;
+        Some(b)
+    }
+
+    /// One holder lets go of `b`.
+    fn release(&mut self, b: u32) {
+        let i = b as usize;
+        self.prefix.refs[i] = self.prefix.refs[i].saturating_sub(1);
+        if self.prefix.refs[i] > 0 {
+            return;
+        }
+        if self.prefix.published[i].is_some() {
+            self.prefix.clock += 1;
+            self.prefix.released_at[i] = self.prefix.clock;
+            self.prefix.evictable.insert(self.prefix.clock, b);
+        } else {
+            self.free.push(b);
+        }
+    }
+
+    /// One more holder for a published block.
+    fn hold(&mut self, b: u32) {
+        let i = b as usize;
+        if self.prefix.refs[i] == 0 {
+            self.prefix.evictable.remove(&self.prefix.released_at[i]);
+        }
+        self.prefix.refs[i] += 1;
     }
 
     /// Stores one token's K and V (`[kv heads][head dim]` each) at `pos` of a sequence whose
@@ -132,7 +223,11 @@ impl PoolStorage {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvPoolStats {
     pub total_blocks: usize,
+    /// Blocks a sequence can get: free, or holding a published prefix nobody uses (reused
+    /// last, evicted on demand).
     pub free_blocks: usize,
+    /// Published prefix blocks, held or not.
+    pub cached_blocks: usize,
     pub block_size: usize,
 }
 
@@ -155,6 +250,7 @@ impl KvPool {
             // Pop from the end: hand out low block ids first.
             free: (0..n_blocks as u32).rev().collect(),
             n_blocks,
+            prefix: PrefixIndex::new(n_blocks),
         };
         Self { inner: Arc::new(Mutex::new(storage)) }
     }
@@ -165,12 +261,17 @@ impl KvPool {
 
     pub fn stats(&self) -> KvPoolStats {
         let s = self.lock();
-        KvPoolStats { total_blocks: s.n_blocks, free_blocks: s.free.len(), block_size: s.layout.block_size }
+        KvPoolStats {
+            total_blocks: s.n_blocks,
+            free_blocks: s.available(),
+            cached_blocks: s.prefix.by_key.len(),
+            block_size: s.layout.block_size,
+        }
     }
 
     /// A new, empty sequence cache drawing from this pool.
     pub fn new_sequence(&self) -> SeqCache {
-        SeqCache { pool: self.clone(), blocks: Vec::new(), len: 0 }
+        SeqCache { pool: self.clone(), blocks: Vec::new(), len: 0, keys: Vec::new() }
     }
 
     /// Locks the storage for a forward pass. A poisoned lock means a forward panicked midway;
@@ -190,6 +291,9 @@ pub struct SeqCache {
     pool: KvPool,
     blocks: Vec<u32>,
     len: usize,
+    /// Prefix keys of the leading full prompt blocks seen so far (attached, or offered for
+    /// publishing), one per block.
+    keys: Vec<u64>,
 }
 
 impl SeqCache {
@@ -219,16 +323,64 @@ impl SeqCache {
     pub fn reserve_locked(&mut self, storage: &mut PoolStorage, total_len: usize) -> Result<(), PoolExhausted> {
         let bs = storage.layout.block_size;
         let needed = total_len.div_ceil(bs).saturating_sub(self.blocks.len());
-        if needed > storage.free.len() {
-            return Err(PoolExhausted { needed, free: storage.free.len(), total: storage.n_blocks, block_size: bs });
+        if needed > storage.available() {
+            return Err(PoolExhausted { needed, free: storage.available(), total: storage.n_blocks, block_size: bs });
         }
         for _ in 0..needed {
             // Cannot fail: checked above.
-            if let Some(b) = storage.free.pop() {
+            if let Some(b) = storage.take_block() {
                 self.blocks.push(b);
             }
         }
         Ok(())
+    }
+
+    /// For a new, empty sequence about to prefill `prompt`: attaches the longest run of
+    /// published blocks that match its leading full blocks, and returns how many tokens they
+    /// cover (their K/V need no computing). The last prompt token is never covered, so the
+    /// prefill still produces the logits for the first generated token.
+    pub fn attach_prefix(&mut self, prompt: &[u32]) -> usize {
+        if !self.blocks.is_empty() || self.len > 0 {
+            return 0;
+        }
+        let pool = self.pool.clone();
+        let mut storage = pool.lock();
+        let bs = storage.layout.block_size;
+        let mut key = 0;
+        for block_tokens in prompt[..prompt.len().saturating_sub(1)].chunks_exact(bs) {
+            key = prefix_key(key, block_tokens);
+            let Some(&b) = storage.prefix.by_key.get(&key) else { break };
+            match &storage.prefix.published[b as usize] {
+                Some((k, tokens)) if *k == key && **tokens == *block_tokens => {}
+                _ => break,
+            }
+            storage.hold(b);
+            self.blocks.push(b);
+            self.keys.push(key);
+        }
+        self.len = self.blocks.len() * bs;
+        self.len
+    }
+
+    /// Publishes the full blocks of `prompt` this sequence has computed (its K/V are stored),
+    /// so later sequences can attach them. A block whose prefix is already published by
+    /// another block stays private to this sequence.
+    pub fn publish_prefix(&mut self, prompt: &[u32]) {
+        let pool = self.pool.clone();
+        let mut storage = pool.lock();
+        let bs = storage.layout.block_size;
+        let full = self.len.min(prompt.len()) / bs;
+        while self.keys.len() < full {
+            let i = self.keys.len();
+            let tokens = &prompt[i * bs..(i + 1) * bs];
+            let key = prefix_key(self.keys.last().copied().unwrap_or(0), tokens);
+            let b = self.blocks[i];
+            if storage.prefix.published[b as usize].is_none() && !storage.prefix.by_key.contains_key(&key) {
+                storage.prefix.published[b as usize] = Some((key, tokens.into()));
+                storage.prefix.by_key.insert(key, b);
+            }
+            self.keys.push(key);
+        }
     }
 
     /// Like [`Self::reserve_locked`], taking the lock itself.
@@ -245,18 +397,28 @@ impl SeqCache {
     }
 
     /// Rolls back to `len` tokens: everything after is forgotten and whole blocks past the
-    /// new end go back to the pool. Truncating to a longer length is a no-op.
+    /// new end go back to the pool. Truncating to a longer length is a no-op. Published
+    /// blocks are never written again: a cut inside one (callers only roll back drafts, past
+    /// the prompt) also lets it go, keeping the tokens before it.
     pub fn truncate(&mut self, len: usize) {
         if len >= self.len {
             return;
         }
-        self.len = len;
         let pool = self.pool.clone();
         let mut storage = pool.lock();
-        let keep = len.div_ceil(storage.layout.block_size);
+        let bs = storage.layout.block_size;
+        // The block the cut falls inside would be written again: not if it is published.
+        let cut_block = self.blocks.get(len / bs).copied();
+        let len = match cut_block {
+            Some(b) if len % bs != 0 && storage.prefix.published[b as usize].is_some() => len / bs * bs,
+            _ => len,
+        };
+        self.len = len;
+        let keep = len.div_ceil(bs);
+        self.keys.truncate(len / bs);
         while self.blocks.len() > keep {
             if let Some(b) = self.blocks.pop() {
-                storage.free.push(b);
+                storage.release(b);
             }
         }
     }
@@ -268,7 +430,9 @@ impl Drop for SeqCache {
             return;
         }
         let mut storage = self.pool.lock();
-        storage.free.extend(self.blocks.drain(..).rev());
+        for b in self.blocks.drain(..).rev() {
+            storage.release(b);
+        }
     }
 }
 
@@ -297,6 +461,65 @@ mod tests {
         assert_eq!(pool.stats().free_blocks, 2);
         drop(b);
         assert_eq!(pool.stats().free_blocks, 4);
+    }
+
+    #[test]
+    fn prefix_blocks_are_shared_then_evicted_last() {
+        let pool = KvPool::new(layout(), 16); // 4 blocks of 4 tokens
+        let prompt: Vec<u32> = (0..10).collect();
+        let mut a = pool.new_sequence();
+        assert_eq!(a.attach_prefix(&prompt), 0, "nothing published yet");
+        a.reserve(10).unwrap();
+        a.advance(10, 4);
+        a.publish_prefix(&prompt);
+        assert_eq!(pool.stats().cached_blocks, 2, "two full blocks of the prompt");
+
+        // Same first 9 tokens (the attachable part of a 10-token prompt is its first 9).
+        let mut b = pool.new_sequence();
+        let mut other = prompt.clone();
+        other[9] = 99;
+        assert_eq!(b.attach_prefix(&other), 8);
+        assert_eq!(b.blocks(), &a.blocks()[..2]);
+        // A different second block stops the match after the first.
+        let mut c = pool.new_sequence();
+        let mut diverging = prompt.clone();
+        diverging[5] = 77;
+        assert_eq!(c.attach_prefix(&diverging), 4);
+        assert_eq!(pool.stats().free_blocks, 1, "3 blocks held by a, shared by b and c");
+
+        drop(a);
+        drop(b);
+        drop(c);
+        let stats = pool.stats();
+        assert_eq!((stats.free_blocks, stats.cached_blocks), (4, 2), "published blocks stay, evictable");
+
+        // A later sequence still finds them; then filling the pool evicts them, oldest first.
+        let mut d = pool.new_sequence();
+        assert_eq!(d.attach_prefix(&prompt), 8);
+        drop(d);
+        let mut e = pool.new_sequence();
+        e.reserve(16).unwrap();
+        assert_eq!(pool.stats().cached_blocks, 0, "evicted to make room");
+        assert!(e.reserve(17).is_err());
+        drop(e);
+        assert_eq!(pool.stats().free_blocks, 4);
+    }
+
+    #[test]
+    fn a_cut_inside_a_published_block_never_writes_into_it() {
+        let pool = KvPool::new(layout(), 16);
+        let prompt: Vec<u32> = (0..9).collect();
+        let mut a = pool.new_sequence();
+        a.reserve(9).unwrap();
+        a.advance(9, 4);
+        a.publish_prefix(&prompt);
+        let shared = a.blocks()[1];
+        a.truncate(6); // inside the published second block
+        assert_eq!(a.len(), 4, "kept up to the block boundary");
+        assert_eq!(a.blocks().len(), 1);
+        let mut b = pool.new_sequence();
+        assert_eq!(b.attach_prefix(&prompt), 8, "the published block is intact and still found");
+        assert_eq!(b.blocks()[1], shared);
     }
 
     #[test]

@@ -137,6 +137,12 @@ impl ServerMetrics {
             "KV cache blocks held by sequences.",
             (e.kv_total_blocks - e.kv_free_blocks).to_string(),
         );
+        metric(
+            "specula_kv_blocks_cached",
+            "gauge",
+            "KV cache blocks holding a reusable prompt prefix (free ones among them are evicted on demand).",
+            e.kv_cached_blocks.to_string(),
+        );
         metric("specula_kv_block_size", "gauge", "Tokens per KV block.", e.kv_block_size.to_string());
         metric(
             "specula_generated_tokens_total",
@@ -149,6 +155,12 @@ impl ServerMetrics {
             "counter",
             "Prompt tokens prefilled (recomputation included).",
             e.prefill_tokens.to_string(),
+        );
+        metric(
+            "specula_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens whose K/V came from the prefix cache instead of a prefill.",
+            e.prefix_cache_hit_tokens.to_string(),
         );
         metric(
             "specula_tokens_per_second",

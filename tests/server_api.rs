@@ -101,6 +101,12 @@ fn greedy_outputs_equal_generate_with_and_without_speculation() {
         // The chat prompts share the template's system-prompt block: later ones attach it
         // from the prefix cache, and their outputs above are still exactly generate's.
         assert!(!metrics.contains("specula_prefix_cache_hit_tokens_total 0\n"), "{metrics}");
+        // Usage says so, as OpenAI's `prompt_tokens_details.cached_tokens`: whole blocks, and
+        // never the last prompt token.
+        let again = server.post(path_for(true), &body_for(true, prompts()[0].1, false)).json().unwrap();
+        let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let prompt = again["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(cached >= 16 && cached % 16 == 0 && cached < prompt, "cached {cached} of {prompt}: {again}");
     }
     {
         let server =
@@ -108,6 +114,8 @@ fn greedy_outputs_equal_generate_with_and_without_speculation() {
         check_greedy_equality(&server, &refs);
         let metrics = server.get("/metrics").text();
         assert!(metrics.contains("specula_prefix_cache_hit_tokens_total 0\n"), "{metrics}");
+        let again = server.post(path_for(true), &body_for(true, prompts()[0].1, false)).json().unwrap();
+        assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{again}");
     }
     let server = start(ngram_engine(), ServerConfig::new(MODEL_ID));
     let results = check_greedy_equality(&server, &refs);

@@ -263,6 +263,8 @@ struct Active {
     /// Admitted at least once (it no longer counts as queued).
     admitted: bool,
     preemptions: u32,
+    /// Prompt tokens attached from the prefix cache at arrival.
+    cached_prompt_tokens: usize,
     bid: DraftBid,
     /// Finished, failed or abandoned: removed (and its KV freed) at the end of the step.
     done: bool,
@@ -301,6 +303,7 @@ impl Active {
             draft_n_accepted: self.drafts_delivered,
             verify_steps: self.metrics.steps,
             preemptions: self.preemptions,
+            cached_prompt_tokens: self.cached_prompt_tokens,
         }
     }
 
@@ -450,9 +453,9 @@ impl Worker {
         // Proposers that read the target's hidden states (EAGLE-3, DFlash) need every prompt
         // position computed, so they prefill everything.
         let needs_taps = proposer.as_ref().is_some_and(|p| !p.tap_layers().is_empty());
-        if self.prefix_caching && !needs_taps {
-            self.totals.prefix_cache_hit_tokens += cache.attach_prefix(&req.prompt) as u64;
-        }
+        let cached_prompt_tokens =
+            if self.prefix_caching && !needs_taps { cache.attach_prefix(&req.prompt) } else { 0 };
+        self.totals.prefix_cache_hit_tokens += cached_prompt_tokens as u64;
         let seq = Sequence::new(&req.prompt, cache, req.params);
         self.sched.waiting.push_back(Active {
             seq,
@@ -466,6 +469,7 @@ impl Worker {
             needs_begin: true,
             admitted: false,
             preemptions: 0,
+            cached_prompt_tokens,
             bid: DraftBid::default(),
             done: false,
             abandoned: false,

@@ -52,6 +52,9 @@ pub struct Usage {
     pub verify_steps: u64,
     /// Times the request's KV cache was dropped to make room and recomputed later.
     pub preemptions: u32,
+    /// Prompt tokens whose K/V came from the prefix cache (OpenAI's
+    /// `prompt_tokens_details.cached_tokens`).
+    pub cached_prompt_tokens: usize,
 }
 
 /// A finished request.

@@ -336,6 +336,7 @@ pub fn usage_json(u: &Usage) -> Value {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_prompt_tokens },
         "draft_n": u.draft_n,
         "draft_n_accepted": u.draft_n_accepted,
     })

@@ -498,6 +498,30 @@ impl Worker {
         self.totals.cancelled_requests += gone as u64;
     }
 
+    /// Waiting requests hold the prefix blocks they attached on arrival. With nothing running,
+    /// those of the requests behind the queue head are the only thing that can keep the head
+    /// from fitting: then they let go (and prefill those tokens themselves later), so the pool
+    /// never deadlocks on cached prefixes.
+    fn unpin_waiting_prefixes(&mut self) {
+        if !self.sched.running.is_empty() {
+            return;
+        }
+        let stats = self.pool.stats();
+        let Some(head) = self.sched.waiting.front() else { return };
+        let need = (head.seq.tokens.len() + 1).div_ceil(stats.block_size).saturating_sub(head.seq.cache.blocks().len());
+        if need <= stats.free_blocks {
+            return;
+        }
+        for a in self.sched.waiting.iter_mut().skip(1) {
+            if !a.seq.cache.is_empty() && !a.admitted {
+                a.seq.cache = self.pool.new_sequence();
+                self.totals.prefix_cache_hit_tokens =
+                    self.totals.prefix_cache_hit_tokens.saturating_sub(a.cached_prompt_tokens as u64);
+                a.cached_prompt_tokens = 0;
+            }
+        }
+    }
+
     fn publish(&mut self) {
         let stats = self.pool.stats();
         let mut s = self.totals.clone();
@@ -535,6 +559,7 @@ impl Worker {
             }
         }
 
+        self.unpin_waiting_prefixes();
         let stats = self.pool.stats();
         let plan = self.sched.schedule(stats.free_blocks, stats.total_blocks, self.cost.as_ref());
         self.totals.preemptions += plan.preempted as u64;

@@ -231,10 +231,12 @@ impl<T: SchedSeq> Scheduler<T> {
                 }
                 continue;
             }
-            if whole + self.running.len() > *free && !self.running.is_empty() {
+            // Blocks it already holds (a prompt prefix attached from the cache) count.
+            let need = whole.saturating_sub(w.blocks_held());
+            if need + self.running.len() > *free && !self.running.is_empty() {
                 break;
             }
-            if whole > *free {
+            if need > *free {
                 break;
             }
             let Some(w) = self.waiting.pop_front() else { break };
@@ -354,6 +356,18 @@ mod tests {
         assert_eq!(plan.slots[0].kind, SlotKind::Decode { draft: 0 });
         assert_eq!(plan.slots[1], Slot { index: 1, rows: 5, kind: SlotKind::Prefill { last: false } });
         assert_eq!(s.waiting.front().map(|f| f.id), Some(2));
+    }
+
+    #[test]
+    fn blocks_a_waiting_sequence_already_holds_count_towards_its_admission() {
+        // A 4-block pool; the request needs 4 blocks for its tokens + 1, and holds 2 of them
+        // already (a cached prefix): it fits in the 2 free ones.
+        let mut s = sched(64, 4);
+        let total = 4 * BS - 1;
+        s.waiting.push_back(Fake { id: 0, total, cached: 2 * BS, blocks: 2, bid: DraftBid::default() });
+        let plan = s.schedule(2, 4, None);
+        assert_eq!(plan.admitted, vec![0]);
+        assert_eq!(plan.slots[0].rows, total - 2 * BS);
     }
 
     #[test]

@@ -340,7 +340,7 @@ impl SeqCache {
     /// cover (their K/V need no computing). The last prompt token is never covered, so the
     /// prefill still produces the logits for the first generated token.
     pub fn attach_prefix(&mut self, prompt: &[u32]) -> usize {
-        if !self.blocks.is_empty() || self.len > 0 {
+        if !self.blocks.is_empty() {
             return 0;
         }
         let pool = self.pool.clone();

@@ -19,11 +19,23 @@ pub struct ArSettings {
     pub verify_depth: usize,
     pub max_m: usize,
     pub repeats: usize,
+    /// Sequences decoded together for the batched decode measurement (0 skips it).
+    pub batch: usize,
+    /// Cached tokens of each of those sequences when their decoding starts.
+    pub batch_context: usize,
 }
 
 impl Default for ArSettings {
     fn default() -> Self {
-        Self { prefill_tokens: 512, decode_tokens: 64, verify_depth: 256, max_m: 16, repeats: 5 }
+        Self {
+            prefill_tokens: 512,
+            decode_tokens: 64,
+            verify_depth: 256,
+            max_m: 16,
+            repeats: 5,
+            batch: 8,
+            batch_context: 128,
+        }
     }
 }
 
@@ -39,6 +51,9 @@ pub struct VerifyPoint {
 pub struct ArReport {
     pub prefill_tps: f64,
     pub decode_tps: f64,
+    /// Aggregate tokens/s of `batch` sequences decoding one token each per forward, as a
+    /// server does with that many clients; `None` when not measured.
+    pub batch_decode_tps: Option<f64>,
     pub verify: Vec<VerifyPoint>,
 }
 
@@ -50,7 +65,9 @@ fn filler(n: usize, vocab: usize) -> Vec<u32> {
 
 pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     let vocab = model.config.vocab;
-    let pool = model.new_kv_pool(s.prefill_tokens.max(s.verify_depth + s.max_m).max(s.decode_tokens + 8) + 64);
+    let one_seq = s.prefill_tokens.max(s.verify_depth + s.max_m).max(s.decode_tokens + 8) + 64;
+    let batched = s.batch * (s.batch_context + s.batch + s.decode_tokens + 16);
+    let pool = model.new_kv_pool(one_seq.max(batched));
 
     // Prefill: one chunk of `prefill_tokens`, last-row logits.
     let prompt = filler(s.prefill_tokens, vocab);
@@ -121,5 +138,46 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     for p in verify.iter_mut() {
         p.ratio = p.ms / base;
     }
-    Ok(ArReport { prefill_tps, decode_tps, verify })
+    drop(cache);
+
+    let batch_decode_tps = if s.batch > 0 { Some(batch_decode(model, &pool, s)?) } else { None };
+    Ok(ArReport { prefill_tps, decode_tps, batch_decode_tps, verify })
+}
+
+/// Decode throughput of `s.batch` sequences in one packed forward per step, each starting
+/// from its own `s.batch_context`-token context: a server's decode step with that many
+/// clients, without the server. Compared with `prefill_tps` it says how close batched
+/// decoding comes to the compute-bound rate.
+fn batch_decode(model: &Transformer, pool: &crate::kv::KvPool, s: &ArSettings) -> Result<f64> {
+    let vocab = model.config.vocab;
+    let mut times = Vec::new();
+    for _ in 0..s.repeats {
+        let mut caches: Vec<_> = (0..s.batch).map(|_| pool.new_sequence()).collect();
+        let mut next: Vec<[u32; 1]> = Vec::with_capacity(s.batch);
+        for (i, cache) in caches.iter_mut().enumerate() {
+            // Different contexts per sequence, so no two rows compute the same thing.
+            let context = filler(s.batch_context + i, vocab);
+            let mut b = ForwardBatch::new();
+            b.push(&context[i..], cache, LogitsRows::Last);
+            let out = model.forward(&mut b)?;
+            next.push([crate::sample::argmax(&out.seq_logits(0)?[0]).min(vocab as u32 - 1)]);
+        }
+        let t = Instant::now();
+        for _ in 0..s.decode_tokens {
+            let mut b = ForwardBatch::new();
+            for (tok, cache) in next.iter().zip(caches.iter_mut()) {
+                b.push(tok, cache, LogitsRows::Last);
+            }
+            let out = model.forward(&mut b)?;
+            let picked: Vec<u32> = (0..s.batch)
+                .map(|i| Ok(crate::sample::argmax(&out.seq_logits(i)?[0]).min(vocab as u32 - 1)))
+                .collect::<Result<_>>()?;
+            drop(b);
+            for (tok, p) in next.iter_mut().zip(picked) {
+                tok[0] = p;
+            }
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok((s.batch * s.decode_tokens) as f64 / median(&mut times))
 }

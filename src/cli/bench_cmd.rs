@@ -26,6 +26,12 @@ pub struct BenchArgs {
     max_m: usize,
     #[arg(long, default_value_t = 5)]
     repeats: usize,
+    /// Sequences decoded together for the batched decode column (`ar`; 0 skips it).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Cached tokens per sequence when the batched decode starts (`ar`).
+    #[arg(long, default_value_t = 128)]
+    batch_context: usize,
     /// Write every number as JSON here (`ar`).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
@@ -119,12 +125,19 @@ fn run_ar(args: BenchArgs) -> Result<()> {
         verify_depth: args.verify_depth,
         max_m: args.max_m.clamp(1, 64),
         repeats: args.repeats.max(1),
+        batch: args.batch.min(256),
+        batch_context: args.batch_context,
     };
     let threads =
         std::env::var("CANDLE_NUM_THREADS").or_else(|_| std::env::var("RAYON_NUM_THREADS")).unwrap_or("all".into());
     let mut results = Vec::new();
-    println!("| model | weights | prefill tok/s | decode tok/s | cost(2) | cost(4) | cost(8) | cost(16) |");
-    println!("|---|---|---|---|---|---|---|---|");
+    // The batched decode column, and its ratio to prefill: how close decoding `batch`
+    // sequences at once comes to the compute-bound prefill rate.
+    let batch_col = format!("decode ×{} tok/s | ×{} / prefill", settings.batch, settings.batch);
+    println!(
+        "| model | weights | prefill tok/s | decode tok/s | {batch_col} | cost(2) | cost(4) | cost(8) | cost(16) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for model in &args.model {
         let path = crate::fetch::resolve_model(model, true)?;
         let formats: Vec<Option<String>> =
@@ -134,8 +147,10 @@ fn run_ar(args: BenchArgs) -> Result<()> {
             let loaded = crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)?;
             let r = ar::run(&loaded.model, &settings)?;
             let at = |m: usize| r.verify.get(m - 1).map_or("-".to_string(), |p| format!("{:.2}", p.ratio));
+            let batched =
+                r.batch_decode_tps.map_or("- | -".to_string(), |b| format!("{b:.1} | {:.2}", b / r.prefill_tps));
             println!(
-                "| {model} | {} | {:.1} | {:.1} | {} | {} | {} | {} |",
+                "| {model} | {} | {:.1} | {:.1} | {batched} | {} | {} | {} | {} |",
                 loaded.model.weight_format.name(),
                 r.prefill_tps,
                 r.decode_tps,
@@ -147,7 +162,8 @@ fn run_ar(args: BenchArgs) -> Result<()> {
             results.push(serde_json::json!({
                 "model": model, "weights": loaded.model.weight_format.name(), "threads": threads,
                 "settings": {"prefill_tokens": settings.prefill_tokens, "decode_tokens": settings.decode_tokens,
-                    "verify_depth": settings.verify_depth, "repeats": settings.repeats},
+                    "verify_depth": settings.verify_depth, "repeats": settings.repeats,
+                    "batch": settings.batch, "batch_context": settings.batch_context},
                 "report": r,
             }));
         }

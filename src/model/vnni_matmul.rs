@@ -204,43 +204,63 @@ struct QuantizedRows {
 }
 
 impl QuantizedRows {
-    /// On all cores: for a few decode rows this was a serial stretch the other core spent
-    /// waiting through, in every matmul.
     fn new(x: &[f32], k: usize) -> Self {
         let blocks = x.len() / BLOCK;
         let mut q = vec![0i8; x.len()];
         let (mut d, mut sum, mut s) = (vec![0f32; blocks], vec![0i32; blocks], vec![0f32; blocks]);
+        if blocks <= SERIAL_QUANT_BLOCKS {
+            quantize_range(x, &mut q, &mut d, &mut sum, &mut s);
+            return Self { q, d, sum, s, k };
+        }
+        // Prefill-sized inputs on all cores.
         let ptrs =
             (SyncPtr(q.as_mut_ptr()), SyncPtr(d.as_mut_ptr()), SyncPtr(sum.as_mut_ptr()), SyncPtr(s.as_mut_ptr()));
         candle_core::utils::barrier_pool().execute_chunked(blocks.div_ceil(QUANT_CHUNK), |chunks| {
             let (q_ptr, d_ptr, sum_ptr, s_ptr) = ptrs;
             for c in chunks {
-                for b in c * QUANT_CHUNK..blocks.min((c + 1) * QUANT_CHUNK) {
-                    // SAFETY: chunks are disjoint block ranges inside the four buffers.
-                    unsafe {
-                        let qs = std::slice::from_raw_parts_mut(q_ptr.get().add(b * BLOCK), BLOCK);
-                        let (scale, total) = quantize_block(&x[b * BLOCK..(b + 1) * BLOCK], qs);
-                        *d_ptr.get().add(b) = f16::from_f32(scale).to_f32();
-                        *sum_ptr.get().add(b) = total;
-                        *s_ptr.get().add(b) = f16::from_f32(scale * total as f32).to_f32();
-                    }
-                }
+                let range = c * QUANT_CHUNK..blocks.min((c + 1) * QUANT_CHUNK);
+                let n = range.len();
+                // SAFETY: chunks are disjoint block ranges inside the four buffers.
+                unsafe {
+                    quantize_range(
+                        &x[range.start * BLOCK..range.end * BLOCK],
+                        std::slice::from_raw_parts_mut(q_ptr.get().add(range.start * BLOCK), n * BLOCK),
+                        std::slice::from_raw_parts_mut(d_ptr.get().add(range.start), n),
+                        std::slice::from_raw_parts_mut(sum_ptr.get().add(range.start), n),
+                        std::slice::from_raw_parts_mut(s_ptr.get().add(range.start), n),
+                    )
+                };
             }
         });
         Self { q, d, sum, s, k }
     }
 }
 
-/// One block of 32 activations; returns its (unrounded) scale and the sum of the quantised values.
-fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
+/// Activation blocks quantised on the calling thread alone: a decode step's few rows take
+/// about a microsecond, less than handing them to the pool.
+const SERIAL_QUANT_BLOCKS: usize = 1024;
+
+/// Quantises whole blocks of `x` into `q`, with their scales `d`, sums `sum` and `s` (see
+/// [`QuantizedRows`]).
+fn quantize_range(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], s: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if available() {
         // SAFETY: the features were detected.
-        return unsafe { avx512::quantize_block(xs, qs) };
+        return unsafe { avx512::quantize_range(x, q, d, sum, s) };
     }
-    quantize_block_portable(xs, qs)
+    quantize_range_portable(x, q, d, sum, s)
 }
 
+fn quantize_range_portable(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], s: &mut [f32]) {
+    for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
+        let (scale, total) = quantize_block_portable(xs, &mut q[b * BLOCK..(b + 1) * BLOCK]);
+        d[b] = f16::from_f32(scale).to_f32();
+        sum[b] = total;
+        s[b] = f16::from_f32(scale * total as f32).to_f32();
+    }
+}
+
+/// One block of 32 activations; returns its (unrounded) scale and the sum of the quantised values.
 fn quantize_block_portable(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
     let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
     let d = amax / 127.0;
@@ -363,21 +383,35 @@ mod avx512 {
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn quantize_block(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
-        assert!(xs.len() == BLOCK && qs.len() == BLOCK, "one block of 32");
-        let lo = _mm512_loadu_ps(xs.as_ptr());
-        let hi = _mm512_loadu_ps(xs.as_ptr().add(16));
-        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let vid = _mm512_set1_ps(id);
-        // Round to nearest even, as `round_ties_even` in the portable version.
-        let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid));
-        let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
-        _mm_storeu_si128(qs.as_mut_ptr() as *mut __m128i, _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128(qs.as_mut_ptr().add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
-        (d, _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)))
+    /// f32 → nearest f16 (ties to even) → f32, as `half`'s conversions round.
+    #[inline(always)]
+    unsafe fn round_to_f16(x: f32) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x))))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    pub(super) unsafe fn quantize_range(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], s: &mut [f32]) {
+        let blocks = x.len() / BLOCK;
+        assert!(q.len() >= blocks * BLOCK && d.len() >= blocks && sum.len() >= blocks && s.len() >= blocks);
+        for b in 0..blocks {
+            let xs = x.as_ptr().add(b * BLOCK);
+            let qs = q.as_mut_ptr().add(b * BLOCK);
+            let lo = _mm512_loadu_ps(xs);
+            let hi = _mm512_loadu_ps(xs.add(16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            let scale = amax / 127.0;
+            let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            let vid = _mm512_set1_ps(id);
+            // Round to nearest even, as `round_ties_even` in the portable version.
+            let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid));
+            let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
+            _mm_storeu_si128(qs as *mut __m128i, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128(qs.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
+            let total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            *d.get_unchecked_mut(b) = round_to_f16(scale);
+            *sum.get_unchecked_mut(b) = total;
+            *s.get_unchecked_mut(b) = round_to_f16(scale * total as f32);
+        }
     }
 }
 
@@ -468,6 +502,40 @@ mod tests {
                 assert_eq!(row, p.matmul(&x[r * k..(r + 1) * k]).as_slice(), "{dtype:?} row {r} alone");
             }
             assert_eq!(&all[..5 * n], p.matmul(&x[..5 * k]).as_slice(), "{dtype:?} first 5 rows");
+        }
+    }
+
+    #[test]
+    fn prefill_sized_inputs_quantised_on_all_cores_agree_with_the_portable_loops() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        let (n, k) = (32, 576);
+        let rows = SERIAL_QUANT_BLOCKS * BLOCK / k + 3;
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+            let (p, _) = packed(dtype, n, k);
+            let x = random(rows * k, 13);
+            assert_eq!(p.matmul(&x), matmul_portable(&p, &x), "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn activation_scales_round_to_f16_as_half_does_down_to_subnormals() {
+        // Scales and Q4_1's d·Σq land in f16's subnormal range (below 6.1e-5) for small
+        // activations; both paths must round them alike.
+        for magnitude in [1.0f32, 1e-3, 1e-5, 1e-7, 1e-9, 0.0] {
+            let x: Vec<f32> = random(8 * BLOCK, 3).iter().map(|v| v * magnitude).collect();
+            let blocks = x.len() / BLOCK;
+            let mut fast = (vec![0i8; x.len()], vec![0f32; blocks], vec![0i32; blocks], vec![0f32; blocks]);
+            let mut slow = fast.clone();
+            quantize_range(&x, &mut fast.0, &mut fast.1, &mut fast.2, &mut fast.3);
+            quantize_range_portable(&x, &mut slow.0, &mut slow.1, &mut slow.2, &mut slow.3);
+            assert_eq!(fast.0, slow.0, "{magnitude}");
+            assert_eq!(fast.2, slow.2, "{magnitude}");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast.1), bits(&slow.1), "{magnitude}");
+            assert_eq!(bits(&fast.3), bits(&slow.3), "{magnitude}");
         }
     }
 

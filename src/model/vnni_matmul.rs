@@ -293,13 +293,18 @@ mod avx512 {
     }
 
     /// Σ over 8 groups of 4 inputs of weight bytes × the row's activation bytes, from `init`.
+    /// Two independent chains of `vpdpbusd`, added at the end: one chain of eight waits on
+    /// each instruction's latency (4–12% slower at 8 and 64 rows). Integer sums are exact,
+    /// so the split changes nothing in the result.
     #[inline(always)]
     unsafe fn dot_block(init: __m512i, wv: &[__m512i; 8], a: *const i32) -> __m512i {
-        let mut isum = init;
-        for (g, wg) in wv.iter().enumerate() {
-            isum = _mm512_dpbusd_epi32(isum, *wg, _mm512_set1_epi32(a.add(g).read_unaligned()));
+        let mut even = init;
+        let mut odd = _mm512_setzero_si512();
+        for g in (0..8).step_by(2) {
+            even = _mm512_dpbusd_epi32(even, wv[g], _mm512_set1_epi32(a.add(g).read_unaligned()));
+            odd = _mm512_dpbusd_epi32(odd, wv[g + 1], _mm512_set1_epi32(a.add(g + 1).read_unaligned()));
         }
-        isum
+        _mm512_add_epi32(even, odd)
     }
 
     /// Q8_0: `rows` activation rows from `r0` against output tile `nt`, all of `k`.

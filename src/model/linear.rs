@@ -248,6 +248,27 @@ impl FusedLinear {
         self.parts[0].in_features()
     }
 
+    /// One output per logical projection, as host rows: `[rows, width]` each, row-major.
+    /// Splits the stacked output with plain row copies; candle's copy of each narrowed
+    /// view was a measurable part of a decode step.
+    pub fn forward_host(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
+        if self.parts.len() > 1 {
+            return self.parts.iter().map(|p| Ok(p.forward(x)?.flatten_all()?.to_vec1::<f32>()?)).collect();
+        }
+        let y = self.parts[0].forward(x)?.flatten_all()?.to_vec1::<f32>()?;
+        let total: usize = self.widths.iter().sum();
+        let rows = y.len() / total.max(1);
+        let mut out: Vec<Vec<f32>> = self.widths.iter().map(|&w| Vec::with_capacity(rows * w)).collect();
+        for row in y.chunks_exact(total) {
+            let mut start = 0;
+            for (part, &w) in out.iter_mut().zip(&self.widths) {
+                part.extend_from_slice(&row[start..start + w]);
+                start += w;
+            }
+        }
+        Ok(out)
+    }
+
     /// One output per logical projection.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         if self.parts.len() > 1 {

@@ -249,11 +249,11 @@ impl Transformer {
         let rope = self.rope.tables(&positions);
 
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
-            let qkv = layer.qkv.forward(&h)?;
-            let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
-            let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
-            let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
+            let h = super::elementwise::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
+            let mut qkv = layer.qkv.forward_host(&h)?;
+            let v = qkv.pop().context("qkv projection has three parts")?;
+            let mut k = qkv.pop().context("qkv projection has three parts")?;
+            let mut q = qkv.pop().context("qkv projection has three parts")?;
             if let Some((qn, kn)) = &layer.qk_norm {
                 head_rms_norm(&mut q, qn, cfg.rms_eps as f32);
                 head_rms_norm(&mut k, kn, cfg.rms_eps as f32);
@@ -275,7 +275,7 @@ impl Transformer {
             let attn = Tensor::from_slice(&attn_out, (n_rows, nh * hd), &self.device)?;
             x = (x + layer.o.forward(&attn)?)?;
 
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
+            let h = super::elementwise::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
             let gate_up = layer.gate_up.forward(&h)?;
             let gated = super::elementwise::silu_mul(&gate_up[0], &gate_up[1])?;
             x = (x + layer.down.forward(&gated)?)?;
@@ -294,7 +294,7 @@ impl Transformer {
         } else {
             let idx = Tensor::new(logit_rows.as_slice(), &self.device)?;
             let h = x.index_select(&idx, 0)?;
-            let h = candle_nn::ops::rms_norm(&h, &self.norm, cfg.rms_eps as f32)?;
+            let h = super::elementwise::rms_norm(&h, &self.norm, cfg.rms_eps as f32)?;
             self.lm_head.forward(&h)?
         };
         for s in batch.seqs.iter_mut() {

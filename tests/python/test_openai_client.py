@@ -241,13 +241,21 @@ def main():
         with client.chat.completions.with_streaming_response.create(
                 model=MODEL, messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
                 max_tokens=900, temperature=0, stream=True, extra_body={"ignore_eos": True}) as resp:
+            # Held in a name: a `for` over a temporary `iter_lines()` drops it at `break`,
+            # which closes the connection, i.e. disconnects before the check below.
+            stream = resp.iter_lines()
             lines = 0
-            for line in resp.iter_lines():
+            for line in stream:
                 if line.startswith("data:"):
                     lines += 1
                 if lines >= 4:
                     break
-            assert health(args.base_url)["kv"]["used_blocks"] > 0
+            # /health reports the engine as of its last finished step: allow it a moment.
+            deadline = time.time() + 5
+            while (h := health(args.base_url))["kv"]["used_blocks"] == 0:
+                assert time.time() < deadline, f"no KV blocks in use while streaming: {h}"
+                time.sleep(0.02)
+            assert h["running"] == 1, h
         h = wait_idle(args.base_url)
         assert h["kv"]["free_blocks"] == h["kv"]["total_blocks"], h
 

@@ -65,6 +65,20 @@ fn filler(n: usize, vocab: usize) -> Vec<u32> {
 
 pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     let vocab = model.config.vocab;
+    let ctx = model.config.context_len;
+    for (what, len) in [
+        ("--prefill-tokens", s.prefill_tokens),
+        ("--verify-depth + --max-m", s.verify_depth + s.max_m),
+        ("--decode-tokens", s.decode_tokens + 4),
+        (
+            "--batch-context + --batch + --decode-tokens",
+            (s.batch > 0) as usize * (s.batch_context + s.batch + s.decode_tokens),
+        ),
+    ] {
+        if len > ctx {
+            anyhow::bail!("{what} needs sequences of {len} tokens; the model's context is {ctx}");
+        }
+    }
     let one_seq = s.prefill_tokens.max(s.verify_depth + s.max_m).max(s.decode_tokens + 8) + 64;
     let batched = s.batch * (s.batch_context + s.batch + s.decode_tokens + 16);
     let pool = model.new_kv_pool(one_seq.max(batched));

@@ -259,7 +259,7 @@ impl FusedLinear {
         let total: usize = self.widths.iter().sum();
         let rows = y.len() / total.max(1);
         let mut out: Vec<Vec<f32>> = self.widths.iter().map(|&w| Vec::with_capacity(rows * w)).collect();
-        for row in y.chunks_exact(total) {
+        for row in y.chunks_exact(total.max(1)) {
             let mut start = 0;
             for (part, &w) in out.iter_mut().zip(&self.widths) {
                 part.extend_from_slice(&row[start..start + w]);

@@ -39,6 +39,7 @@ pub fn available() -> bool {
             !off && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("f16c")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

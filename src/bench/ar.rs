@@ -127,32 +127,16 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     let decode_tps = s.decode_tokens as f64 / median(&mut times);
 
     // Verify curve: m tokens on top of `verify_depth` cached ones, all rows' logits, then
-    // roll back, exactly as a speculative step does.
-    let context = filler(s.verify_depth, vocab);
-    let mut cache = pool.new_sequence();
-    let mut b = ForwardBatch::new();
-    b.push(&context, &mut cache, LogitsRows::None);
-    model.forward(&mut b)?;
-    let block = filler(s.max_m, vocab.saturating_sub(7).max(1));
-    let mut verify = Vec::new();
-    for m in 1..=s.max_m {
-        let mut times = Vec::new();
-        for _ in 0..s.repeats.max(3) {
-            let t = Instant::now();
-            let mut b = ForwardBatch::new();
-            b.push(&block[..m], &mut cache, LogitsRows::All);
-            let out = model.forward(&mut b)?;
-            let _rows = out.seq_logits(0)?;
-            times.push(t.elapsed().as_secs_f64());
-            cache.truncate(s.verify_depth);
-        }
-        verify.push(VerifyPoint { m, ms: median(&mut times) * 1e3, ratio: 0.0 });
-    }
+    // roll back, exactly as a speculative step does; all m in interleaved rounds after a
+    // warm-up (see `time_blocks`), median of each.
+    let sizes: Vec<usize> = (1..=s.max_m).collect();
+    let times = crate::spec::policy::time_blocks(model, s.verify_depth, &sizes, s.repeats.max(3))?;
+    let mut verify: Vec<VerifyPoint> =
+        sizes.iter().zip(times).map(|(&m, mut t)| VerifyPoint { m, ms: median(&mut t) * 1e3, ratio: 0.0 }).collect();
     let base = verify[0].ms;
     for p in verify.iter_mut() {
         p.ratio = p.ms / base;
     }
-    drop(cache);
 
     let batch_decode_tps = if s.batch > 0 { Some(batch_decode(model, &pool, s)?) } else { None };
     Ok(ArReport { prefill_tps, decode_tps, batch_decode_tps, verify })

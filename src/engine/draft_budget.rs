@@ -9,9 +9,8 @@
 //! compute-bound, speculation switches itself off, and throughput never falls below plain
 //! continuous batching (up to the accuracy of the cost model and of α).
 
-use crate::model::{ForwardBatch, LogitsRows, Transformer};
+use crate::model::Transformer;
 use anyhow::Result;
-use std::time::Instant;
 
 /// Seconds of one forward over a number of rows that all want logits.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,38 +54,19 @@ impl StepCostModel {
     }
 
     /// Times forwards of 1, 2, 4, … `max_rows` rows (logits for every row) on top of a short
-    /// context, best of three (two for large blocks).
+    /// context: three interleaved rounds after a warm-up (`spec::policy::time_blocks`), best
+    /// of each.
     pub fn measure(model: &Transformer, max_rows: usize) -> Result<Self> {
         const DEPTH: usize = 64;
         let max_rows = max_rows.max(1);
-        let filler = |n: usize, salt: usize| crate::spec::policy::timing_filler(model.config.vocab, n, salt);
-        let pool = model.new_kv_pool(DEPTH + max_rows + 16);
-        let mut cache = pool.new_sequence();
-        let context = filler(DEPTH, 0);
-        let mut batch = ForwardBatch::new();
-        batch.push(&context, &mut cache, LogitsRows::None);
-        model.forward(&mut batch)?;
-        let block = filler(max_rows, 1);
-        let mut points = Vec::new();
-        let mut rows = 1;
-        loop {
-            let mut best = f64::INFINITY;
-            // Small blocks decide most draft lengths and are cheap to repeat.
-            for _ in 0..if rows <= 8 { 3 } else { 2 } {
-                let t = Instant::now();
-                let mut batch = ForwardBatch::new();
-                batch.push(&block[..rows], &mut cache, LogitsRows::All);
-                let out = model.forward(&mut batch)?;
-                let _rows = out.seq_logits(0)?;
-                best = best.min(t.elapsed().as_secs_f64());
-                cache.truncate(DEPTH);
-            }
-            points.push((rows, best));
-            if rows >= max_rows {
-                break;
-            }
-            rows = (rows * 2).min(max_rows);
+        let mut sizes = vec![1];
+        while *sizes.last().unwrap_or(&1) < max_rows {
+            let next = (sizes.last().unwrap_or(&1) * 2).min(max_rows);
+            sizes.push(next);
         }
+        let times = crate::spec::policy::time_blocks(model, DEPTH, &sizes, 3)?;
+        let points =
+            sizes.iter().zip(&times).map(|(&m, t)| (m, t.iter().copied().fold(f64::INFINITY, f64::min))).collect();
         Ok(Self::from_points(points))
     }
 

@@ -283,6 +283,52 @@ pub fn timing_filler(vocab: usize, n: usize, salt: usize) -> Vec<u32> {
     (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect()
 }
 
+/// Single-token steps run before any timing. Right after a prefill, one-token steps here run
+/// up to twice as slow for the next ~100 ms (measured: 7–8 ms falling to 4 ms over 20–40
+/// steps, whatever the allocator's settings), so timing one token first, as the curve was
+/// measured before, inflated cost(1) about 1.5× and made verifying a block look that much
+/// cheaper than it is.
+const TIMING_WARMUP_STEPS: usize = 40;
+
+/// Times forwards of `sizes[i]` new tokens (logits for all of them) on top of a `depth`-token
+/// context of one sequence, after a warm-up of single-token steps, in `rounds` interleaved
+/// passes over all sizes, so that every size sees the same conditions. Returns each size's
+/// `rounds` timings in seconds.
+pub fn time_blocks(model: &Transformer, depth: usize, sizes: &[usize], rounds: usize) -> Result<Vec<Vec<f64>>> {
+    let max_m = sizes.iter().copied().max().unwrap_or(1).max(1);
+    let filler = |n: usize, salt: usize| timing_filler(model.config.vocab, n, salt);
+    let pool = model.new_kv_pool(depth + max_m + 16);
+    let mut cache = pool.new_sequence();
+    let context = filler(depth, 0);
+    let mut batch = ForwardBatch::new();
+    batch.push(&context, &mut cache, LogitsRows::None);
+    model.forward(&mut batch)?;
+    drop(batch);
+
+    let block = filler(max_m, 1);
+    let mut run = |m: usize| -> Result<f64> {
+        let t = Instant::now();
+        let mut batch = ForwardBatch::new();
+        batch.push(&block[..m], &mut cache, LogitsRows::All);
+        let out = model.forward(&mut batch)?;
+        let _rows = out.seq_logits(0)?;
+        let secs = t.elapsed().as_secs_f64();
+        drop(batch);
+        cache.truncate(depth);
+        Ok(secs)
+    };
+    for _ in 0..TIMING_WARMUP_STEPS {
+        run(1)?;
+    }
+    let mut times = vec![Vec::with_capacity(rounds); sizes.len()];
+    for _ in 0..rounds.max(1) {
+        for (i, &m) in sizes.iter().enumerate() {
+            times[i].push(run(m.max(1))?);
+        }
+    }
+    Ok(times)
+}
+
 /// Measures the target's verify-cost curve: `result[m - 1]` = time to run m new tokens (logits
 /// for all of them) on top of a 64-token context, relative to one token. Measured at a few
 /// block sizes (best of 2 each: the minimum is the least disturbed by other load) and
@@ -293,34 +339,14 @@ pub fn measure_verify_curve(model: &Transformer, max_m: usize) -> Result<Vec<f64
     if max_m == 0 {
         bail!("the verify curve needs max_m >= 1");
     }
-    let filler = |n: usize, salt: usize| timing_filler(model.config.vocab, n, salt);
-    let pool = model.new_kv_pool(DEPTH + max_m + 16);
-    let mut cache = pool.new_sequence();
-    let context = filler(DEPTH, 0);
-    let mut batch = ForwardBatch::new();
-    batch.push(&context, &mut cache, LogitsRows::None);
-    model.forward(&mut batch)?;
-
-    let block = filler(max_m, 1);
     let mut sizes: Vec<usize> =
         [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64].into_iter().filter(|&m| m <= max_m).collect();
     if sizes.last() != Some(&max_m) {
         sizes.push(max_m);
     }
-    let mut points = Vec::with_capacity(sizes.len());
-    for &m in &sizes {
-        let mut best = f64::INFINITY;
-        for _ in 0..REPEATS {
-            let t = Instant::now();
-            let mut batch = ForwardBatch::new();
-            batch.push(&block[..m], &mut cache, LogitsRows::All);
-            let out = model.forward(&mut batch)?;
-            let _rows = out.seq_logits(0)?;
-            best = best.min(t.elapsed().as_secs_f64());
-            cache.truncate(DEPTH);
-        }
-        points.push((m, best));
-    }
+    let times = time_blocks(model, DEPTH, &sizes, REPEATS)?;
+    let points: Vec<(usize, f64)> =
+        sizes.iter().zip(&times).map(|(&m, t)| (m, t.iter().copied().fold(f64::INFINITY, f64::min))).collect();
     Ok(interpolate_curve(&points, max_m))
 }
 

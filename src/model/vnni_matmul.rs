@@ -1,11 +1,12 @@
-//! Q8_0 and Q4_1 weights × 8-bit activations on AVX-512 VNNI CPUs, for any batch size.
+//! Q8_0, Q5_0 and Q4_1 weights × 8-bit activations on AVX-512 VNNI CPUs, for any batch size.
 //!
 //! Why not candle's kernels: its repacked Q8_0 kernel needs input widths that are multiples
 //! of 256 (SmolLM2's 576 had to be zero-padded to 768, a third more work), quantises
 //! activations with a scalar loop and takes activation rows four at a time; its Q4_1 is
 //! scalar on x86. Here any width that is a multiple of 32 works, activations are quantised
 //! per 32 values with vector code, up to eight rows share each weight load, and the weights
-//! are prefetched ahead of use. Q4_1 streams 0.63 bytes per weight against Q8_0's 1.06:
+//! are prefetched ahead of use. Q4_1 streams 0.63 bytes per weight and Q5_0 0.69, against
+//! Q8_0's 1.06 (candle runs both 4/5-bit types with scalar code):
 //! small decode batches are bound by reading the weights, so that is what they wait for.
 //!
 //! The arithmetic is llama.cpp's for these types: activations as its Q8_0/Q8_1 blocks (scale
@@ -51,14 +52,14 @@ pub fn available() -> bool {
 
 /// Whether a `[n, k]` matrix of this type has a kernel here (CPU aside).
 pub fn supports(dtype: GgmlDType, n: usize, k: usize) -> bool {
-    matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_1)
+    matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_1)
         && n > 0
         && k > 0
         && n.is_multiple_of(TILE_N)
         && k.is_multiple_of(BLOCK)
 }
 
-/// A Q8_0 or Q4_1 matrix rearranged into tiles of 16 output rows × 32 inputs.
+/// A Q8_0, Q5_0 or Q4_1 matrix rearranged into tiles of 16 output rows × 32 inputs.
 pub struct PackedMatrix {
     n: usize,
     k: usize,
@@ -74,15 +75,20 @@ enum Packed {
     /// file's bytes as they are: low nibbles hold inputs 4g..4g+4, high nibbles 16+4g..
     /// `d`, `m`: `[n/16][k/32][16]`.
     Q4_1 { qs: Vec<u8>, d: Vec<f16>, m: Vec<f16> },
+    /// Weight = d·(q − 16) with q in 0..32: the low four bits as Q4_1's `qs`, the fifth bit
+    /// of input j at bit j of the row's `qh` word. `qh`, `d`: `[n/16][k/32][16]`.
+    Q5_0 { qs: Vec<u8>, qh: Vec<u32>, d: Vec<f16> },
 }
 
 /// GGML's Q8_0 block: an f16 scale and 32 signed bytes.
 const Q8_0_BYTES: usize = 2 + BLOCK;
 /// GGML's Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles (input j low, j+16 high).
 const Q4_1_BYTES: usize = 4 + BLOCK / 2;
+/// GGML's Q5_0 block: f16 scale, 4 bytes of fifth bits, 16 bytes of nibbles as Q4_1's.
+const Q5_0_BYTES: usize = 6 + BLOCK / 2;
 
 impl PackedMatrix {
-    /// Packs a `[n, k]` Q8_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
+    /// Packs a `[n, k]` Q8_0, Q5_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
     /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
         let (n, k) = q.shape().dims2()?;
@@ -91,7 +97,11 @@ impl PackedMatrix {
         }
         let data = q.data()?;
         let kb = k / BLOCK;
-        let block_bytes = if q.dtype() == GgmlDType::Q8_0 { Q8_0_BYTES } else { Q4_1_BYTES };
+        let block_bytes = match q.dtype() {
+            GgmlDType::Q8_0 => Q8_0_BYTES,
+            GgmlDType::Q5_0 => Q5_0_BYTES,
+            _ => Q4_1_BYTES,
+        };
         if data.len() != n * kb * block_bytes {
             bail!("{:?} tensor of {n}×{k} has {} bytes", q.dtype(), data.len());
         }
@@ -111,6 +121,22 @@ impl PackedMatrix {
                 }
             }
             Packed::Q8_0 { qs, d }
+        } else if q.dtype() == GgmlDType::Q5_0 {
+            let mut qs = vec![0u8; n * k / 2];
+            let (mut qh, mut d) = (vec![0u32; n * kb], vec![f16::ZERO; n * kb]);
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for b in 0..kb {
+                    let block = &data[(row * kb + b) * Q5_0_BYTES..][..Q5_0_BYTES];
+                    let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
+                    d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
+                    qh[(nt * kb + b) * TILE_N + lane] = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+                    for (j, &byte) in block[6..].iter().enumerate() {
+                        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
+                    }
+                }
+            }
+            Packed::Q5_0 { qs, qh, d }
         } else {
             let mut qs = vec![0u8; n * k / 2];
             let (mut d, mut m) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb]);
@@ -181,6 +207,7 @@ impl PackedMatrix {
             match self.weights {
                 Packed::Q8_0 { .. } => by_rows!(q8_0_rows),
                 Packed::Q4_1 { .. } => by_rows!(q4_1_rows),
+                Packed::Q5_0 { .. } => by_rows!(q5_0_rows),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -293,6 +320,39 @@ mod avx512 {
         }
     }
 
+    /// Requests the tile's weight block `PREFETCH_BLOCKS` after the one at `w` (each `bytes`
+    /// long).
+    #[inline(always)]
+    unsafe fn prefetch_weights_ahead(w: *const u8, bytes: usize) {
+        unsafe { prefetch(w.wrapping_add(PREFETCH_BLOCKS * bytes), bytes) }
+    }
+
+    /// Requests the 16 per-row values (f16 scales or minima, u32 fifth bits) of the block
+    /// `PREFETCH_BLOCKS` after the current one, whose values start at `current`.
+    #[inline(always)]
+    unsafe fn prefetch_row_values_ahead<T>(current: *const T) {
+        unsafe {
+            prefetch(current.wrapping_add(PREFETCH_BLOCKS * TILE_N) as *const u8, std::mem::size_of::<T>() * TILE_N)
+        }
+    }
+
+    /// A packed Q4_1 block's 256 bytes of nibbles widened to 8 groups of 4 inputs × 16 rows:
+    /// groups 0..4 are the low nibbles (inputs 0..16), 4..8 the high ones (16..32).
+    #[inline(always)]
+    unsafe fn q4_1_nibbles(w: *const u8) -> [__m512i; 8] {
+        unsafe {
+            let nibble = _mm512_set1_epi8(0x0F);
+            let packed: [__m512i; 4] = core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _));
+            core::array::from_fn(|g| {
+                if g < 4 {
+                    _mm512_and_si512(packed[g], nibble)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(packed[g - 4]), nibble)
+                }
+            })
+        }
+    }
+
     /// Σ over 8 groups of 4 inputs of weight bytes × the row's activation bytes, from `init`.
     /// Two independent chains of `vpdpbusd`, added at the end: one chain of eight waits on
     /// each instruction's latency (4–12% slower at 8 and 64 rows). Integer sums are exact,
@@ -324,8 +384,8 @@ mod avx512 {
         let mut acc = [_mm512_setzero_ps(); ROWS];
         for b in 0..kb_n {
             let w = qs.add(b * TILE_N * BLOCK);
-            prefetch(w.wrapping_add(PREFETCH_BLOCKS * TILE_N * BLOCK), TILE_N * BLOCK);
-            prefetch(scales.wrapping_add((b + PREFETCH_BLOCKS) * TILE_N) as *const u8, 2 * TILE_N);
+            prefetch_weights_ahead(w, TILE_N * BLOCK);
+            prefetch_row_values_ahead(scales.wrapping_add(b * TILE_N));
             let ws = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(b * TILE_N) as *const __m256i));
             let wv: [__m512i; 8] = core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _));
             for (r, acc) in acc.iter_mut().enumerate() {
@@ -356,24 +416,15 @@ mod avx512 {
         let kb_n = p.k / BLOCK;
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
         let (d, m) = (d.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
-        let nibble = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); ROWS];
         for b in 0..kb_n {
             let w = qs.add(b * TILE_N * BLOCK / 2);
-            prefetch(w.wrapping_add(PREFETCH_BLOCKS * TILE_N * BLOCK / 2), TILE_N * BLOCK / 2);
-            prefetch(d.wrapping_add((b + PREFETCH_BLOCKS) * TILE_N) as *const u8, 2 * TILE_N);
-            prefetch(m.wrapping_add((b + PREFETCH_BLOCKS) * TILE_N) as *const u8, 2 * TILE_N);
+            prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+            prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+            prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
             let wd = _mm512_cvtph_ps(_mm256_loadu_si256(d.add(b * TILE_N) as *const __m256i));
             let wm = _mm512_cvtph_ps(_mm256_loadu_si256(m.add(b * TILE_N) as *const __m256i));
-            let packed: [__m512i; 4] = core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _));
-            // Groups 0..4 are the low nibbles (inputs 0..16), 4..8 the high ones (16..32).
-            let wv: [__m512i; 8] = core::array::from_fn(|g| {
-                if g < 4 {
-                    _mm512_and_si512(packed[g], nibble)
-                } else {
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(packed[g - 4]), nibble)
-                }
-            });
+            let wv = q4_1_nibbles(w);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let row = r0 + r;
                 let a = acts.q.as_ptr().add(row * acts.k + b * BLOCK) as *const i32;
@@ -382,6 +433,63 @@ mod avx512 {
                 let scale = _mm512_mul_ps(wd, _mm512_set1_ps(acts.d[blk]));
                 *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
                 *acc = _mm512_fmadd_ps(wm, _mm512_set1_ps(acts.s[blk]), *acc);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
+        }
+    }
+
+    /// A packed Q5_0 block's 16 rows × 32 weights as 8 groups of 4 inputs × 16 rows, unsigned
+    /// 0..32: the nibbles as Q4_1's, each byte's fifth bit from its row's `qh` word (bit j for
+    /// input j, and group g holds inputs 4g..4g+4).
+    #[inline(always)]
+    unsafe fn q5_0_weights(w: *const u8, qh: *const u32) -> [__m512i; 8] {
+        unsafe {
+            let low = q4_1_nibbles(w);
+            let qh = _mm512_loadu_si512(qh as *const _);
+            // Each dword's low byte copied to its four bytes, then byte i of the dword tests
+            // bit i: the four fifth bits of one group land in their four bytes.
+            let copy_low_byte = _mm512_set4_epi32(0x0C0C_0C0C, 0x0808_0808, 0x0404_0404, 0);
+            let bit_of_byte = _mm512_set1_epi32(0x0804_0201);
+            let sixteen = _mm512_set1_epi8(0x10);
+            core::array::from_fn(|g| {
+                let bits = _mm512_srlv_epi32(qh, _mm512_set1_epi32(4 * g as i32));
+                let copied = _mm512_shuffle_epi8(bits, copy_low_byte);
+                let set = _mm512_test_epi8_mask(copied, bit_of_byte);
+                _mm512_or_si512(low[g], _mm512_maskz_mov_epi8(set, sixteen))
+            })
+        }
+    }
+
+    /// Q5_0: Σ d·(q − 16)·(d_a·a) = d·d_a·(Σq·a − 16·Σa), the split llama.cpp uses.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn q5_0_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q5_0 { qs, qh, d } = &p.weights else { unreachable!("Q5_0 kernel on other weights") };
+        let kb_n = p.k / BLOCK;
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+        let (qh, d) = (qh.as_ptr().add(nt * kb_n * TILE_N), d.as_ptr().add(nt * kb_n * TILE_N));
+        let mut acc = [_mm512_setzero_ps(); ROWS];
+        for b in 0..kb_n {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+            prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+            prefetch_row_values_ahead(qh.wrapping_add(b * TILE_N));
+            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(d.add(b * TILE_N) as *const __m256i));
+            let wv = q5_0_weights(w, qh.add(b * TILE_N));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let row = r0 + r;
+                let a = acts.q.as_ptr().add(row * acts.k + b * BLOCK) as *const i32;
+                let blk = row * kb_n + b;
+                let isum = dot_block(_mm512_set1_epi32(-16 * acts.sum[blk]), &wv, a);
+                let scale = _mm512_mul_ps(wd, _mm512_set1_ps(acts.d[blk]));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
             }
         }
         for (r, acc) in acc.iter().enumerate() {
@@ -462,6 +570,17 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                         acc = (isum as f32).mul_add(d[at].to_f32() * da, acc);
                         acc = m[at].to_f32().mul_add(sa, acc);
                     }
+                    Packed::Q5_0 { qs, qh, d } => {
+                        let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
+                        let mut isum = -16 * sum;
+                        for (i, &a) in a.iter().enumerate() {
+                            let byte = qs[tile + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
+                            let low = if i < 16 { byte & 0x0F } else { byte >> 4 };
+                            let w = low | (((qh[at] >> i) & 1) as u8) << 4;
+                            isum += w as i32 * a as i32;
+                        }
+                        acc = (isum as f32).mul_add(d[at].to_f32() * da, acc);
+                    }
                 }
             }
             out[r * n + col] = acc;
@@ -498,7 +617,7 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
             let (n, k) = (48, 576);
             let (p, _) = packed(dtype, n, k);
             let x = random(19 * k, 11);
@@ -519,7 +638,7 @@ mod tests {
         }
         let (n, k) = (32, 576);
         let rows = SERIAL_QUANT_BLOCKS * BLOCK / k + 3;
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
             let (p, _) = packed(dtype, n, k);
             let x = random(rows * k, 13);
             assert_eq!(p.matmul(&x), matmul_portable(&p, &x), "{dtype:?}");
@@ -551,7 +670,7 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
             let (n, k) = (32, 96);
             let (p, dense) = packed(dtype, n, k);
             let x = random(3 * k, 5);
@@ -573,5 +692,6 @@ mod tests {
         assert!(!supports(GgmlDType::Q4_1, 32, 48));
         assert!(!supports(GgmlDType::Q4K, 32, 256));
         assert!(supports(GgmlDType::Q8_0, 32, 64) && supports(GgmlDType::Q4_1, 32, 64));
+        assert!(supports(GgmlDType::Q5_0, 32, 64) && !supports(GgmlDType::Q5_1, 32, 64));
     }
 }

@@ -368,7 +368,62 @@ mod avx512 {
         _mm512_add_epi32(even, odd)
     }
 
-    /// Q8_0: `rows` activation rows from `r0` against output tile `nt`, all of `k`.
+    /// One weight block of an output tile, ready for the dot products.
+    struct TileBlock {
+        /// 8 groups of 4 inputs × 16 rows, as unsigned bytes.
+        wv: [__m512i; 8],
+        /// The 16 rows' scales.
+        scale: __m512,
+        /// What the bytes carry on top of the signed weight (Q8_0: +128, Q5_0: +16): the
+        /// integer sum starts at −offset·Σa, exact, so it cancels.
+        offset: i32,
+        /// Q4_1's minima, added as `m·s_a`.
+        min: Option<__m512>,
+    }
+
+    /// The loop every kernel shares: `ROWS` activation rows from `r0` against output tile
+    /// `nt`, over all of `k`, with `block(b)` decoding the tile's weight block `b`. Per block
+    /// and row: `acc += cvt(Σ w·a − offset·Σa) · (d_w·d_a)`, then `+= m·s_a` for Q4_1; the
+    /// same float operations in the same order whatever the rows (row invariance).
+    #[inline(always)]
+    unsafe fn tile_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+        mut block: impl FnMut(usize) -> TileBlock,
+    ) {
+        unsafe {
+            let kb_n = p.k / BLOCK;
+            let mut acc = [_mm512_setzero_ps(); ROWS];
+            for b in 0..kb_n {
+                let w = block(b);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let row = r0 + r;
+                    let a = acts.q.as_ptr().add(row * acts.k + b * BLOCK) as *const i32;
+                    let blk = row * kb_n + b;
+                    let isum = dot_block(_mm512_set1_epi32(-w.offset * acts.sum[blk]), &w.wv, a);
+                    let scale = _mm512_mul_ps(w.scale, _mm512_set1_ps(acts.d[blk]));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+                    if let Some(min) = w.min {
+                        *acc = _mm512_fmadd_ps(min, _mm512_set1_ps(acts.s[blk]), *acc);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
+            }
+        }
+    }
+
+    /// The 16 f16 values of one block's rows, widened.
+    #[inline(always)]
+    unsafe fn row_values(p: *const half::f16) -> __m512 {
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+
+    /// Q8_0: weights stored +128 as bytes, so they are already unsigned.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn q8_0_rows<const ROWS: usize>(
         p: &PackedMatrix,
@@ -380,27 +435,18 @@ mod avx512 {
         let Packed::Q8_0 { qs, d } = &p.weights else { unreachable!("Q8_0 kernel on other weights") };
         let kb_n = p.k / BLOCK;
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK);
-        let scales = d.as_ptr().add(nt * kb_n * TILE_N);
-        let mut acc = [_mm512_setzero_ps(); ROWS];
-        for b in 0..kb_n {
+        let d = d.as_ptr().add(nt * kb_n * TILE_N);
+        tile_rows::<ROWS>(p, nt, acts, r0, out, |b| {
             let w = qs.add(b * TILE_N * BLOCK);
             prefetch_weights_ahead(w, TILE_N * BLOCK);
-            prefetch_row_values_ahead(scales.wrapping_add(b * TILE_N));
-            let ws = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(b * TILE_N) as *const __m256i));
-            let wv: [__m512i; 8] = core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let row = r0 + r;
-                let a = acts.q.as_ptr().add(row * acts.k + b * BLOCK) as *const i32;
-                let blk = row * kb_n + b;
-                // Start from −128·Σq to cancel the weights' +128 offset; integer sums are exact.
-                let isum = dot_block(_mm512_set1_epi32(-128 * acts.sum[blk]), &wv, a);
-                let scale = _mm512_mul_ps(ws, _mm512_set1_ps(acts.d[blk]));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+            prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+            TileBlock {
+                wv: core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _)),
+                scale: row_values(d.add(b * TILE_N)),
+                offset: 128,
+                min: None,
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
-        }
+        });
     }
 
     /// Q4_1: Σ(d·q + m)·(d_a·a) = d·d_a·Σq·a + m·s_a, the split llama.cpp uses.
@@ -416,28 +462,18 @@ mod avx512 {
         let kb_n = p.k / BLOCK;
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
         let (d, m) = (d.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
-        let mut acc = [_mm512_setzero_ps(); ROWS];
-        for b in 0..kb_n {
+        tile_rows::<ROWS>(p, nt, acts, r0, out, |b| {
             let w = qs.add(b * TILE_N * BLOCK / 2);
             prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
             prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
             prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
-            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(d.add(b * TILE_N) as *const __m256i));
-            let wm = _mm512_cvtph_ps(_mm256_loadu_si256(m.add(b * TILE_N) as *const __m256i));
-            let wv = q4_1_nibbles(w);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let row = r0 + r;
-                let a = acts.q.as_ptr().add(row * acts.k + b * BLOCK) as *const i32;
-                let blk = row * kb_n + b;
-                let isum = dot_block(_mm512_setzero_si512(), &wv, a);
-                let scale = _mm512_mul_ps(wd, _mm512_set1_ps(acts.d[blk]));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-                *acc = _mm512_fmadd_ps(wm, _mm512_set1_ps(acts.s[blk]), *acc);
+            TileBlock {
+                wv: q4_1_nibbles(w),
+                scale: row_values(d.add(b * TILE_N)),
+                offset: 0,
+                min: Some(row_values(m.add(b * TILE_N))),
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
-        }
+        });
     }
 
     /// A packed Q5_0 block's 16 rows × 32 weights as 8 groups of 4 inputs × 16 rows, unsigned
@@ -475,26 +511,18 @@ mod avx512 {
         let kb_n = p.k / BLOCK;
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
         let (qh, d) = (qh.as_ptr().add(nt * kb_n * TILE_N), d.as_ptr().add(nt * kb_n * TILE_N));
-        let mut acc = [_mm512_setzero_ps(); ROWS];
-        for b in 0..kb_n {
+        tile_rows::<ROWS>(p, nt, acts, r0, out, |b| {
             let w = qs.add(b * TILE_N * BLOCK / 2);
             prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
             prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
             prefetch_row_values_ahead(qh.wrapping_add(b * TILE_N));
-            let wd = _mm512_cvtph_ps(_mm256_loadu_si256(d.add(b * TILE_N) as *const __m256i));
-            let wv = q5_0_weights(w, qh.add(b * TILE_N));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let row = r0 + r;
-                let a = acts.q.as_ptr().add(row * acts.k + b * BLOCK) as *const i32;
-                let blk = row * kb_n + b;
-                let isum = dot_block(_mm512_set1_epi32(-16 * acts.sum[blk]), &wv, a);
-                let scale = _mm512_mul_ps(wd, _mm512_set1_ps(acts.d[blk]));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+            TileBlock {
+                wv: q5_0_weights(w, qh.add(b * TILE_N)),
+                scale: row_values(d.add(b * TILE_N)),
+                offset: 16,
+                min: None,
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
-        }
+        });
     }
 
     /// f32 → nearest f16 (ties to even) → f32, as `half`'s conversions round.

@@ -79,7 +79,8 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
             anyhow::bail!("{what} needs sequences of {len} tokens; the model's context is {ctx}");
         }
     }
-    let one_seq = s.prefill_tokens.max(s.verify_depth + s.max_m).max(s.decode_tokens + 8) + 64;
+    // The verify curve sizes its own pool (`time_blocks`).
+    let one_seq = s.prefill_tokens.max(s.decode_tokens + 8) + 64;
     let batched = s.batch * (s.batch_context + s.batch + s.decode_tokens + 16);
     let pool = model.new_kv_pool(one_seq.max(batched));
 

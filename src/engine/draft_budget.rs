@@ -59,11 +59,8 @@ impl StepCostModel {
     pub fn measure(model: &Transformer, max_rows: usize) -> Result<Self> {
         const DEPTH: usize = 64;
         let max_rows = max_rows.max(1);
-        let mut sizes = vec![1];
-        while *sizes.last().unwrap_or(&1) < max_rows {
-            let next = (sizes.last().unwrap_or(&1) * 2).min(max_rows);
-            sizes.push(next);
-        }
+        let sizes: Vec<usize> =
+            std::iter::successors(Some(1), |&rows| (rows < max_rows).then(|| (rows * 2).min(max_rows))).collect();
         let times = crate::spec::policy::time_blocks(model, DEPTH, &sizes, 3)?;
         let points =
             sizes.iter().zip(&times).map(|(&m, t)| (m, t.iter().copied().fold(f64::INFINITY, f64::min))).collect();

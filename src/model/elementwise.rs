@@ -196,13 +196,18 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    /// Reproducible values uniform in [-scale/2, scale/2).
+    fn values(seed: u64, scale: f32) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        }
+    }
+
     #[test]
     fn rms_norm_equals_candle_bitwise() {
-        let mut s = 7u64;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0
-        };
+        let mut next = values(7, 6.0);
         for (rows, width) in [(1usize, 576usize), (8, 576), (9, 576), (40, 896), (3, 13), (17, 1)] {
             let x =
                 Tensor::from_vec((0..rows * width).map(|_| next()).collect::<Vec<_>>(), (rows, width), &Device::Cpu)
@@ -232,11 +237,7 @@ mod tests {
     /// it) and on contiguous tensors, with values far outside the vector exp's range too.
     #[test]
     fn equals_candle_silu_times_up_bitwise() {
-        let mut s = 99u64;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 24.0
-        };
+        let mut next = values(99, 24.0);
         for (rows, width) in [(1usize, 1536usize), (8, 1536), (3, 4864), (5, 13), (2, 300)] {
             let mut data: Vec<f32> = (0..rows * 2 * width).map(|_| next()).collect();
             data[0] = 95.0;

@@ -7,7 +7,7 @@
 //! - [`kv`]: paged KV block pool, per-sequence block tables, rollback, freeing in `Drop`.
 //! - [`tokenize`]: GGUF BPE tokenizers, chat templates, streaming detokenisation.
 //! - [`sample`]: sampling settings and the one sampler used by plain decoding and the verifier.
-//! - [`spec`]: the `Proposer` trait, one file per drafter, one pure verifier.
+//! - [`speculative`]: the `Proposer` trait, one file per drafter, one pure verifier.
 //! - [`engine`]: the step loop (schedule → propose → forward → verify → commit).
 //! - [`server`]: the OpenAI-compatible HTTP server, its playground page and load tool.
 //! - [`cli`]: the `specula` command line.
@@ -22,6 +22,6 @@ pub mod model;
 mod parallel;
 pub mod sample;
 pub mod server;
-pub mod spec;
+pub mod speculative;
 pub mod tokenize;
 mod vmath;

@@ -1,5 +1,5 @@
 //! Sampling: a request's sampling settings and the one sampler shared by plain decoding and the
-//! speculative verifier ([`crate::spec::verify`]), so the two cannot drift apart.
+//! speculative verifier ([`crate::speculative::verify`]), so the two cannot drift apart.
 //!
 //! # Order of processing in [`probabilities`]
 //! Penalties ([`apply_penalties`]) act on the raw logits first, as in OpenAI and vLLM. Then:

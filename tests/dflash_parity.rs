@@ -18,8 +18,8 @@ use specula::engine::{generate, GenerateOptions, Generation, Sequence};
 use specula::kv::KvDtype;
 use specula::model::{ForwardBatch, LogitsRows, Transformer, WeightFormat};
 use specula::sample::{argmax, SamplerRng, SamplingParams};
-use specula::spec::dflash::{self, DflashConfig, DflashProposer, DflashSettings, TargetHead};
-use specula::spec::Proposer;
+use specula::speculative::dflash::{self, DflashConfig, DflashProposer, DflashSettings, TargetHead};
+use specula::speculative::Proposer;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -179,7 +179,7 @@ impl Proposer for Checked {
     fn observe(&mut self, tokens: &[u32], cached: std::ops::Range<usize>, taps: &[Tensor]) -> anyhow::Result<()> {
         self.inner.observe(tokens, cached, taps)
     }
-    fn propose(&mut self, tokens: &[u32], max_len: usize) -> anyhow::Result<specula::spec::Draft> {
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> anyhow::Result<specula::speculative::Draft> {
         assert_eq!(self.inner.context_rows().end, tokens.len() - 1, "context out of step with the commits");
         self.proposals += 1;
         self.inner.propose(tokens, max_len)
@@ -273,7 +273,7 @@ fn fixtures_match_the_reference_round_for_round() {
 #[test]
 fn the_factory_builds_dflash_from_a_drafter_string() {
     use specula::engine::LoadedModel;
-    use specula::spec::{build_proposer, DrafterSpec};
+    use specula::speculative::{build_proposer, DrafterSpec};
     let case = fixture_cases().into_iter().find(|c| c.ends_with("fitted")).expect("the fitted fixture");
     let expected: Value = serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
     let loaded = LoadedModel::load(&case.join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();

@@ -131,7 +131,7 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     // roll back, exactly as a speculative step does; all m in interleaved rounds after a
     // warm-up (see `time_blocks`), median of each.
     let sizes: Vec<usize> = (1..=s.max_m).collect();
-    let times = crate::spec::policy::time_blocks(model, s.verify_depth, &sizes, s.repeats.max(3))?;
+    let times = crate::speculative::policy::time_blocks(model, s.verify_depth, &sizes, s.repeats.max(3))?;
     let mut verify: Vec<VerifyPoint> =
         sizes.iter().zip(times).map(|(&m, mut t)| VerifyPoint { m, ms: median(&mut t) * 1e3, ratio: 0.0 }).collect();
     let base = verify[0].ms;

@@ -471,7 +471,7 @@ mod tests {
     use super::*;
     use crate::bench::spec::{summarize_all, Mode, PromptRun};
     use crate::engine::SpecMetrics;
-    use crate::spec::policy::DraftLen;
+    use crate::speculative::policy::DraftLen;
 
     fn report(datasets: &[&str], temps: &[f32], modes: &[Mode], models: usize) -> SpecBenchReport {
         let curve: Vec<f64> = (1..=16).map(|m| 1.0 + 0.35 * (m - 1) as f64).collect();

@@ -8,8 +8,8 @@
 use crate::datasets::{self, Prompt, PromptKind};
 use crate::engine::{generate, GenerateOptions, LoadedModel, Sequence, SpecMetrics};
 use crate::sample::SamplingParams;
-use crate::spec::policy::{measure_verify_curve, DraftLen, DraftPolicy};
-use crate::spec::{build_proposer, DrafterSpec};
+use crate::speculative::policy::{measure_verify_curve, DraftLen, DraftPolicy};
+use crate::speculative::{build_proposer, DrafterSpec};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -466,7 +466,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                             &loaded.model,
                             &mut seq,
                             &stop_ids,
-                            proposer.as_deref_mut().map(|p| p as &mut dyn crate::spec::Proposer),
+                            proposer.as_deref_mut().map(|p| p as &mut dyn crate::speculative::Proposer),
                             &mut opts,
                             &mut |_| true,
                         )

@@ -1,6 +1,6 @@
 use crate::bench::ar::{self, ArSettings};
 use crate::bench::{report, spec};
-use crate::spec::policy::{parse_draft_len, DEFAULT_ADAPTIVE_MAX, MAX_DRAFT_LEN};
+use crate::speculative::policy::{parse_draft_len, DEFAULT_ADAPTIVE_MAX, MAX_DRAFT_LEN};
 use anyhow::{bail, Result};
 
 #[derive(clap::Args)]

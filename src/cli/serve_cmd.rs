@@ -3,7 +3,7 @@
 use super::ModelArgs;
 use crate::engine::{Engine, EngineConfig};
 use crate::server::{serve, AppState, ServerConfig};
-use crate::spec::DrafterSpec;
+use crate::speculative::DrafterSpec;
 use anyhow::{Context, Result};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;

@@ -54,14 +54,14 @@ impl StepCostModel {
     }
 
     /// Times forwards of 1, 2, 4, … `max_rows` rows (logits for every row) on top of a short
-    /// context: three interleaved rounds after a warm-up (`spec::policy::time_blocks`), best
+    /// context: three interleaved rounds after a warm-up (`speculative::policy::time_blocks`), best
     /// of each.
     pub fn measure(model: &Transformer, max_rows: usize) -> Result<Self> {
         const DEPTH: usize = 64;
         let max_rows = max_rows.max(1);
         let sizes: Vec<usize> =
             std::iter::successors(Some(1), |&rows| (rows < max_rows).then(|| (rows * 2).min(max_rows))).collect();
-        let times = crate::spec::policy::time_blocks(model, DEPTH, &sizes, 3)?;
+        let times = crate::speculative::policy::time_blocks(model, DEPTH, &sizes, 3)?;
         let points =
             sizes.iter().zip(&times).map(|(&m, t)| (m, t.iter().copied().fold(f64::INFINITY, f64::min))).collect();
         Ok(Self::from_points(points))
@@ -90,7 +90,7 @@ impl StepCostModel {
     }
 
     /// `curve[m - 1]` = cost(m) / cost(1) for m in 1..=n: a single sequence's verify curve,
-    /// as [`crate::spec::policy::AdaptiveState`] wants it.
+    /// as [`crate::speculative::policy::AdaptiveState`] wants it.
     pub fn relative_curve(&self, n: usize) -> Vec<f64> {
         let one = self.secs(1).max(1e-12);
         (1..=n).map(|m| self.secs(m) / one).collect()

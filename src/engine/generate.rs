@@ -5,8 +5,8 @@ use super::metrics::SpecMetrics;
 use super::sequence::{FinishReason, Sequence};
 use crate::kv::PoolExhausted;
 use crate::model::{ForwardBatch, LogitsRows, Transformer};
-use crate::spec::verify::penalize_verification_rows;
-use crate::spec::{verify, Draft, Proposer};
+use crate::speculative::verify::penalize_verification_rows;
+use crate::speculative::{verify, Draft, Proposer};
 use anyhow::Result;
 use std::time::Instant;
 

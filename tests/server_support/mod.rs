@@ -46,7 +46,7 @@ pub fn start(engine: EngineConfig, server: ServerConfig) -> TestServer {
 /// draft budget rightly switches speculation off at that size.
 pub fn ngram_engine() -> EngineConfig {
     EngineConfig {
-        drafter: Some(specula::spec::DrafterSpec::parse("ngram").unwrap()),
+        drafter: Some(specula::speculative::DrafterSpec::parse("ngram").unwrap()),
         step_cost: Some(specula::engine::StepCostModel::from_points(vec![
             (1, 0.010),
             (2, 0.0102),

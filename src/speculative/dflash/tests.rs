@@ -5,7 +5,7 @@
 use super::*;
 use crate::model::{Linear as TargetLinear, WeightFormat};
 use crate::sample::SamplerRng;
-use crate::spec::Proposer;
+use crate::speculative::Proposer;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;

@@ -9,8 +9,8 @@
 //! ever sees committed rows, so no rejected token can leave a trace (spec §3.4).
 
 use super::model::{DflashDrafter, LayerKv, TargetHead};
-use crate::spec::proposer::Proposer;
-use crate::spec::verify::Draft;
+use crate::speculative::proposer::Proposer;
+use crate::speculative::verify::Draft;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};
 use std::ops::Range;

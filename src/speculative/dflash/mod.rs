@@ -9,7 +9,7 @@
 //!
 //! * [`config`]: the z-lab `config.json` (`DFlashDraftModel`) and the checks against a target.
 //! * [`model`]: the network ([`DflashDrafter`]) and the borrowed target head ([`TargetHead`]).
-//! * [`proposer`]: the [`Proposer`](crate::spec::Proposer) with the drafter's context cache.
+//! * [`proposer`]: the [`Proposer`](crate::speculative::Proposer) with the drafter's context cache.
 
 pub mod config;
 pub mod model;

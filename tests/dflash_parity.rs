@@ -14,7 +14,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
-use specula::engine::{generate, GenerateOptions, Generation, Sequence};
+use specula::engine::{generate, GenerateOptions, Generation};
 use specula::kv::KvDtype;
 use specula::model::{ForwardBatch, LogitsRows, Transformer, WeightFormat};
 use specula::sample::{argmax, SamplerRng, SamplingParams};
@@ -154,9 +154,8 @@ fn engine_generate(
     draft_len: usize,
 ) -> Generation {
     let pool = target.new_kv_pool_typed(prompt.len() + max_new + 64, KvDtype::F32);
-    let mut seq = Sequence::new(prompt, pool.new_sequence(), greedy_params(max_new));
-    let mut opts = GenerateOptions { trace: true, ..GenerateOptions::fixed_draft(draft_len) };
-    generate(target, &mut seq, &[], p, &mut opts, &mut |_| true).unwrap()
+    let opts = GenerateOptions { trace: true, ..GenerateOptions::fixed_draft(draft_len) };
+    generate(target.into(), &pool, prompt, greedy_params(max_new), p, &opts, &mut |_| {}).unwrap()
 }
 
 /// A DFlash proposer that checks the engine's invariant at every draft: the drafter's context
@@ -280,7 +279,7 @@ fn the_factory_builds_dflash_from_a_drafter_string() {
     let arg = format!("dflash:{},max=3,window=64", case.join("drafter").display());
     let spec = DrafterSpec::parse(&arg).unwrap();
     assert_eq!(spec.label(), arg);
-    let mut p = build_proposer(&spec, &loaded).unwrap();
+    let mut p = build_proposer(&spec, loaded.target()).unwrap();
     assert_eq!(p.name(), "dflash");
     let prompt = ids(&expected["prompt_ids"]);
     let max_new = expected["max_new_tokens"].as_u64().unwrap() as usize;
@@ -296,7 +295,7 @@ fn the_factory_builds_dflash_from_a_drafter_string() {
     write_target(&tmp.path().join("target"), 9);
     std::fs::copy(case.join("target/tokenizer.json"), tmp.path().join("target/tokenizer.json")).unwrap();
     let narrow = LoadedModel::load(&tmp.path().join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();
-    let err = build_proposer(&spec, &narrow).err().expect("hidden sizes differ");
+    let err = build_proposer(&spec, narrow.target()).err().expect("hidden sizes differ");
     assert!(format!("{err:#}").contains("hidden size mismatch"), "{err:#}");
     assert!(DrafterSpec::parse("dflash:").is_err());
 }

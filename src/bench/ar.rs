@@ -5,6 +5,8 @@
 
 use super::median;
 use crate::model::{ForwardBatch, LogitsRows, Transformer};
+use crate::speculative::step_cost::timing_filler;
+use crate::speculative::{StepCost, StepCostSettings};
 use anyhow::Result;
 use serde::Serialize;
 use std::time::Instant;
@@ -57,10 +59,10 @@ pub struct ArReport {
     pub verify: Vec<VerifyPoint>,
 }
 
-/// Deterministic filler tokens: a repeating walk over ordinary vocabulary ids, so runs are
-/// comparable without depending on a tokenizer.
+/// Deterministic filler tokens (the step-cost measurement's), so runs are comparable without
+/// depending on a tokenizer.
 fn filler(n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|i| (1000 + (i * 7919) % (vocab.saturating_sub(1000)).max(1)) as u32).collect()
+    timing_filler(vocab, n, 0)
 }
 
 pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
@@ -128,12 +130,12 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     let decode_tps = s.decode_tokens as f64 / median(&mut times);
 
     // Verify curve: m tokens on top of `verify_depth` cached ones, all rows' logits, then
-    // roll back, exactly as a speculative step does; all m in interleaved rounds after a
-    // warm-up (see `time_blocks`), median of each.
-    let sizes: Vec<usize> = (1..=s.max_m).collect();
-    let times = crate::speculative::policy::time_blocks(model, s.verify_depth, &sizes, s.repeats.max(3))?;
+    // roll back, exactly as a speculative step does: the step-cost measurement itself, at
+    // every m.
+    let settings = StepCostSettings::every(s.max_m, s.verify_depth, s.repeats.max(3));
+    let cost = StepCost::measure(model, &settings)?;
     let mut verify: Vec<VerifyPoint> =
-        sizes.iter().zip(times).map(|(&m, mut t)| VerifyPoint { m, ms: median(&mut t) * 1e3, ratio: 0.0 }).collect();
+        cost.measured().iter().map(|&(m, secs)| VerifyPoint { m, ms: secs * 1e3, ratio: 0.0 }).collect();
     let base = verify[0].ms;
     for p in verify.iter_mut() {
         p.ratio = p.ms / base;

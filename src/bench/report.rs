@@ -2,7 +2,7 @@
 //! number, and a PNG bar chart of speedups (drawn here with a built-in 5×7 bitmap font, so no
 //! font or plotting library is needed).
 
-use super::spec::{curve_cost, CellSummary, ModelReport, SpecBenchReport};
+use super::spec::{CellSummary, ModelReport, SpecBenchReport};
 use anyhow::{Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -16,11 +16,8 @@ fn fmt_temp(t: f32) -> String {
 
 /// The verify-cost curve as `cost(2) 1.31 · cost(4) 2.50 · …` (the points measured).
 pub fn curve_line(curve: &[f64]) -> String {
-    let parts: Vec<String> = CURVE_POINTS
-        .iter()
-        .filter(|&&m| m <= curve.len())
-        .map(|&m| format!("cost({m}) {:.2}", curve_cost(curve, m)))
-        .collect();
+    let parts: Vec<String> =
+        CURVE_POINTS.iter().filter_map(|&m| curve.get(m - 1).map(|c| format!("cost({m}) {c:.2}"))).collect();
     if parts.is_empty() {
         "not measured".to_string()
     } else {
@@ -470,8 +467,8 @@ pub fn render_chart_png(report: &SpecBenchReport) -> Result<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::bench::spec::{summarize_all, Mode, PromptRun};
-    use crate::engine::SpecMetrics;
     use crate::speculative::policy::DraftLen;
+    use crate::speculative::SpecMetrics;
 
     fn report(datasets: &[&str], temps: &[f32], modes: &[Mode], models: usize) -> SpecBenchReport {
         let curve: Vec<f64> = (1..=16).map(|m| 1.0 + 0.35 * (m - 1) as f64).collect();
@@ -509,7 +506,9 @@ mod tests {
                 }
             }
         }
-        let cells = summarize_all(&runs, modes, &datasets, temps, &curve);
+        let cost =
+            crate::speculative::StepCost::from_points(curve.iter().enumerate().map(|(i, &c)| (i + 1, c)).collect());
+        let cells = summarize_all(&runs, modes, &datasets, temps, &cost);
         let model = |k: usize| ModelReport {
             model: format!("model-{k}"),
             path: format!("/m/model-{k}.gguf"),

@@ -6,14 +6,15 @@
 //! output token for token.
 
 use crate::datasets::{self, Prompt, PromptKind};
-use crate::engine::{generate, GenerateOptions, LoadedModel, Sequence, SpecMetrics};
+use crate::engine::{generate, GenerateOptions, LoadedModel};
 use crate::sample::SamplingParams;
-use crate::speculative::policy::{measure_verify_curve, DraftLen, DraftPolicy};
 use crate::speculative::{build_proposer, DrafterSpec};
+use crate::speculative::{DraftLen, SpecMetrics, StepCost, StepCostSettings};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// `4` or `auto`, as a report label.
 pub fn draft_len_label(k: DraftLen) -> String {
@@ -212,23 +213,6 @@ pub struct SpecBenchReport {
     pub greedy_mismatches: usize,
 }
 
-/// cost(m)/cost(1) from the measured curve; past its end, extended along its last segment
-/// (the curve is close to linear there), proportionally when it has one point.
-pub fn curve_cost(curve: &[f64], m: usize) -> f64 {
-    if m == 0 || curve.is_empty() {
-        return 0.0;
-    }
-    if m <= curve.len() {
-        return curve[m - 1];
-    }
-    let n = curve.len();
-    if n == 1 {
-        return curve[0] * m as f64;
-    }
-    let slope = (curve[n - 1] - curve[n - 2]).max(0.0);
-    curve[n - 1] + slope * (m - n) as f64
-}
-
 /// Steps by draft length: `out[j]` = steps that drafted exactly j tokens.
 pub fn draft_len_histogram(m: &SpecMetrics) -> Vec<u64> {
     // Steps drafting ≥ j tokens: all steps for j = 0, drafted_at[j−1] after.
@@ -237,18 +221,18 @@ pub fn draft_len_histogram(m: &SpecMetrics) -> Vec<u64> {
 }
 
 /// Mean verify cost per step, in units of cost(1): a step drafting j tokens runs j + 1 rows.
-pub fn mean_verify_cost(m: &SpecMetrics, curve: &[f64]) -> f64 {
+pub fn mean_verify_cost(m: &SpecMetrics, cost: &StepCost) -> f64 {
     if m.steps == 0 {
         return 1.0;
     }
-    let total: f64 = draft_len_histogram(m).iter().enumerate().map(|(j, &n)| n as f64 * curve_cost(curve, j + 1)).sum();
+    let total: f64 = draft_len_histogram(m).iter().enumerate().map(|(j, &n)| n as f64 * cost.relative(j + 1)).sum();
     total / m.steps as f64
 }
 
 /// The ideal decode speedup over plain decoding: τ tokens per step at the step's verify cost,
 /// against one token per cost(1). Drafting time is taken as free, so real runs stay below it.
-pub fn speedup_bound(m: &SpecMetrics, curve: &[f64]) -> f64 {
-    let cost = mean_verify_cost(m, curve);
+pub fn speedup_bound(m: &SpecMetrics, step_cost: &StepCost) -> f64 {
+    let cost = mean_verify_cost(m, step_cost);
     if m.steps == 0 || cost <= 0.0 {
         return 1.0;
     }
@@ -279,7 +263,7 @@ pub fn summarize(
     mode: &Mode,
     dataset: &str,
     temperature: f32,
-    curve: &[f64],
+    cost: &StepCost,
     plain: Option<&CellSummary>,
 ) -> CellSummary {
     let mut metrics = SpecMetrics::default();
@@ -303,7 +287,7 @@ pub fn summarize(
         Some(p) => (ratio(tokens_per_s, p.tokens_per_s), ratio(decode_tokens_per_s, p.decode_tokens_per_s)),
         None => (1.0, 1.0),
     };
-    let bound = speedup_bound(&metrics, curve);
+    let bound = speedup_bound(&metrics, cost);
     let acceptance_at =
         metrics.drafted_at.iter().zip(&metrics.accepted_at).map(|(&d, &a)| ratio(a as f64, d as f64)).collect();
     CellSummary {
@@ -330,7 +314,7 @@ pub fn summarize(
         mean_draft_len: ratio(metrics.drafted as f64, metrics.steps as f64),
         draft_secs: metrics.draft_secs,
         verify_secs: metrics.verify_secs,
-        mean_verify_cost: mean_verify_cost(&metrics, curve),
+        mean_verify_cost: mean_verify_cost(&metrics, cost),
         bound,
         of_bound: ratio(decode_speedup, bound),
         mismatches: (compared > 0 || (!mode.is_plain() && temperature <= 0.0)).then_some(mismatches),
@@ -343,7 +327,7 @@ pub fn summarize_all(
     modes: &[Mode],
     datasets: &[String],
     temperatures: &[f32],
-    curve: &[f64],
+    cost: &StepCost,
 ) -> Vec<CellSummary> {
     let mut cells = Vec::new();
     for ds in datasets {
@@ -356,7 +340,7 @@ pub fn summarize_all(
                 if rows.is_empty() {
                     continue;
                 }
-                let cell = summarize(&rows, mode, ds, t, curve, plain.as_ref());
+                let cell = summarize(&rows, mode, ds, t, cost, plain.as_ref());
                 if mode.is_plain() {
                     plain = Some(cell.clone());
                 }
@@ -421,13 +405,15 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         // A drafter that cannot draft for this target (another vocabulary) fails here, before
         // any time is spent measuring.
         for spec in drafters.iter().flatten() {
-            build_proposer(spec, &loaded).with_context(|| format!("drafter {} for {model_key}", spec.label()))?;
+            build_proposer(spec, loaded.target())
+                .with_context(|| format!("drafter {} for {model_key}", spec.label()))?;
         }
         let curve_max_m = settings.curve_max_m.max(settings.max_auto_draft_len + 1).max(
             settings.draft_lens.iter().map(|k| if let DraftLen::Fixed(n) = k { n + 1 } else { 1 }).max().unwrap_or(1),
         );
         progress.set_message(format!("{model_key}: measuring the verify-cost curve"));
-        let curve = measure_verify_curve(&loaded.model, curve_max_m)?;
+        let cost = Arc::new(StepCost::measure(&loaded.model, &StepCostSettings::up_to(curve_max_m))?);
+        let curve: Vec<f64> = (1..=curve_max_m).map(|m| cost.relative(m)).collect();
         let stop_ids = loaded.stop_ids();
         let mut runs: Vec<PromptRun> = Vec::new();
 
@@ -447,28 +433,25 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                             max_tokens: Some(settings.max_tokens),
                             ..SamplingParams::default()
                         };
-                        let mut seq = Sequence::new(&prompt.ids, pool.new_sequence(), params);
-                        let mut opts = GenerateOptions::default();
                         let mut proposer = match drafter {
-                            Some(spec) => Some(build_proposer(spec, &loaded)?),
+                            Some(spec) => Some(build_proposer(spec, loaded.target())?),
                             None => None,
                         };
-                        if let Some(k) = mode.draft_len {
-                            let policy = match k {
-                                DraftLen::Fixed(n) => DraftPolicy::Fixed(n),
-                                DraftLen::Auto => {
-                                    DraftPolicy::Adaptive { max: settings.max_auto_draft_len, curve: curve.clone() }
-                                }
-                            };
-                            opts.draft_len = policy.draft_len_fn();
-                        }
+                        let opts = GenerateOptions {
+                            stop_ids: stop_ids.clone(),
+                            draft_len: mode.draft_len.unwrap_or(DraftLen::Fixed(0)),
+                            max_draft: settings.max_auto_draft_len,
+                            step_cost: Some(cost.clone()),
+                            ..GenerateOptions::default()
+                        };
                         let gen = generate(
-                            &loaded.model,
-                            &mut seq,
-                            &stop_ids,
+                            (&loaded.model).into(),
+                            &pool,
+                            &prompt.ids,
+                            params,
                             proposer.as_deref_mut().map(|p| p as &mut dyn crate::speculative::Proposer),
-                            &mut opts,
-                            &mut |_| true,
+                            &opts,
+                            &mut |_| {},
                         )
                         .with_context(|| format!("{ds} prompt {} ({})", prompt.id, mode.label()))?;
                         let (matches_plain, mismatch_at) = match (&plain_tokens, temperature <= 0.0) {
@@ -513,7 +496,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                 }
             }
         }
-        let cells = summarize_all(&runs, &modes, &settings.datasets, &settings.temperatures, &curve);
+        let cells = summarize_all(&runs, &modes, &settings.datasets, &settings.temperatures, &cost);
         models.push(ModelReport {
             model: model_key.clone(),
             path: path.display().to_string(),
@@ -588,7 +571,7 @@ mod tests {
     #[test]
     fn bound_is_tau_over_verify_cost_at_fixed_length() {
         // k = 4 every step → verify 5 rows: cost(5) = 2.5; τ = (1+4+2+3)/4 + 1 = 3.5.
-        let curve = [1.0, 1.3, 1.7, 2.1, 2.5, 2.9];
+        let curve = cost_of(&[1.0, 1.3, 1.7, 2.1, 2.5, 2.9]);
         let m = metrics_of(&[(4, 1), (4, 4), (4, 2), (4, 3)]);
         assert!((m.tau() - 3.5).abs() < 1e-12);
         assert!((speedup_bound(&m, &curve) - 3.5 / 2.5).abs() < 1e-12);
@@ -598,19 +581,15 @@ mod tests {
 
     #[test]
     fn bound_averages_the_cost_of_mixed_draft_lengths() {
-        let curve = [1.0, 2.0, 3.0];
+        let curve = cost_of(&[1.0, 2.0, 3.0]);
         // One step with k=2 (cost 3), one plain (cost 1): mean cost 2, τ = (2 + 2) / 2 = 2.
         let m = metrics_of(&[(2, 2), (0, 0)]);
         assert!((mean_verify_cost(&m, &curve) - 2.0).abs() < 1e-12);
         assert!((speedup_bound(&m, &curve) - 1.0).abs() < 1e-12);
     }
 
-    #[test]
-    fn curve_extends_past_its_end_along_the_last_segment() {
-        let curve = [1.0, 1.5, 2.5];
-        assert_eq!(curve_cost(&curve, 3), 2.5);
-        assert!((curve_cost(&curve, 5) - 4.5).abs() < 1e-12);
-        assert!((curve_cost(&[1.0], 3) - 3.0).abs() < 1e-12);
+    fn cost_of(relative: &[f64]) -> StepCost {
+        StepCost::from_points(relative.iter().enumerate().map(|(i, &c)| (i + 1, c)).collect())
     }
 
     #[test]
@@ -633,7 +612,7 @@ mod tests {
             run_row("humaneval", 0.0, &spec, 11, 5.0, metrics_of(&[(2, 2), (2, 2), (2, 1), (2, 2)]), Some(true)),
             run_row("humaneval", 0.0, &spec, 11, 5.0, metrics_of(&[(2, 2), (2, 2), (2, 1), (2, 2)]), Some(false)),
         ];
-        let cells = summarize_all(&runs, &modes, &ds, &[0.0], &curve);
+        let cells = summarize_all(&runs, &modes, &ds, &[0.0], &cost_of(&curve));
         assert_eq!(cells.len(), 2);
         let (plain, ngram) = (&cells[0], &cells[1]);
         assert_eq!(plain.mismatches, None);

@@ -1,6 +1,6 @@
 use crate::bench::ar::{self, ArSettings};
 use crate::bench::{report, spec};
-use crate::speculative::policy::{parse_draft_len, DEFAULT_ADAPTIVE_MAX, MAX_DRAFT_LEN};
+use crate::speculative::{parse_draft_len, MAX_DRAFT};
 use anyhow::{bail, Result};
 
 #[derive(clap::Args)]
@@ -44,7 +44,7 @@ pub struct BenchArgs {
     #[arg(long, default_values_t = vec!["auto".to_string()])]
     draft_len: Vec<String>,
     /// Longest draft the adaptive policy may choose.
-    #[arg(long, default_value_t = DEFAULT_ADAPTIVE_MAX)]
+    #[arg(long, default_value_t = MAX_DRAFT)]
     max_draft_len: usize,
     /// Prompt set: gsm8k-100, humaneval, humaneval-edit, mt-bench, math500, sharegpt; repeatable.
     #[arg(long, default_values_t = vec!["humaneval".to_string(), "gsm8k-100".to_string()])]
@@ -78,8 +78,8 @@ fn run_spec(args: BenchArgs) -> Result<()> {
     if args.weights.len() > 1 {
         bail!("--mode spec takes at most one --weights");
     }
-    if args.max_draft_len > MAX_DRAFT_LEN {
-        bail!("--max-draft-len {} is too long (at most {MAX_DRAFT_LEN})", args.max_draft_len);
+    if args.max_draft_len > MAX_DRAFT {
+        bail!("--max-draft-len {} is too long (at most {MAX_DRAFT})", args.max_draft_len);
     }
     let settings = spec::SpecBenchSettings {
         models: args.model.clone(),

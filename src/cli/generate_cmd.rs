@@ -1,9 +1,8 @@
 use super::ModelArgs;
-use crate::engine::{generate, GenerateOptions, Sequence, TextStream};
-use crate::engine::{Generation, SpecMetrics};
+use crate::engine::{generate, EngineModel, GenerateOptions, Generation};
 use crate::sample::SamplingParams;
-use crate::speculative::policy::{measure_verify_curve, parse_draft_len, DraftLen, DraftPolicy, DEFAULT_ADAPTIVE_MAX};
-use crate::speculative::{build_proposer, DrafterSpec, Proposer};
+use crate::speculative::{build_proposer, parse_draft_len, DraftLen, DrafterSpec, Proposer};
+use crate::speculative::{SpecMetrics, StepCost, StepCostSettings, MAX_DRAFT};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
 use std::io::Write;
@@ -44,6 +43,9 @@ pub struct GenerateArgs {
     /// Print one JSON object (text, token ids, timings) instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Keep generating past end-of-sequence tokens (until -n, the context or a stop string).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Speculative decoding drafter: `ngram[:N]` (prompt lookup over the prompt and output,
     /// n-grams of N tokens (default 3) down to 2) or `draft-model:MODEL` (a smaller model with
     /// the same tokenizer). Output is what decoding without one gives; only the speed changes.
@@ -98,51 +100,45 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     params.validate()?;
     let pool = args.model.kv_pool(&loaded.model)?;
-    let mut seq = Sequence::new(&prompt, pool.new_sequence(), params);
-    let mut text = TextStream::new(args.stop.clone());
-    let mut opts = GenerateOptions { trace: args.trace.is_some(), ..GenerateOptions::default() };
     let spec = args.drafter.as_deref().map(DrafterSpec::parse).transpose().context("--drafter")?;
     let mut proposer: Option<Box<dyn Proposer>> = match &spec {
-        Some(spec) => Some(build_proposer(spec, &loaded)?),
+        Some(spec) => Some(build_proposer(spec, loaded.target())?),
         None => None,
     };
-    let mut curve = None;
-    if spec.is_some() {
-        let policy = match args.draft_len {
-            DraftLen::Fixed(n) => DraftPolicy::Fixed(n),
-            DraftLen::Auto => {
-                let t = Instant::now();
-                let c = measure_verify_curve(&loaded.model, DEFAULT_ADAPTIVE_MAX + 1)?;
-                eprintln!(
-                    "[verify cost measured in {:.1} s: cost(2) {:.2}, cost(4) {:.2}, cost(8) {:.2}, cost(16) {:.2} × one token]",
-                    t.elapsed().as_secs_f64(),
-                    c[1],
-                    c[3],
-                    c[7],
-                    c[15]
-                );
-                curve = Some(c.clone());
-                DraftPolicy::Adaptive { max: DEFAULT_ADAPTIVE_MAX, curve: c }
-            }
-        };
-        opts.draft_len = policy.draft_len_fn();
+    let mut opts = GenerateOptions {
+        stop_ids: if args.ignore_eos { Vec::new() } else { loaded.stop_ids() },
+        draft_len: args.draft_len,
+        trace: args.trace.is_some(),
+        ..GenerateOptions::default()
+    };
+    if spec.is_some() && args.draft_len == DraftLen::Auto {
+        let t = Instant::now();
+        let cost = StepCost::measure(&loaded.model, &StepCostSettings::default())?;
+        eprintln!(
+            "[verify cost measured in {:.1} s: cost(2) {:.2}, cost(4) {:.2}, cost(8) {:.2}, cost(16) {:.2} × one token]",
+            t.elapsed().as_secs_f64(),
+            cost.relative(2),
+            cost.relative(4),
+            cost.relative(8),
+            cost.relative(16)
+        );
+        opts.step_cost = Some(std::sync::Arc::new(cost));
     }
     let stdout = std::io::stdout();
     let json = args.json;
-    let tokenizer = &loaded.tokenizer;
-    let mut on_token = |ev: crate::engine::TokenEvent| {
-        let piece = text.push(tokenizer, ev.token);
+    let mut printed = 0;
+    let mut on_chunk = |chunk: &crate::engine::TokenChunk| {
+        printed += chunk.text().len();
         if !json {
             let mut out = stdout.lock();
-            let _ = out.write_all(piece.as_bytes());
+            let _ = out.write_all(chunk.text().as_bytes());
             let _ = out.flush();
         }
-        !text.stopped()
     };
+    let target = EngineModel { model: &loaded.model, tokenizer: Some(&loaded.tokenizer) };
     let proposer_ref = proposer.as_mut().map(|p| &mut **p as &mut dyn Proposer);
-    let gen = generate(&loaded.model, &mut seq, &loaded.stop_ids(), proposer_ref, &mut opts, &mut on_token)
-        .context("generation failed")?;
-    let tail = text.finish();
+    let gen =
+        generate(target, &pool, &prompt, params, proposer_ref, &opts, &mut on_chunk).context("generation failed")?;
     if let Some(path) = &args.trace {
         write_trace(path, &gen).with_context(|| format!("writing the trace to {}", path.display()))?;
     }
@@ -154,7 +150,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         serde_json::json!({
             "drafter": s.label(),
             "draft_len": draft_len,
-            "verify_curve": curve,
+            "verify_curve": opts.step_cost.as_ref().map(|c| (1..=MAX_DRAFT + 1).map(|m| c.relative(m)).collect::<Vec<_>>()),
             "steps": gen.metrics.steps,
             "spec_steps": gen.metrics.spec_steps,
             "drafted": gen.metrics.drafted,
@@ -174,7 +170,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "weights": loaded.model.weight_format.name(),
             "prompt_ids": prompt,
             "token_ids": gen.tokens,
-            "text": text.text(),
+            "text": gen.text,
             "finish_reason": gen.finish.openai(),
             "prompt_tokens": gen.prompt_tokens,
             "prefill_tokens_per_s": gen.prefill_tps(),
@@ -184,7 +180,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("{tail}");
+        // The text streamed as it was committed; what a possible stop string held back comes
+        // at the end.
+        println!("{}", gen.text.get(printed..).unwrap_or(""));
         eprintln!(
             "[{} tokens prompt, {:.1} tok/s prefill | {} tokens generated, {:.1} tok/s decode | finish: {} | weights {}]",
             gen.prompt_tokens,

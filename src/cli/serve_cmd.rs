@@ -3,8 +3,8 @@
 use super::ModelArgs;
 use crate::engine::{Engine, EngineConfig};
 use crate::server::{serve, AppState, ServerConfig};
-use crate::speculative::DrafterSpec;
-use anyhow::{Context, Result};
+use crate::speculative::{parse_draft_len, DrafterSpec, MAX_DRAFT};
+use anyhow::{bail, Context, Result};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
@@ -33,8 +33,12 @@ pub struct ServeArgs {
     /// Tokens per batched forward (decode rows, draft rows and prefill chunks together).
     #[arg(long, default_value_t = 256)]
     step_tokens: usize,
-    /// Longest draft per sequence and step.
-    #[arg(long, default_value_t = 8)]
+    /// Draft length per sequence and step: `auto` (where it pays, weighed against the rest of
+    /// the batch) or a fixed number of tokens.
+    #[arg(long, default_value = "auto")]
+    draft_len: String,
+    /// Longest draft per sequence and step (`auto`).
+    #[arg(long, default_value_t = MAX_DRAFT)]
     max_draft: usize,
     /// Do not reuse the K/V of prompt prefixes shared between requests (prefix caching is
     /// on by default; outputs are the same either way).
@@ -66,10 +70,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_running: args.max_running,
         max_waiting: args.max_queue,
         drafter,
+        draft_len: parse_draft_len(&args.draft_len)?,
         max_draft: args.max_draft,
         step_cost: None,
         prefix_caching: !args.no_prefix_cache,
+        trace: false,
     };
+    if args.max_draft > MAX_DRAFT {
+        bail!("--max-draft {} is too long (at most {MAX_DRAFT})", args.max_draft);
+    }
     let engine = Arc::new(Engine::start(loaded, config)?);
     let server_config = ServerConfig {
         model_id: model_id.clone(),

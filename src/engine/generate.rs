@@ -1,57 +1,51 @@
-//! One request, start to finish: chunked prefill, then steps of
-//! propose → forward (pending token + draft) → verify → commit → rollback.
+//! One request, start to finish, on the engine's own step loop: an [`EngineCore`] holding a
+//! single request, stepped until it ends. The CLI's `generate`, `bench` and the tests run
+//! exactly what `serve` runs.
 
-use super::metrics::SpecMetrics;
-use super::sequence::{FinishReason, Sequence};
-use crate::kv::PoolExhausted;
-use crate::model::{ForwardBatch, LogitsRows, Transformer};
-use crate::speculative::verify::penalize_verification_rows;
-use crate::speculative::{verify, Draft, Proposer};
-use anyhow::Result;
+use super::active::EventSink;
+use super::core::{EngineConfig, EngineCore, EngineModel};
+use super::request::{Completion, EngineEvent, EngineRequest, StepTrace, TokenChunk};
+use super::sequence::FinishReason;
+use crate::kv::KvPool;
+use crate::sample::SamplingParams;
+use crate::speculative::{DraftLen, Proposer, SpecMetrics, StepCost, MAX_DRAFT};
+use anyhow::{bail, Result};
+use std::cell::RefCell;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
 use std::time::Instant;
 
-/// How a committed token was produced, for display and tracing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TokenSource {
-    /// A draft token the target accepted.
-    Draft,
-    /// Sampled from the target (first token, correction, or bonus).
-    Target,
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct TokenEvent {
-    pub token: u32,
-    pub source: TokenSource,
-}
-
-/// Per-step record for `--trace`.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct StepTrace {
-    pub draft: Vec<u32>,
-    pub accepted: usize,
-    pub next_token: u32,
-}
-
 pub struct GenerateOptions {
-    /// Rows per prefill forward.
-    pub prefill_chunk: usize,
-    /// Chooses the draft length of each step from the metrics so far (0 = plain decode).
-    pub draft_len: Box<dyn FnMut(&SpecMetrics) -> usize + Send>,
+    /// Tokens that end generation (the model's end-of-sequence ids; empty: none).
+    pub stop_ids: Vec<u32>,
+    /// Rows per forward: the prefill chunk.
+    pub step_tokens: usize,
+    /// Draft length per step (with a proposer). `Auto` needs `step_cost`.
+    pub draft_len: DraftLen,
+    /// Longest draft `DraftLen::Auto` may choose.
+    pub max_draft: usize,
+    /// The target's step-cost curve, for `DraftLen::Auto`.
+    pub step_cost: Option<Arc<StepCost>>,
     /// Record every step in [`Generation::trace`].
     pub trace: bool,
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self { prefill_chunk: 512, draft_len: Box::new(|_| 0), trace: false }
+        Self {
+            stop_ids: Vec::new(),
+            step_tokens: 512,
+            draft_len: DraftLen::Fixed(0),
+            max_draft: MAX_DRAFT,
+            step_cost: None,
+            trace: false,
+        }
     }
 }
 
 impl GenerateOptions {
     pub fn fixed_draft(n: usize) -> Self {
-        Self { draft_len: Box::new(move |_| n), ..Self::default() }
+        Self { draft_len: DraftLen::Fixed(n), ..Self::default() }
     }
 }
 
@@ -59,9 +53,13 @@ impl GenerateOptions {
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub tokens: Vec<u32>,
+    /// Detokenised output (when the engine had a tokenizer).
+    pub text: String,
     pub finish: FinishReason,
     pub prompt_tokens: usize,
+    /// Until the first token.
     pub prefill_secs: f64,
+    /// After the first token.
     pub decode_secs: f64,
     pub metrics: SpecMetrics,
     pub trace: Vec<StepTrace>,
@@ -78,166 +76,109 @@ impl Generation {
     }
 }
 
-/// Generates for `seq` until a stop token (`stop_ids`), `max_tokens`, the context end, or
-/// `on_token` returning false. `proposer` drafts; without one every step is plain decoding.
-pub fn generate(
-    model: &Transformer,
-    seq: &mut Sequence,
-    stop_ids: &[u32],
-    mut proposer: Option<&mut dyn Proposer>,
-    opts: &mut GenerateOptions,
-    on_token: &mut dyn FnMut(TokenEvent) -> bool,
-) -> Result<Generation> {
-    let context_len = model.config.context_len;
-    if seq.tokens.is_empty() {
-        anyhow::bail!("the prompt is empty");
-    }
-    if seq.tokens.len() >= context_len {
-        anyhow::bail!("the prompt has {} tokens, the model's context holds {context_len}", seq.tokens.len());
-    }
-    let taps_wanted: Vec<usize> = proposer.as_ref().map(|p| p.tap_layers().to_vec()).unwrap_or_default();
-    if let Some(p) = proposer.as_deref_mut() {
-        p.begin(&seq.tokens)?;
-    }
-    let mut metrics = SpecMetrics::default();
-    let mut trace = Vec::new();
-    let started = Instant::now();
-
-    // Prefill in chunks; the last chunk's last row gives the first token.
-    let prompt_len = seq.tokens.len();
-    let first_logits = loop {
-        let start = seq.cache.len();
-        let end = (start + opts.prefill_chunk.max(1)).min(prompt_len);
-        let last = end == prompt_len;
-        let tokens = seq.tokens[start..end].to_vec();
-        let mut batch = ForwardBatch::new();
-        batch.tap_layers = taps_wanted.clone();
-        batch.push(&tokens, &mut seq.cache, if last { LogitsRows::Last } else { LogitsRows::None });
-        let out = match model.forward(&mut batch) {
-            Ok(out) => out,
-            Err(e) if e.is::<PoolExhausted>() => anyhow::bail!("{e}: the prompt does not fit in the KV cache"),
-            Err(e) => return Err(e),
-        };
-        if let Some(p) = proposer.as_deref_mut() {
-            p.observe(&seq.tokens, start..end, &out.seq_taps(0)?)?;
-        }
-        if last {
-            break out.seq_logits(0)?;
-        }
-    };
-    let prefill_secs = started.elapsed().as_secs_f64();
-    let decode_start = Instant::now();
-
-    let mut rows = first_logits;
-    penalize_verification_rows(&mut rows, seq.generated(), &[], &seq.params);
-    let first = verify(&Draft::default(), &rows, &seq.params, &mut seq.rng).next_token;
-    let mut finish = commit(seq, &[first], 0, stop_ids, on_token, context_len);
-
-    while finish.is_none() {
-        // Propose, bounded by the context and by max_tokens (a draft past either is wasted).
-        let room_ctx = context_len.saturating_sub(seq.tokens.len() + 1);
-        let room_max = seq.params.max_tokens.map_or(usize::MAX, |m| m.saturating_sub(seq.generated().len() + 1));
-        let want = (opts.draft_len)(&metrics).min(room_ctx).min(room_max);
-        let t0 = Instant::now();
-        let mut draft = match (proposer.as_deref_mut(), want) {
-            (Some(p), w) if w > 0 => p.propose(&seq.tokens, w)?,
-            _ => Draft::default(),
-        };
-        draft.tokens.truncate(want);
-        if let Some(probs) = draft.probs.as_mut() {
-            probs.truncate(draft.tokens.len());
-        }
-        metrics.draft_secs += t0.elapsed().as_secs_f64();
-
-        // Verify: the pending token plus the draft, logits for every row.
-        let t1 = Instant::now();
-        let cached_before = seq.cache.len();
-        let mut input = seq.pending().to_vec();
-        input.extend_from_slice(&draft.tokens);
-        let mut batch = ForwardBatch::new();
-        batch.tap_layers = taps_wanted.clone();
-        batch.push(&input, &mut seq.cache, LogitsRows::All);
-        let out = match model.forward(&mut batch) {
-            Ok(out) => out,
-            Err(e) if e.is::<PoolExhausted>() => {
-                finish = Some(FinishReason::ContextFull);
-                break;
-            }
-            Err(e) => return Err(e),
-        };
-        let mut rows = out.seq_logits(0)?;
-        penalize_verification_rows(&mut rows, seq.generated(), &draft.tokens, &seq.params);
-        let verdict = verify(&draft, &rows, &seq.params, &mut seq.rng);
-        metrics.verify_secs += t1.elapsed().as_secs_f64();
-
-        // Roll back the target's cache to the committed tokens: the pending token and the
-        // accepted drafts stay; rejected drafts are forgotten.
-        let kept = cached_before + 1 + verdict.accepted;
-        seq.cache.truncate(kept);
-        let committed = verdict.committed(&draft.tokens);
-        metrics.record(draft.tokens.len(), verdict.accepted, committed.len());
-        if opts.trace {
-            trace.push(StepTrace {
-                draft: draft.tokens.clone(),
-                accepted: verdict.accepted,
-                next_token: verdict.next_token,
-            });
-        }
-        finish = commit(seq, &committed, verdict.accepted, stop_ids, on_token, context_len);
-        // A stop token among the accepted drafts, max_tokens or a consumer that stopped
-        // listening can end the step before every accepted draft is committed: the cache
-        // must not keep K/V for tokens that were never committed.
-        seq.cache.truncate(seq.tokens.len());
-        if let (Some(p), None) = (proposer.as_deref_mut(), finish) {
-            let taps = out.seq_taps(0)?;
-            let n = kept - cached_before;
-            let taps: Vec<_> = taps.iter().map(|t| t.narrow(0, 0, n)).collect::<candle_core::Result<_>>()?;
-            p.observe(&seq.tokens, cached_before..kept, &taps)?;
-        }
-    }
-    let decode_secs = decode_start.elapsed().as_secs_f64();
-    Ok(Generation {
-        tokens: seq.generated().to_vec(),
-        finish: finish.unwrap_or(FinishReason::Stop),
-        prompt_tokens: prompt_len,
-        prefill_secs,
-        decode_secs,
-        metrics,
-        trace,
-    })
+/// What the request's events leave behind.
+#[derive(Default)]
+struct Outcome {
+    tokens: Vec<u32>,
+    text: String,
+    first_token_at: Option<Instant>,
+    end: Option<Result<Completion, String>>,
 }
 
-/// Appends committed tokens one by one, stopping at a stop token (not kept), `max_tokens`,
-/// the context end, or a consumer that stops listening. The first `from_draft` tokens were
-/// accepted drafts.
-pub(super) fn commit(
-    seq: &mut Sequence,
-    tokens: &[u32],
-    from_draft: usize,
-    stop_ids: &[u32],
-    on_token: &mut dyn FnMut(TokenEvent) -> bool,
-    context_len: usize,
-) -> Option<FinishReason> {
-    for (i, &t) in tokens.iter().enumerate() {
-        if stop_ids.contains(&t) || seq.params.stop_token_ids.contains(&t) {
-            seq.finish = Some(FinishReason::Stop);
-            return seq.finish;
+/// `generate`'s event sink: chunks go to the caller's callback as they are committed.
+struct Collector<'c> {
+    on_chunk: &'c mut dyn FnMut(&TokenChunk),
+    outcome: &'c RefCell<Outcome>,
+}
+
+impl EventSink for Collector<'_> {
+    fn send(&mut self, event: EngineEvent) -> bool {
+        let mut o = self.outcome.borrow_mut();
+        match event {
+            EngineEvent::Tokens(chunk) => {
+                o.first_token_at.get_or_insert_with(Instant::now);
+                o.tokens.extend_from_slice(&chunk.ids);
+                o.text.push_str(&chunk.text());
+                (self.on_chunk)(&chunk);
+            }
+            EngineEvent::Done(c) => {
+                o.text.push_str(&c.tail);
+                o.end = Some(Ok(c));
+            }
+            EngineEvent::Failed(e) => o.end = Some(Err(e)),
         }
-        seq.tokens.push(t);
-        seq.counts.add(t);
-        let source = if i < from_draft { TokenSource::Draft } else { TokenSource::Target };
-        if !on_token(TokenEvent { token: t, source }) {
-            seq.finish = Some(FinishReason::Stop);
-            return seq.finish;
-        }
-        if seq.params.max_tokens.is_some_and(|m| seq.generated().len() >= m) {
-            seq.finish = Some(FinishReason::Length);
-            return seq.finish;
-        }
-        if seq.tokens.len() >= context_len {
-            seq.finish = Some(FinishReason::ContextFull);
-            return seq.finish;
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// Generates for `prompt` until a stop token or string, `max_tokens` or the context end.
+/// `proposer` drafts; without one every step is plain decoding. The sequence's KV blocks come
+/// from `pool` and go back to it at the end.
+pub fn generate(
+    target: EngineModel<'_>,
+    pool: &KvPool,
+    prompt: &[u32],
+    params: SamplingParams,
+    proposer: Option<&mut dyn Proposer>,
+    opts: &GenerateOptions,
+    on_chunk: &mut dyn FnMut(&TokenChunk),
+) -> Result<Generation> {
+    let stats = pool.stats();
+    if prompt.len() + 1 > stats.total_blocks * stats.block_size {
+        bail!("the prompt has {} tokens: it does not fit in the KV cache", prompt.len());
+    }
+    if matches!(opts.draft_len, DraftLen::Auto) && proposer.is_some() && opts.step_cost.is_none() {
+        bail!("an adaptive draft length needs the target's step-cost curve");
+    }
+    let config = EngineConfig {
+        step_tokens: opts.step_tokens.max(1),
+        max_running: 1,
+        draft_len: opts.draft_len,
+        max_draft: opts.max_draft,
+        // One request: nothing to share, and a later run must not start from an earlier one's
+        // cached prompt (bench compares runs on the same pool).
+        prefix_caching: false,
+        trace: opts.trace,
+        ..EngineConfig::default()
+    };
+    let outcome = RefCell::new(Outcome::default());
+    let started = Instant::now();
+    {
+        let mut core = EngineCore::new(
+            target,
+            opts.stop_ids.clone(),
+            pool.clone(),
+            &config,
+            opts.step_cost.clone(),
+            Arc::new(AtomicUsize::new(1)),
+        );
+        let request =
+            EngineRequest { prompt: prompt.to_vec(), params, speculate: proposer.is_some(), ignore_eos: false };
+        let proposer = proposer.map(|p| Box::new(p) as Box<dyn Proposer + '_>);
+        core.add(request, proposer, Box::new(Collector { on_chunk, outcome: &outcome }));
+        while !core.is_idle() {
+            core.step();
         }
     }
-    None
+    let ended = Instant::now();
+    let o = outcome.into_inner();
+    let completion = match o.end {
+        Some(Ok(c)) => c,
+        Some(Err(e)) => bail!("{e}"),
+        None => bail!("the engine ended the request without a result"),
+    };
+    let first = o.first_token_at.unwrap_or(ended);
+    Ok(Generation {
+        tokens: o.tokens,
+        text: o.text,
+        finish: completion.finish,
+        prompt_tokens: prompt.len(),
+        prefill_secs: first.duration_since(started).as_secs_f64(),
+        decode_secs: ended.duration_since(first).as_secs_f64(),
+        metrics: completion.metrics,
+        trace: completion.trace,
+    })
 }

@@ -66,6 +66,11 @@ impl LoadedModel {
         self.tokenizer.encode(&text, true)
     }
 
+    /// What a drafter needs of this model.
+    pub fn target(&self) -> crate::speculative::Target<'_> {
+        crate::speculative::Target { model: &self.model, tokenizer: &self.tokenizer }
+    }
+
     /// Token ids that end generation: the tokenizer's end-of-sequence / end-of-turn ids.
     pub fn stop_ids(&self) -> Vec<u32> {
         self.tokenizer.stop_ids().to_vec()

@@ -1,26 +1,36 @@
-//! The step loop: schedule → propose → forward → verify → commit.
+//! The engine: requests, the scheduler, and the one step loop (plan → draft → forward →
+//! verify and commit) that the server, `generate`, `bench` and the tests all run.
 //!
-//! Speculation is not a mode: every step runs the sequence's pending token plus the k draft
+//! Speculation is not a mode: every step runs each sequence's pending token plus the k draft
 //! tokens its proposer offers (k = 0 is plain decoding), verifies them with the one verifier,
 //! commits the accepted prefix plus one target token, and rolls the KV cache back to the
 //! committed length.
+//!
+//! - [`core`]: [`EngineCore`], the step loop over a batch of requests.
+//! - [`handle`]: [`Engine`], the server's engine thread around it.
+//! - [`generate`]: one request on the same loop (CLI, bench, tests).
+//! - `scheduler` / `draft_budget`: which rows run in a step, and how many draft tokens each
+//!   decoding request gets.
 
-mod batch_step;
+mod active;
+mod core;
 mod draft_budget;
+mod fleet;
 mod generate;
+mod handle;
 mod loaded;
-mod metrics;
 mod request;
 mod scheduler;
 mod sequence;
 mod text_stream;
 
-pub use batch_step::{Engine, EngineConfig, EngineSnapshot};
-pub use draft_budget::{allocate_drafts, DraftBid, StepCostModel};
-pub use generate::{generate, GenerateOptions, Generation, StepTrace, TokenEvent, TokenSource};
+pub use self::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
+pub use active::EventSink;
+pub use draft_budget::{allocate_drafts, DraftBid};
+pub use generate::{generate, GenerateOptions, Generation};
+pub use handle::Engine;
 pub use loaded::LoadedModel;
-pub use metrics::SpecMetrics;
-pub use request::{Completion, EngineEvent, EngineRequest, SubmitError, TokenChunk, Usage};
+pub use request::{Completion, EngineEvent, EngineRequest, StepTrace, SubmitError, TokenChunk, TokenSource, Usage};
 pub use scheduler::{SchedSeq, Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};
 pub use sequence::{FinishReason, Sequence};
 pub use text_stream::TextStream;

@@ -1,9 +1,28 @@
 //! What a client hands the serving engine, and what streams back to it.
 
-use super::generate::TokenSource;
 use super::sequence::FinishReason;
 use crate::sample::SamplingParams;
+use crate::speculative::SpecMetrics;
 use serde::Serialize;
+
+/// How a committed token was produced, for display and tracing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenSource {
+    /// A draft token the target accepted.
+    Draft,
+    /// Sampled from the target (first token, correction, or bonus).
+    Target,
+}
+
+/// One verify step of one request, recorded when the engine is asked to trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StepTrace {
+    pub draft: Vec<u32>,
+    pub accepted: usize,
+    /// The target's token after the accepted drafts (a bonus when all were accepted).
+    pub next_token: u32,
+}
 
 /// One generation request: prompt token ids and sampling settings (already validated).
 #[derive(Debug, Clone)]
@@ -64,6 +83,10 @@ pub struct Completion {
     /// Text released at the end (held back until then in case a stop string began there).
     pub tail: String,
     pub usage: Usage,
+    /// The request's speculation counters (τ, acceptance per position, draft and verify time).
+    pub metrics: SpecMetrics,
+    /// Every verify step, when the engine traces (empty otherwise).
+    pub trace: Vec<StepTrace>,
 }
 
 /// Streamed to the request's receiver, in order: any number of `Tokens`, then one `Done` or

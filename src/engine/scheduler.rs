@@ -13,7 +13,8 @@
 //! Invariant: every running sequence arrived before every waiting one, so FIFO order is
 //! global and the newest running sequence is always the preemption victim.
 
-use super::draft_budget::{allocate_drafts, DraftBid, StepCostModel};
+use super::draft_budget::{allocate_drafts, DraftBid};
+use crate::speculative::StepCost;
 use std::collections::VecDeque;
 
 /// What the scheduler needs to know about a sequence.
@@ -104,7 +105,7 @@ impl<T: SchedSeq> Scheduler<T> {
     }
 
     /// Plans the next step given the pool's free and total blocks. `costs` enables drafts.
-    pub fn schedule(&mut self, free_blocks: usize, total_blocks: usize, costs: Option<&StepCostModel>) -> StepPlan<T> {
+    pub fn schedule(&mut self, free_blocks: usize, total_blocks: usize, costs: Option<&StepCost>) -> StepPlan<T> {
         let mut preempted = 0;
         let mut unfittable = Vec::new();
         let mut free = free_blocks;
@@ -137,7 +138,7 @@ impl<T: SchedSeq> Scheduler<T> {
         &mut self,
         free: &mut usize,
         total_blocks: usize,
-        costs: Option<&StepCostModel>,
+        costs: Option<&StepCost>,
         preempted: &mut usize,
         unfittable: &mut Vec<T>,
     ) -> (Vec<Slot>, Vec<usize>) {
@@ -170,8 +171,8 @@ impl<T: SchedSeq> Scheduler<T> {
             }
         }
 
-        // 2. Drafts, where they pay and fit.
-        if let Some(costs) = costs {
+        // 2. Drafts, where they pay (or are asked for exactly) and fit.
+        {
             let bids: Vec<DraftBid> = decode_idx.iter().map(|&i| self.running[i].draft_bid()).collect();
             if bids.iter().any(|b| b.max_len > 0) {
                 let blocks_for = |tokens: usize| tokens.div_ceil(bs);
@@ -428,12 +429,12 @@ mod tests {
 
     #[test]
     fn drafts_go_to_decoding_sequences_when_they_pay() {
-        let costs = StepCostModel::from_points(vec![(1, 10.0), (4, 10.5), (8, 20.0), (64, 146.0)]);
+        let costs = StepCost::from_points(vec![(1, 10.0), (4, 10.5), (8, 20.0), (64, 146.0)]);
         let mut s = sched(64, 4);
         let mut f = fake(0, 5);
         f.cached = 4;
         f.blocks = 1;
-        f.bid = DraftBid { alpha: 0.9, max_len: 6, secs_per_token: 0.0 };
+        f.bid = DraftBid { alpha: 0.9, max_len: 6, secs_per_token: 0.0, exact: false };
         s.running.push(f);
         let plan = s.schedule(10, 11, Some(&costs));
         let SlotKind::Decode { draft } = plan.slots[0].kind else { panic!("{plan:?}") };

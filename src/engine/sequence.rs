@@ -1,7 +1,7 @@
 //! One request's decoding state.
 
 use crate::kv::SeqCache;
-use crate::sample::{SamplerRng, SamplingParams, TokenCounts};
+use crate::sample::{SamplerRng, SamplingParams};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -38,22 +38,12 @@ pub struct Sequence {
     pub cache: SeqCache,
     pub params: SamplingParams,
     pub rng: SamplerRng,
-    pub counts: TokenCounts,
-    pub finish: Option<FinishReason>,
 }
 
 impl Sequence {
     pub fn new(prompt: &[u32], cache: SeqCache, params: SamplingParams) -> Self {
         let rng = SamplerRng::for_params(&params);
-        Self {
-            tokens: prompt.to_vec(),
-            prompt_len: prompt.len(),
-            cache,
-            params,
-            rng,
-            counts: TokenCounts::default(),
-            finish: None,
-        }
+        Self { tokens: prompt.to_vec(), prompt_len: prompt.len(), cache, params, rng }
     }
 
     pub fn generated(&self) -> &[u32] {

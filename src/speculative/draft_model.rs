@@ -52,11 +52,11 @@ impl DraftModelProposer {
         self.cache.truncate(len);
     }
 
-    /// Feeds `tokens` on top of the cache, returning the logits of the last one.
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// Feeds `tokens` on top of the cache, returning the logits of the last one (when `logits`).
+    fn feed(&mut self, tokens: &[u32], logits: bool) -> Result<Option<Vec<f32>>> {
         let mut last = None;
         for chunk in tokens.chunks(CATCH_UP_CHUNK) {
-            let is_last = chunk.as_ptr_range().end == tokens.as_ptr_range().end;
+            let is_last = logits && chunk.as_ptr_range().end == tokens.as_ptr_range().end;
             let mut batch = ForwardBatch::new();
             batch.push(chunk, &mut self.cache, if is_last { LogitsRows::Last } else { LogitsRows::None });
             let out = self.model.forward(&mut batch)?;
@@ -65,15 +65,24 @@ impl DraftModelProposer {
                 last = out.seq_logits(0)?.pop();
             }
         }
-        last.ok_or_else(|| anyhow::anyhow!("draft model returned no logits"))
+        if logits && last.is_none() {
+            bail!("draft model returned no logits");
+        }
+        Ok(last)
+    }
+
+    /// Committed tokens to keep (the prefix the cache shares with `tokens`), always re-feeding
+    /// at least the last one: its logits give the first draft token.
+    fn shared_prefix(&self, tokens: &[u32]) -> usize {
+        common_prefix(&self.fed, tokens).min(tokens.len().saturating_sub(1))
     }
 
     fn draft(&mut self, tokens: &[u32], max_len: usize) -> Result<Vec<u32>> {
         // Keep the shared prefix, but always re-feed at least the last committed token: its
         // logits give the first draft token.
-        let shared = common_prefix(&self.fed, tokens).min(tokens.len() - 1);
+        let shared = self.shared_prefix(tokens);
         self.truncate(shared);
-        let mut logits = self.feed(&tokens[shared..])?;
+        let mut logits = self.feed(&tokens[shared..], true)?.unwrap_or_default();
         let mut draft = Vec::with_capacity(max_len);
         loop {
             let next = crate::sample::argmax(&logits);
@@ -81,7 +90,7 @@ impl DraftModelProposer {
             if draft.len() == max_len || self.stop_ids.contains(&next) {
                 return Ok(draft);
             }
-            logits = self.feed(&[next])?;
+            logits = self.feed(&[next], true)?.unwrap_or_default();
         }
     }
 }
@@ -107,6 +116,25 @@ impl Proposer for DraftModelProposer {
         let shared = common_prefix(&self.fed, tokens);
         self.truncate(shared);
         Ok(())
+    }
+
+    fn pending_catch_up(&self, tokens: &[u32]) -> usize {
+        tokens.len().saturating_sub(1) - self.shared_prefix(tokens)
+    }
+
+    fn catch_up(&mut self, tokens: &[u32]) -> Result<usize> {
+        let shared = self.shared_prefix(tokens);
+        let end = tokens.len().saturating_sub(1);
+        if end <= shared || end > self.model.config.context_len {
+            return Ok(0);
+        }
+        self.truncate(shared);
+        match self.feed(&tokens[shared..end], false) {
+            Ok(_) => Ok(end - shared),
+            // The drafter's pool is full: `propose` drafts nothing then.
+            Err(e) if e.is::<PoolExhausted>() => Ok(0),
+            Err(e) => Err(e),
+        }
     }
 
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {

@@ -1,14 +1,21 @@
 //! Speculative decoding: the `Proposer` trait (one file per drafter), one pure verifier, the
-//! draft-length policy, and a factory that builds a drafter from a `--drafter` string.
+//! step-cost model and draft-length policy, and a factory that builds a drafter from a
+//! `--drafter` string. Depends on `model`, `kv`, `tokenize` and `sample`, never on `engine`.
 
 pub mod dflash;
 pub mod draft_model;
 pub mod factory;
+pub mod metrics;
 pub mod ngram;
 pub mod policy;
 pub mod proposer;
+pub mod step_cost;
 pub mod verify;
+mod weight_cache;
 
-pub use factory::{build_proposer, DrafterSpec};
+pub use factory::{build_proposer, DrafterSpec, Target};
+pub use metrics::SpecMetrics;
+pub use policy::{parse_draft_len, AdaptiveState, DraftLen};
 pub use proposer::Proposer;
+pub use step_cost::{StepCost, StepCostSettings, MAX_DRAFT};
 pub use verify::{verify, Draft, Verdict};

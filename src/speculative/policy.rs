@@ -10,11 +10,16 @@
 //! α is an exponentially weighted estimate from recent steps. While it stays at k = 0 it probes
 //! with a short draft now and then (with exponential back-off), otherwise it could never learn
 //! that acceptance has improved; a probe's outcome replaces the stale estimate.
+//!
+//! An idle drafter costs nothing, but resuming can: a draft model first feeds every token it
+//! missed. That catch-up is timed on its own, and a probe that would need one is made only when
+//! it costs at most [`tuning::PROBE_BUDGET`] of the time spent idle since the last draft; a
+//! request starts with a probe only when its caller says drafting is expected to pay.
 
-use crate::engine::SpecMetrics;
-use crate::model::{ForwardBatch, LogitsRows, Transformer};
+use super::metrics::SpecMetrics;
+use super::step_cost::{StepCost, MAX_DRAFT};
 use anyhow::{bail, Result};
-use std::time::Instant;
+use std::sync::Arc;
 
 /// α from counts of accepted and tried draft positions, pulled towards `prior` with the weight
 /// of `prior_trials` tried positions.
@@ -22,13 +27,25 @@ pub fn alpha_estimate(accepted: f64, tried: f64, prior: f64, prior_trials: f64) 
     (accepted + prior * prior_trials) / (tried + prior_trials)
 }
 
-/// How each step's draft length is chosen.
-#[derive(Debug, Clone, PartialEq)]
-pub enum DraftPolicy {
-    /// Always ask for this many tokens (0 = plain decoding).
-    Fixed(usize),
-    /// Choose 0..=max per step; `curve[m - 1]` = cost(m)/cost(1) of verifying m tokens.
-    Adaptive { max: usize, curve: Vec<f64> },
+/// Expected speed of drafting k tokens relative to plain decoding, when each draft position is
+/// accepted with probability `alpha` and drafting costs `draft_cost` decode steps per token.
+pub fn speedup(cost: &StepCost, alpha: f64, draft_cost: f64, k: usize) -> f64 {
+    let a = alpha.clamp(0.0, 1.0);
+    let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
+    expected / (cost.relative(k + 1) + draft_cost * k as f64).max(1e-9)
+}
+
+/// The k in 0..=max with the best expected speed (shortest on ties), and that speed (k = 0
+/// scores 1).
+pub fn best_len(cost: &StepCost, max: usize, alpha: f64, draft_cost: f64) -> (usize, f64) {
+    let mut best = (0, 1.0);
+    for k in 1..=max {
+        let s = speedup(cost, alpha, draft_cost, k);
+        if s > best.1 * (1.0 + 1e-9) {
+            best = (k, s);
+        }
+    }
+    best
 }
 
 /// A parsed `--draft-len` value.
@@ -38,13 +55,6 @@ pub enum DraftLen {
     Fixed(usize),
 }
 
-/// Longest draft `--draft-len` accepts (and the adaptive policy's default ceiling + 1 is the
-/// largest block the verify curve is measured for).
-pub const MAX_DRAFT_LEN: usize = 32;
-
-/// Default ceiling of the adaptive policy.
-pub const DEFAULT_ADAPTIVE_MAX: usize = 15;
-
 /// Parses `--draft-len N|auto`.
 pub fn parse_draft_len(s: &str) -> Result<DraftLen> {
     let s = s.trim();
@@ -52,23 +62,9 @@ pub fn parse_draft_len(s: &str) -> Result<DraftLen> {
         return Ok(DraftLen::Auto);
     }
     match s.parse::<usize>() {
-        Ok(n) if n <= MAX_DRAFT_LEN => Ok(DraftLen::Fixed(n)),
-        Ok(n) => bail!("--draft-len {n} is too long (at most {MAX_DRAFT_LEN})"),
+        Ok(n) if n <= MAX_DRAFT => Ok(DraftLen::Fixed(n)),
+        Ok(n) => bail!("--draft-len {n} is too long (at most {MAX_DRAFT})"),
         Err(_) => bail!("--draft-len must be a number of tokens or `auto`, got `{s}`"),
-    }
-}
-
-impl DraftPolicy {
-    /// The closure [`crate::engine::GenerateOptions::draft_len`] calls before every step. It
-    /// keeps its own state, so use one per request.
-    pub fn draft_len_fn(self) -> Box<dyn FnMut(&SpecMetrics) -> usize + Send> {
-        match self {
-            DraftPolicy::Fixed(n) => Box::new(move |_| n),
-            DraftPolicy::Adaptive { max, curve } => {
-                let mut state = AdaptiveState::new(max, curve);
-                Box::new(move |m| state.choose(m))
-            }
-        }
     }
 }
 
@@ -86,13 +82,15 @@ mod tuning {
     pub const PROBE_AFTER_MAX: u32 = 128;
     /// Draft length of a probe.
     pub const PROBE_LEN: usize = 2;
+    /// Share of the idle time since the last draft that a probe's catch-up may cost.
+    pub const PROBE_BUDGET: f64 = 0.02;
 }
 
 /// The adaptive policy's running estimates.
 #[derive(Debug, Clone)]
 pub struct AdaptiveState {
     max: usize,
-    curve: Vec<f64>,
+    cost: Arc<StepCost>,
     /// Decayed counts of accepted draft positions and of positions tried (a position is tried
     /// when every earlier one was accepted).
     accepted: f64,
@@ -111,6 +109,13 @@ pub struct AdaptiveState {
     stale: bool,
     /// The last step drafted, so the drafter had no tokens to catch up on in the next one.
     drafter_warm: bool,
+    /// Decayed time of one target decode step, in seconds (from verify times and the curve).
+    step_secs: f64,
+    /// Steps since the last draft.
+    idle_steps: u32,
+    /// No draft until the next scheduled probe (a request told not to start with one, or a
+    /// probe that was not affordable).
+    hold: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -135,10 +140,12 @@ impl Snapshot {
 }
 
 impl AdaptiveState {
-    pub fn new(max: usize, curve: Vec<f64>) -> Self {
+    /// `probe_first`: start with a short draft (nothing is known about this drafter on this
+    /// text yet), or idle until the first scheduled probe.
+    pub fn new(max: usize, cost: Arc<StepCost>, probe_first: bool) -> Self {
         Self {
             max,
-            curve,
+            cost,
             accepted: 0.0,
             trials: 0.0,
             draft_cost_sum: 0.0,
@@ -146,10 +153,12 @@ impl AdaptiveState {
             last: Snapshot::default(),
             zero_streak: 0,
             probe_after: tuning::PROBE_AFTER,
-            // Start with a probe: nothing is known about this drafter on this text yet.
-            probing: true,
+            probing: probe_first,
             stale: false,
             drafter_warm: false,
+            step_secs: 0.0,
+            idle_steps: 0,
+            hold: !probe_first,
         }
     }
 
@@ -173,39 +182,19 @@ impl AdaptiveState {
         }
     }
 
-    /// cost(m)/cost(1), extrapolated linearly past the measured curve.
+    /// cost(m)/cost(1): a verify block of m tokens in decode steps.
     fn cost(&self, m: usize) -> f64 {
-        let c = &self.curve;
-        match c.len() {
-            0 => m as f64, // no curve: assume verifying is as dear as decoding each token
-            _ if m == 0 => 0.0,
-            n if m <= n => c[m - 1],
-            1 => c[0] * m as f64,
-            n => {
-                let slope = (c[n - 1] - c[n - 2]).max(0.0);
-                c[n - 1] + slope * (m - n) as f64
-            }
-        }
+        self.cost.relative(m)
     }
 
     /// Expected speed of drafting k tokens relative to plain decoding (k = 0 scores 1).
     pub fn speedup(&self, k: usize) -> f64 {
-        let a = self.alpha().clamp(0.0, 1.0);
-        let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
-        let cost = self.cost(k + 1) / self.cost(1).max(1e-9) + self.draft_cost() * k as f64;
-        expected / cost.max(1e-9)
+        speedup(&self.cost, self.alpha(), self.draft_cost(), k)
     }
 
     /// The k in 0..=max with the best expected speed (shortest on ties).
     pub fn best_len(&self) -> usize {
-        let mut best = (0, 1.0);
-        for k in 1..=self.max {
-            let s = self.speedup(k);
-            if s > best.1 * (1.0 + 1e-9) {
-                best = (k, s);
-            }
-        }
-        best.0
+        best_len(&self.cost, self.max, self.alpha(), self.draft_cost()).0
     }
 
     /// Folds in the step(s) since the last call.
@@ -218,10 +207,21 @@ impl AdaptiveState {
         }
         let drafted = now.drafted.saturating_sub(prev.drafted) as f64;
         let accepted = now.accepted.saturating_sub(prev.accepted) as f64;
+        let block = (drafted / steps as f64).round() as usize + 1;
+        let one_step = (now.verify_secs - prev.verify_secs) / steps as f64 / self.cost(block).max(1e-9);
+        if one_step > 0.0 {
+            self.step_secs = if self.step_secs > 0.0 {
+                self.step_secs * tuning::DECAY + one_step * (1.0 - tuning::DECAY)
+            } else {
+                one_step
+            };
+        }
+        self.idle_steps = if drafted > 0.0 { 0 } else { self.idle_steps.saturating_add(steps as u32) };
         let warm = std::mem::replace(&mut self.drafter_warm, drafted > 0.0 && steps == 1);
         if drafted == 0.0 {
             return; // a plain step says nothing about the drafter
         }
+        self.hold = false;
         // Positions tried: the accepted ones plus the first rejected one (if any draft
         // position was left). Exact for a single step; an approximation over several.
         let tried = (accepted + steps as f64).min(drafted);
@@ -239,9 +239,6 @@ impl AdaptiveState {
         // up on the tokens it missed (a draft model runs them all), a cost of switching
         // speculation back on that would otherwise look like the price of every draft token.
         let draft_secs = now.draft_secs - prev.draft_secs;
-        let verify_secs = now.verify_secs - prev.verify_secs;
-        let block = (drafted / steps as f64).round() as usize + 1;
-        let one_step = verify_secs / steps as f64 / self.cost(block).max(1e-9);
         if warm && one_step > 0.0 && draft_secs >= 0.0 {
             let rel = (draft_secs / drafted) / one_step;
             self.draft_cost_sum = self.draft_cost_sum * decay + rel * drafted;
@@ -250,23 +247,42 @@ impl AdaptiveState {
         self.probing = false;
     }
 
-    /// The draft length for the next step, given the metrics so far.
-    pub fn choose(&mut self, m: &SpecMetrics) -> usize {
+    /// Seconds of one target decode step, as measured so far (0 before any step).
+    pub fn step_secs(&self) -> f64 {
+        self.step_secs
+    }
+
+    /// Whether a probe that must first catch up on `pending` tokens fits the probe budget.
+    fn probe_affordable(&self, m: &SpecMetrics, pending: usize) -> bool {
+        if pending == 0 || m.catch_up_tokens == 0 || self.step_secs <= 0.0 {
+            return true; // nothing to catch up on, or its price is not known yet
+        }
+        let secs = m.catch_up_secs / m.catch_up_tokens as f64 * pending as f64;
+        secs <= tuning::PROBE_BUDGET * self.idle_steps as f64 * self.step_secs
+    }
+
+    /// The draft length for the next step, given the metrics so far and the tokens the
+    /// drafter would have to catch up on before drafting.
+    pub fn choose(&mut self, m: &SpecMetrics, pending_catch_up: usize) -> usize {
         self.observe(m);
         if self.max == 0 {
             return 0;
         }
         if self.probing {
-            return tuning::PROBE_LEN.min(self.max);
+            if self.probe_affordable(m, pending_catch_up) {
+                return tuning::PROBE_LEN.min(self.max);
+            }
+            self.probing = false;
+            self.hold = true;
         }
-        let k = self.best_len();
+        let k = if self.hold { 0 } else { self.best_len() };
         if k > 0 {
             self.zero_streak = 0;
             self.probe_after = tuning::PROBE_AFTER;
             return k;
         }
         self.zero_streak += 1;
-        if self.zero_streak >= self.probe_after {
+        if self.zero_streak >= self.probe_after && self.probe_affordable(m, pending_catch_up) {
             self.zero_streak = 0;
             self.probe_after = (self.probe_after * 2).min(tuning::PROBE_AFTER_MAX);
             self.probing = true;
@@ -275,100 +291,6 @@ impl AdaptiveState {
         }
         0
     }
-}
-
-/// Ordinary-looking token ids for timing runs, away from the special ones at either end of the
-/// vocabulary; `salt` gives a different sequence of the same kind.
-pub fn timing_filler(vocab: usize, n: usize, salt: usize) -> Vec<u32> {
-    (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect()
-}
-
-/// Single-token steps run before any timing. Right after a prefill, one-token steps here run
-/// up to twice as slow for the next ~100 ms (measured: 7–8 ms falling to 4 ms over 20–40
-/// steps, whatever the allocator's settings), so timing one token first, as the curve was
-/// measured before, inflated cost(1) about 1.5× and made verifying a block look that much
-/// cheaper than it is.
-const TIMING_WARMUP_STEPS: usize = 40;
-
-/// Times forwards of `sizes[i]` new tokens (logits for all of them) on top of a `depth`-token
-/// context of one sequence, after a warm-up of single-token steps, in `rounds` interleaved
-/// passes over all sizes, so that every size sees the same conditions. Returns each size's
-/// `rounds` timings in seconds.
-pub fn time_blocks(model: &Transformer, depth: usize, sizes: &[usize], rounds: usize) -> Result<Vec<Vec<f64>>> {
-    let max_m = sizes.iter().copied().max().unwrap_or(1).max(1);
-    let filler = |n: usize, salt: usize| timing_filler(model.config.vocab, n, salt);
-    let pool = model.new_kv_pool(depth + max_m + 16);
-    let mut cache = pool.new_sequence();
-    let context = filler(depth, 0);
-    let mut batch = ForwardBatch::new();
-    batch.push(&context, &mut cache, LogitsRows::None);
-    model.forward(&mut batch)?;
-    drop(batch);
-
-    let block = filler(max_m, 1);
-    let mut run = |m: usize| -> Result<f64> {
-        let t = Instant::now();
-        let mut batch = ForwardBatch::new();
-        batch.push(&block[..m], &mut cache, LogitsRows::All);
-        let out = model.forward(&mut batch)?;
-        let _rows = out.seq_logits(0)?;
-        let secs = t.elapsed().as_secs_f64();
-        drop(batch);
-        cache.truncate(depth);
-        Ok(secs)
-    };
-    for _ in 0..TIMING_WARMUP_STEPS {
-        run(1)?;
-    }
-    let mut times = vec![Vec::with_capacity(rounds); sizes.len()];
-    for _ in 0..rounds.max(1) {
-        for (i, &m) in sizes.iter().enumerate() {
-            times[i].push(run(m.max(1))?);
-        }
-    }
-    Ok(times)
-}
-
-/// Measures the target's verify-cost curve: `result[m - 1]` = time to run m new tokens (logits
-/// for all of them) on top of a 64-token context, relative to one token. Measured at a few
-/// block sizes (best of 2 each: the minimum is the least disturbed by other load) and
-/// interpolated in between, made non-decreasing. Kept short: it runs when a CLI starts.
-pub fn measure_verify_curve(model: &Transformer, max_m: usize) -> Result<Vec<f64>> {
-    const DEPTH: usize = 64;
-    const REPEATS: usize = 2;
-    if max_m == 0 {
-        bail!("the verify curve needs max_m >= 1");
-    }
-    let mut sizes: Vec<usize> =
-        [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64].into_iter().filter(|&m| m <= max_m).collect();
-    if sizes.last() != Some(&max_m) {
-        sizes.push(max_m);
-    }
-    let times = time_blocks(model, DEPTH, &sizes, REPEATS)?;
-    let points: Vec<(usize, f64)> =
-        sizes.iter().zip(&times).map(|(&m, t)| (m, t.iter().copied().fold(f64::INFINITY, f64::min))).collect();
-    Ok(interpolate_curve(&points, max_m))
-}
-
-/// `points` = (m, seconds) with m ascending starting at 1 → cost(m)/cost(1) for m in 1..=max_m,
-/// linear in between, non-decreasing.
-fn interpolate_curve(points: &[(usize, f64)], max_m: usize) -> Vec<f64> {
-    let base = points[0].1.max(1e-12);
-    let mut curve = Vec::with_capacity(max_m);
-    for m in 1..=max_m {
-        let hi = points.iter().position(|&(pm, _)| pm >= m).unwrap_or(points.len() - 1);
-        let (m1, t1) = points[hi];
-        let value = if m1 == m || hi == 0 {
-            t1
-        } else {
-            let (m0, t0) = points[hi - 1];
-            t0 + (t1 - t0) * (m - m0) as f64 / (m1 - m0) as f64
-        };
-        let ratio = value / base;
-        let prev = curve.last().copied().unwrap_or(1.0);
-        curve.push(if m == 1 { 1.0 } else { ratio.max(prev) });
-    }
-    curve
 }
 
 #[cfg(test)]
@@ -397,19 +319,20 @@ mod tests {
         (m, chosen)
     }
 
-    fn flat_curve(n: usize) -> Vec<f64> {
-        (1..=n).map(|m| 1.0 + 0.05 * (m - 1) as f64).collect()
+    fn flat_curve(n: usize) -> Arc<StepCost> {
+        Arc::new(StepCost::from_points((1..=n).map(|m| (m, 1.0 + 0.05 * (m - 1) as f64)).collect()))
     }
 
-    fn steep_curve(n: usize) -> Vec<f64> {
+    fn steep_curve(n: usize) -> Arc<StepCost> {
         // cost(4) ≈ 2.5, cost(16) ≈ 6.2: the 1.5b model on this CPU.
-        (1..=n).map(|m| 1.0 + 0.5 * (m - 1) as f64 - 0.004 * ((m - 1) * (m - 1)) as f64).collect()
+        let secs = |m: usize| 1.0 + 0.5 * (m - 1) as f64 - 0.004 * ((m - 1) * (m - 1)) as f64;
+        Arc::new(StepCost::from_points((1..=n).map(|m| (m, secs(m))).collect()))
     }
 
     #[test]
     fn high_acceptance_and_a_flat_curve_draft_long() {
-        let mut f = DraftPolicy::Adaptive { max: 15, curve: flat_curve(16) }.draft_len_fn();
-        let (m, chosen) = run(&mut f, 0.95, 200, 0.0);
+        let mut state = AdaptiveState::new(15, flat_curve(16), true);
+        let (m, chosen) = run(&mut |m| state.choose(m, 0), 0.95, 200, 0.0);
         let late = &chosen[100..];
         assert!(late.iter().all(|&k| k >= 8), "expected long drafts, got {late:?}");
         assert!(m.tau() > 5.0, "tau {}", m.tau());
@@ -417,8 +340,8 @@ mod tests {
 
     #[test]
     fn low_acceptance_and_a_steep_curve_switch_speculation_off() {
-        let mut f = DraftPolicy::Adaptive { max: 15, curve: steep_curve(16) }.draft_len_fn();
-        let (_, chosen) = run(&mut f, 0.2, 400, 0.0);
+        let mut state = AdaptiveState::new(15, steep_curve(16), true);
+        let (_, chosen) = run(&mut |m| state.choose(m, 0), 0.2, 400, 0.0);
         let late = &chosen[100..];
         let spec_steps = late.iter().filter(|&&k| k > 0).count();
         // Only probes, with back-off: a handful in 300 steps.
@@ -428,11 +351,11 @@ mod tests {
 
     #[test]
     fn keeps_probing_and_recovers_when_acceptance_improves() {
-        let mut state = AdaptiveState::new(15, steep_curve(16));
+        let mut state = AdaptiveState::new(15, steep_curve(16), true);
         let mut m = SpecMetrics::default();
         let mut rng = crate::sample::SamplerRng::from_seed(3);
         let mut step = |state: &mut AdaptiveState, m: &mut SpecMetrics, alpha: f64| {
-            let k = state.choose(m);
+            let k = state.choose(m, 0);
             let accepted = (0..k).take_while(|_| rng.next_f64() < alpha).count();
             m.record(k, accepted, accepted + 1);
             m.verify_secs += 0.01;
@@ -452,8 +375,8 @@ mod tests {
     #[test]
     fn a_dear_drafter_drafts_shorter_than_a_free_one() {
         let curve = flat_curve(16);
-        let mut free = AdaptiveState::new(15, curve.clone());
-        let mut dear = AdaptiveState::new(15, curve);
+        let mut free = AdaptiveState::new(15, curve.clone(), true);
+        let mut dear = AdaptiveState::new(15, curve, true);
         for s in [&mut free, &mut dear] {
             s.accepted = 80.0;
             s.trials = 100.0;
@@ -469,20 +392,20 @@ mod tests {
 
     #[test]
     fn draft_time_is_measured_relative_to_a_decode_step() {
-        let mut state = AdaptiveState::new(15, flat_curve(16));
+        let mut state = AdaptiveState::new(15, flat_curve(16), true);
         let mut m = SpecMetrics::default();
-        state.choose(&m);
+        state.choose(&m, 0);
         // First drafting step: the drafter caught up on the prompt (slow); not a draft price.
         m.record(2, 2, 3);
         m.draft_secs = 0.5;
         m.verify_secs = 0.0105;
-        state.choose(&m);
+        state.choose(&m, 0);
         assert_eq!(state.draft_cost(), 0.0);
         // Next step drafts 4 tokens in 20 ms; verifying 5 tokens took 10 ms × cost(5) = 12 ms.
         m.record(4, 2, 3);
         m.draft_secs += 0.020;
         m.verify_secs += 0.012;
-        state.choose(&m);
+        state.choose(&m, 0);
         assert!((state.draft_cost() - 0.5).abs() < 1e-6, "{}", state.draft_cost());
         // α: 4 accepted of 2 + 3 tried (the first step's 2 decayed once), plus the prior.
         let (acc, tried) = (2.0 * tuning::DECAY + 2.0, 2.0 * tuning::DECAY + 3.0);
@@ -490,18 +413,16 @@ mod tests {
         // A plain step in between makes the next drafting step cold again.
         m.record(0, 0, 1);
         m.verify_secs += 0.01;
-        state.choose(&m);
+        state.choose(&m, 0);
         m.record(4, 4, 5);
         m.draft_secs += 1.0;
         m.verify_secs += 0.012;
-        state.choose(&m);
+        state.choose(&m, 0);
         assert!((state.draft_cost() - 0.5).abs() < 1e-6, "cold step ignored: {}", state.draft_cost());
     }
 
     #[test]
-    fn fixed_policy_and_parsing() {
-        let mut f = DraftPolicy::Fixed(5).draft_len_fn();
-        assert_eq!(f(&SpecMetrics::default()), 5);
+    fn draft_len_parsing() {
         assert_eq!(parse_draft_len("auto").unwrap(), DraftLen::Auto);
         assert_eq!(parse_draft_len("AUTO").unwrap(), DraftLen::Auto);
         assert_eq!(parse_draft_len("4").unwrap(), DraftLen::Fixed(4));
@@ -512,13 +433,41 @@ mod tests {
     }
 
     #[test]
-    fn curve_interpolation_is_linear_and_non_decreasing() {
-        let c = interpolate_curve(&[(1, 2.0), (2, 3.0), (4, 5.0), (8, 4.0)], 10);
-        assert_eq!(c.len(), 10);
-        assert_eq!(&c[..4], &[1.0, 1.5, 2.0, 2.5]);
-        // The dip at 8 is noise: held at 2.5, and past the last point held flat.
-        assert!(c[4..].iter().all(|&x| (x - 2.5).abs() < 1e-12), "{c:?}");
-        let state = AdaptiveState::new(4, vec![1.0, 1.5, 2.0]);
-        assert!((state.cost(5) - 3.0).abs() < 1e-12, "extrapolates with the last slope");
+    fn a_probe_that_must_catch_up_waits_until_it_fits_the_budget() {
+        // A draft model that sat idle: resuming costs 5 ms of catch-up per missed token, a
+        // decode step 10 ms. A probe after n idle steps costs 5n ms of catch-up against the
+        // budget of 2% of 10n ms: never affordable, so an idle draft model stays idle.
+        let mut state = AdaptiveState::new(15, steep_curve(16), false);
+        let mut m = SpecMetrics { catch_up_tokens: 100, catch_up_secs: 0.5, ..SpecMetrics::default() };
+        let mut drafted = 0;
+        for step in 1..=300usize {
+            let k = state.choose(&m, step);
+            drafted += k;
+            m.record(k, 0, 1);
+            m.verify_secs += 0.01;
+        }
+        assert_eq!(drafted, 0, "probed although catching up costs more than the budget");
+        // Free catch-up (prompt lookup): the same schedule probes.
+        let mut state = AdaptiveState::new(15, steep_curve(16), false);
+        let mut m = SpecMetrics::default();
+        let probes: usize = (0..300)
+            .map(|_| {
+                let k = state.choose(&m, 0);
+                m.record(k, 0, 1);
+                m.verify_secs += 0.01;
+                usize::from(k > 0)
+            })
+            .sum();
+        assert!((2..=8).contains(&probes), "{probes} probes");
+        // Told not to probe first: no draft before the first scheduled probe.
+        let mut state = AdaptiveState::new(15, flat_curve(16), false);
+        assert_eq!(state.choose(&SpecMetrics::default(), 0), 0);
+    }
+
+    #[test]
+    fn best_len_weighs_acceptance_against_cost() {
+        let (k, s) = best_len(&flat_curve(16), 15, 0.9, 0.0);
+        assert!(k >= 8 && s > 3.0, "{k} {s}");
+        assert_eq!(best_len(&steep_curve(16), 15, 0.1, 0.3), (0, 1.0));
     }
 }

@@ -29,4 +29,42 @@ pub trait Proposer: Send {
 
     /// Proposes up to `max_len` tokens to follow `tokens` (the committed sequence).
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft>;
+
+    /// Committed tokens the drafter has not processed yet and must before it can draft (a
+    /// draft model that sat idle feeds them all first): what resuming drafting costs.
+    fn pending_catch_up(&self, _tokens: &[u32]) -> usize {
+        0
+    }
+
+    /// Processes the pending tokens ahead of `propose`, so that the engine can time catching
+    /// up apart from drafting. Returns how many it processed.
+    fn catch_up(&mut self, _tokens: &[u32]) -> Result<usize> {
+        Ok(0)
+    }
+}
+
+/// A borrowed proposer drafts like the one it borrows (callers that keep their drafter to
+/// inspect it afterwards lend it to the engine).
+impl<P: Proposer + ?Sized> Proposer for &mut P {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn tap_layers(&self) -> &[usize] {
+        (**self).tap_layers()
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        (**self).begin(prompt)
+    }
+    fn observe(&mut self, tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()> {
+        (**self).observe(tokens, cached, taps)
+    }
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
+        (**self).propose(tokens, max_len)
+    }
+    fn pending_catch_up(&self, tokens: &[u32]) -> usize {
+        (**self).pending_catch_up(tokens)
+    }
+    fn catch_up(&mut self, tokens: &[u32]) -> Result<usize> {
+        (**self).catch_up(tokens)
+    }
 }

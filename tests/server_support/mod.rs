@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use serde_json::{json, Value};
-use specula::engine::{generate, Engine, EngineConfig, GenerateOptions, LoadedModel, Sequence};
+use specula::engine::{generate, Engine, EngineConfig, GenerateOptions, LoadedModel};
 use specula::sample::SamplingParams;
 use specula::server::http_client::{self, Response};
 use specula::server::{ServerConfig, ServerHandle};
@@ -47,7 +47,7 @@ pub fn start(engine: EngineConfig, server: ServerConfig) -> TestServer {
 pub fn ngram_engine() -> EngineConfig {
     EngineConfig {
         drafter: Some(specula::speculative::DrafterSpec::parse("ngram").unwrap()),
-        step_cost: Some(specula::engine::StepCostModel::from_points(vec![
+        step_cost: Some(std::sync::Arc::new(specula::speculative::StepCost::from_points(vec![
             (1, 0.010),
             (2, 0.0102),
             (4, 0.0105),
@@ -55,7 +55,7 @@ pub fn ngram_engine() -> EngineConfig {
             (16, 0.013),
             (32, 0.026),
             (64, 0.052),
-        ])),
+        ]))),
         ..EngineConfig::default()
     }
 }
@@ -209,9 +209,8 @@ pub fn greedy_reference(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let m = model();
     let pool = m.model.new_kv_pool(4096);
     let params = SamplingParams { max_tokens: Some(max_tokens), ..SamplingParams::greedy() };
-    let mut seq = Sequence::new(prompt, pool.new_sequence(), params);
-    let mut opts = GenerateOptions::default();
-    let out = generate(&m.model, &mut seq, &m.stop_ids(), None, &mut opts, &mut |_| true).unwrap();
+    let opts = GenerateOptions { stop_ids: m.stop_ids(), ..GenerateOptions::default() };
+    let out = generate((&m.model).into(), &pool, prompt, params, None, &opts, &mut |_| {}).unwrap();
     out.tokens
 }
 

@@ -1,5 +1,5 @@
-//! DFlash block-diffusion drafting (z-lab; `docs/dflash.md`, spec in
-//! `shared/docs/dflash-spec.md`).
+//! DFlash block-diffusion drafting (z-lab drafters; design and checkpoint layout in
+//! `docs/dflash.md`).
 //!
 //! A small non-causal Qwen3-style drafter proposes B − 1 tokens in one forward: the block
 //! `[last committed token, MASK × (B − 1)]`, embedded with the *target's* embedding, attends to
@@ -21,6 +21,7 @@ pub use config::{default_target_layer_ids, DflashConfig, LayerAttention};
 pub use model::{expected_tensors, DflashDrafter, LayerKv, TargetHead};
 pub use proposer::{DflashProposer, DflashSettings};
 
+use super::weight_cache::WeightCache;
 use crate::model::Transformer;
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -88,23 +89,14 @@ pub fn drafter_label(path: &Path, settings: &DflashSettings) -> String {
 /// is checked against `target` every time (cheap), so one directory can serve only targets it
 /// fits.
 pub fn build_proposer(dir: &Path, settings: &DflashSettings, target: &Transformer) -> Result<DflashProposer> {
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
-    static LOADED: OnceLock<Mutex<HashMap<std::path::PathBuf, Arc<DflashDrafter>>>> = OnceLock::new();
-    let key = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    let cache = LOADED.get_or_init(Default::default);
-    let hit = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-    let drafter = match hit {
-        Some(d) => {
+    static LOADED: WeightCache<DflashDrafter> = WeightCache::new();
+    let drafter = LOADED.get_or_load(
+        dir,
+        |d| {
             let why = || format!("DFlash drafter {} cannot draft for this target", dir.display());
-            d.config.check_target(&target.config).with_context(why)?;
-            d
-        }
-        None => {
-            let d = Arc::new(load_for_target(dir, target, target.device())?);
-            cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, d.clone());
-            d
-        }
-    };
+            d.config.check_target(&target.config).with_context(why)
+        },
+        || load_for_target(dir, target, target.device()),
+    )?;
     DflashProposer::new(drafter, TargetHead::of(target), settings.clone())
 }

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct SpecMetrics {
     /// Target forward steps after prefill (each verifies one block, possibly empty).
     pub steps: u64,
@@ -15,8 +15,13 @@ pub struct SpecMetrics {
     /// `drafted_at[i]` / `accepted_at[i]`: drafts that reached position i, and were accepted there.
     pub drafted_at: Vec<u64>,
     pub accepted_at: Vec<u64>,
+    /// Drafting time (proposing), not counting catching up.
     pub draft_secs: f64,
     pub verify_secs: f64,
+    /// Committed tokens a drafter had to process before drafting again after idle steps
+    /// (a draft model's catch-up), and the time it took.
+    pub catch_up_tokens: u64,
+    pub catch_up_secs: f64,
 }
 
 impl SpecMetrics {
@@ -83,5 +88,7 @@ impl SpecMetrics {
         }
         self.draft_secs += other.draft_secs;
         self.verify_secs += other.verify_secs;
+        self.catch_up_tokens += other.catch_up_tokens;
+        self.catch_up_secs += other.catch_up_secs;
     }
 }

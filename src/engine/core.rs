@@ -1,0 +1,651 @@
+//! The step loop every caller runs: the server's engine thread, `generate` (CLI, bench, tests).
+//!
+//! One step is four phases:
+//! 1. **plan**: each decoding request bids for draft tokens; the scheduler picks the rows
+//!    (decode rows, drafts where they pay, prefill chunks, admissions) within the row budget
+//!    and the free KV blocks;
+//! 2. **draft**: the proposers of the planned decoding requests draft;
+//! 3. **forward**: one packed forward over every planned row;
+//! 4. **verify and commit**: per request, the verifier keeps the agreeing prefix plus one
+//!    target token, the KV cache rolls back to the committed tokens, the tokens stream to the
+//!    request's sink, and the proposer observes what was committed.
+
+use super::active::{Active, DraftChoice, EventSink};
+use super::draft_budget::DraftBid;
+use super::fleet::FleetAcceptance;
+use super::request::{EngineEvent, EngineRequest, StepTrace, TokenChunk};
+use super::scheduler::{Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};
+use super::sequence::{FinishReason, Sequence};
+use super::text_stream::TextStream;
+use crate::kv::{KvDtype, KvPool, PoolExhausted};
+use crate::model::{ForwardBatch, ForwardOutput, LogitsRows, Transformer};
+use crate::speculative::verify::penalize_verification_rows;
+use crate::speculative::{verify, AdaptiveState, Draft, DraftLen, DrafterSpec, Proposer, StepCost, MAX_DRAFT};
+use crate::tokenize::Tokenizer;
+use anyhow::{Context, Result};
+use candle_core::Tensor;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Settings of the engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// KV pool capacity in tokens (shared by all requests).
+    pub kv_tokens: usize,
+    pub kv_dtype: KvDtype,
+    /// Rows per forward: decode rows, draft rows and prefill chunks together.
+    pub step_tokens: usize,
+    /// Sequences decoding together at most.
+    pub max_running: usize,
+    /// Requests waiting for admission at most; beyond, `submit` refuses.
+    pub max_waiting: usize,
+    /// Server-wide drafter; each request gets its own proposer built from it.
+    pub drafter: Option<DrafterSpec>,
+    /// Draft length per request and step: `Auto` chooses up to `max_draft` where it pays.
+    pub draft_len: DraftLen,
+    /// Longest draft per request and step.
+    pub max_draft: usize,
+    /// Step-cost curve for adaptive drafting; None = measured at start (with a drafter).
+    pub step_cost: Option<Arc<StepCost>>,
+    /// Reuse the K/V of full prompt blocks already computed for an earlier request with the
+    /// same leading tokens (vLLM's automatic prefix caching). Outputs are unchanged.
+    pub prefix_caching: bool,
+    /// Record every verify step of every request (`Completion::trace`).
+    pub trace: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_tokens: 8192,
+            kv_dtype: KvDtype::F16,
+            step_tokens: 256,
+            max_running: 32,
+            max_waiting: 64,
+            drafter: None,
+            draft_len: DraftLen::Auto,
+            max_draft: MAX_DRAFT,
+            step_cost: None,
+            prefix_caching: true,
+            trace: false,
+        }
+    }
+}
+
+/// Engine counters and state for metrics and health checks.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct EngineSnapshot {
+    pub waiting: usize,
+    pub running: usize,
+    pub kv_total_blocks: usize,
+    pub kv_free_blocks: usize,
+    /// Blocks holding a published prompt prefix (held by a request or kept for reuse).
+    pub kv_cached_blocks: usize,
+    pub kv_block_size: usize,
+    /// Forward steps run.
+    pub steps: u64,
+    /// Rows (tokens) through the forward, all kinds.
+    pub rows: u64,
+    /// Prompt (and recomputed) tokens prefilled.
+    pub prefill_tokens: u64,
+    /// Prompt tokens whose K/V came from the prefix cache instead of a prefill.
+    pub prefix_cache_hit_tokens: u64,
+    /// Tokens committed to requests.
+    pub generated_tokens: u64,
+    /// Decode (verification) steps summed over sequences.
+    pub verify_steps: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    pub preemptions: u64,
+    /// Seconds spent in steps (forward + bookkeeping).
+    pub busy_secs: f64,
+    /// Of those, seconds in the model's forward: the rest is drafting, sampling,
+    /// verification, detokenising and streaming.
+    pub forward_secs: f64,
+    pub finished_requests: u64,
+    pub failed_requests: u64,
+    pub cancelled_requests: u64,
+}
+
+/// The model side of the engine: the target, and its tokenizer when text is wanted.
+#[derive(Clone, Copy)]
+pub struct EngineModel<'a> {
+    pub model: &'a Transformer,
+    /// Detokenises outputs and applies stop strings; without it chunks carry ids only.
+    pub tokenizer: Option<&'a Tokenizer>,
+}
+
+/// The engine's state and its step. Requests are added with [`EngineCore::add`], and every
+/// [`EngineCore::step`] advances all of them by one forward.
+pub struct EngineCore<'a> {
+    target: EngineModel<'a>,
+    stop_ids: Vec<u32>,
+    pool: KvPool,
+    sched: Scheduler<Active<'a>>,
+    cost: Option<Arc<StepCost>>,
+    draft_len: DraftLen,
+    max_draft: usize,
+    prefix_caching: bool,
+    trace: bool,
+    totals: EngineSnapshot,
+    /// Requests added and not yet admitted (shared with whoever refuses new ones when full).
+    queued: Arc<AtomicUsize>,
+    fleet: FleetAcceptance,
+}
+
+/// What the forward phase produced for the verify phase.
+struct StepForward {
+    out: ForwardOutput,
+    /// Each slot's cache length before the forward.
+    cached_before: Vec<usize>,
+    /// The union of the tap layers the planned requests' proposers asked for, ascending.
+    tap_layers: Vec<usize>,
+    secs: f64,
+}
+
+impl<'a> EngineCore<'a> {
+    /// An engine over `pool`; `cost` weighs adaptive drafts (without it only fixed draft
+    /// lengths draft). `queued` counts added requests not yet admitted; the engine decrements
+    /// it as they leave the queue.
+    pub fn new(
+        target: EngineModel<'a>,
+        stop_ids: Vec<u32>,
+        pool: KvPool,
+        config: &EngineConfig,
+        cost: Option<Arc<StepCost>>,
+        queued: Arc<AtomicUsize>,
+    ) -> Self {
+        let stats = pool.stats();
+        let sched = Scheduler::new(SchedulerConfig {
+            step_tokens: config.step_tokens,
+            max_running: config.max_running,
+            block_size: stats.block_size,
+        });
+        Self {
+            target,
+            stop_ids,
+            pool,
+            sched,
+            cost,
+            draft_len: config.draft_len,
+            max_draft: config.max_draft.min(MAX_DRAFT),
+            prefix_caching: config.prefix_caching,
+            trace: config.trace,
+            totals: EngineSnapshot::default(),
+            queued,
+            fleet: FleetAcceptance::default(),
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.sched.is_idle()
+    }
+
+    /// The pool's state and the counters so far.
+    pub fn snapshot(&self) -> EngineSnapshot {
+        let stats = self.pool.stats();
+        let mut s = self.totals.clone();
+        s.waiting = self.sched.waiting.len();
+        s.running = self.sched.running.len();
+        s.kv_total_blocks = stats.total_blocks;
+        s.kv_free_blocks = stats.free_blocks;
+        s.kv_cached_blocks = stats.cached_blocks;
+        s.kv_block_size = stats.block_size;
+        s
+    }
+
+    fn unqueue(&self, n: usize) {
+        self.queued.fetch_sub(n, Ordering::SeqCst);
+    }
+
+    /// Queues a request. `proposer` drafts for it (None: plain decoding).
+    pub fn add(&mut self, req: EngineRequest, proposer: Option<Box<dyn Proposer + 'a>>, sink: Box<dyn EventSink + 'a>) {
+        let ctx = self.target.model.config.context_len;
+        let invalid = if req.prompt.is_empty() {
+            Some("the prompt is empty".to_string())
+        } else if req.prompt.len() >= ctx {
+            Some(format!("the prompt has {} tokens, the model's context holds {ctx}", req.prompt.len()))
+        } else {
+            None
+        };
+        let draft = match (&proposer, self.draft_len) {
+            (None, _) => DraftChoice::None,
+            (Some(_), DraftLen::Fixed(n)) => DraftChoice::Fixed(n),
+            (Some(_), DraftLen::Auto) => match &self.cost {
+                Some(cost) => {
+                    let max_tokens = req.params.max_tokens.unwrap_or(ctx - req.prompt.len());
+                    let probe = self.fleet.start_with_probe(cost, self.max_draft, req.prompt.len(), max_tokens);
+                    DraftChoice::Adaptive(AdaptiveState::new(self.max_draft, cost.clone(), probe))
+                }
+                None => DraftChoice::None,
+            },
+        };
+        let mut cache = self.pool.new_sequence();
+        // Proposers that read the target's hidden states (DFlash) need every prompt position
+        // computed, so they prefill everything.
+        let needs_taps = proposer.as_ref().is_some_and(|p| !p.tap_layers().is_empty());
+        let cached_prompt_tokens =
+            if self.prefix_caching && !needs_taps && invalid.is_none() { cache.attach_prefix(&req.prompt) } else { 0 };
+        self.totals.prefix_cache_hit_tokens += cached_prompt_tokens as u64;
+        let mut active = Active {
+            seq: Sequence::new(&req.prompt, cache, req.params.clone()),
+            pool: self.pool.clone(),
+            text: self.target.tokenizer.map(|_| TextStream::new(req.params.stop_strings.clone())),
+            sink,
+            proposer,
+            draft,
+            metrics: Default::default(),
+            trace: self.trace.then(Vec::new),
+            drafts_delivered: 0,
+            needs_begin: true,
+            admitted: false,
+            preemptions: 0,
+            cached_prompt_tokens,
+            bid: DraftBid::default(),
+            done: false,
+            abandoned: false,
+            ignore_eos: req.ignore_eos,
+        };
+        if let Some(message) = invalid {
+            self.unqueue(1);
+            active.fail(message);
+            self.totals.failed_requests += 1;
+            return;
+        }
+        self.sched.waiting.push_back(active);
+    }
+
+    /// A request counted as queued that never reached [`Self::add`] (its drafter could not be
+    /// built).
+    pub fn drop_queued(&mut self) {
+        self.unqueue(1);
+        self.totals.failed_requests += 1;
+    }
+
+    /// Ends every queued and running request with `Failed(message)`.
+    pub fn abort_all(&mut self, message: &str) {
+        let all: Vec<Active> = self.sched.waiting.drain(..).chain(self.sched.running.drain(..)).collect();
+        for mut a in all {
+            if !a.admitted {
+                self.unqueue(1);
+            }
+            a.fail(message.to_string());
+            self.totals.failed_requests += 1;
+        }
+    }
+
+    /// Drops requests whose receiver is gone; dropping frees their KV blocks.
+    pub fn reap_abandoned(&mut self) {
+        let mut gone = 0;
+        let mut unqueued = 0;
+        self.sched.waiting.retain(|a| {
+            let keep = !a.sink.is_closed();
+            if !keep {
+                gone += 1;
+                unqueued += usize::from(!a.admitted);
+            }
+            keep
+        });
+        self.sched.running.retain(|a| {
+            let keep = !a.sink.is_closed();
+            gone += usize::from(!keep);
+            keep
+        });
+        self.unqueue(unqueued);
+        self.totals.cancelled_requests += gone as u64;
+    }
+
+    /// One step over every request: plan → draft → forward → verify and commit.
+    pub fn step(&mut self) {
+        self.reap_abandoned();
+        if self.sched.is_idle() {
+            return;
+        }
+        let started = Instant::now();
+        if let Some(plan) = self.plan() {
+            let mut drafts = self.draft(&plan);
+            if let Some(fwd) = self.forward(&plan, &drafts) {
+                self.verify_and_commit(&plan, &mut drafts, &fwd);
+            }
+        }
+        self.remove_done();
+        self.totals.busy_secs += started.elapsed().as_secs_f64();
+    }
+
+    /// The context a sequence may grow to.
+    fn context_len(&self) -> usize {
+        self.target.model.config.context_len
+    }
+
+    /// Phase 1: draft bids, then the scheduler's plan. None when nothing runs this step.
+    fn plan(&mut self) -> Option<StepPlan<Active<'a>>> {
+        let ctx = self.context_len();
+        for a in self.sched.running.iter_mut() {
+            a.bid = DraftBid::default();
+            if !a.is_decoding() {
+                continue;
+            }
+            let room_ctx = ctx.saturating_sub(a.seq.tokens.len() + 1);
+            let room_max =
+                a.seq.params.max_tokens.map_or(usize::MAX, |m| m.saturating_sub(a.seq.generated().len() + 1));
+            let room = room_ctx.min(room_max);
+            a.bid = match &mut a.draft {
+                DraftChoice::None => DraftBid::default(),
+                DraftChoice::Fixed(n) => DraftBid { max_len: (*n).min(room), exact: true, ..DraftBid::default() },
+                DraftChoice::Adaptive(policy) => {
+                    let pending = a.proposer.as_ref().map_or(0, |p| p.pending_catch_up(&a.seq.tokens));
+                    let want = policy.choose(&a.metrics, pending).min(room);
+                    let secs_per_token =
+                        if a.metrics.drafted > 0 { a.metrics.draft_secs / a.metrics.drafted as f64 } else { 0.0 };
+                    let (own_accepted, own_tried) = policy.acceptance_counts();
+                    let alpha = self.fleet.alpha_for(own_accepted, own_tried);
+                    DraftBid { alpha, max_len: want, secs_per_token, exact: false }
+                }
+            };
+        }
+
+        self.unpin_waiting_prefixes();
+        let stats = self.pool.stats();
+        let mut plan = self.sched.schedule(stats.free_blocks, stats.total_blocks, self.cost.as_deref());
+        self.totals.preemptions += plan.preempted as u64;
+        for mut a in std::mem::take(&mut plan.unfittable) {
+            if !a.admitted {
+                self.unqueue(1);
+            }
+            // Only reachable when a request outgrows the pool; the server's limits prevent it.
+            a.finish(FinishReason::ContextFull);
+            self.totals.finished_requests += 1;
+        }
+        for &i in &plan.admitted {
+            let a = &mut self.sched.running[i];
+            if !a.admitted {
+                a.admitted = true;
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        (!plan.slots.is_empty()).then_some(plan)
+    }
+
+    /// Phase 2: proposers (re)start where needed, then draft what the plan granted. A draft is
+    /// cut after a stop token: nothing after one can be committed.
+    fn draft(&mut self, plan: &StepPlan<Active<'a>>) -> Vec<Draft> {
+        let stop_ids = &self.stop_ids;
+        plan.slots
+            .iter()
+            .map(|slot| {
+                let a = &mut self.sched.running[slot.index];
+                let before = a.metrics.clone();
+                let result = draft_for(a, slot, stop_ids);
+                if let Ok(d) = &result {
+                    let m = &a.metrics;
+                    self.fleet.record_costs(
+                        d.tokens.len(),
+                        m.draft_secs - before.draft_secs,
+                        (m.catch_up_tokens - before.catch_up_tokens) as usize,
+                        m.catch_up_secs - before.catch_up_secs,
+                    );
+                }
+                result.unwrap_or_else(|e| {
+                    a.fail(format!("drafter error: {e:#}"));
+                    self.totals.failed_requests += 1;
+                    Draft::default()
+                })
+            })
+            .collect()
+    }
+
+    /// Phase 3: one packed forward over every planned row. None when it failed (the affected
+    /// requests are dealt with here).
+    fn forward(&mut self, plan: &StepPlan<Active<'a>>, drafts: &[Draft]) -> Option<StepForward> {
+        let inputs: Vec<Vec<u32>> = plan
+            .slots
+            .iter()
+            .zip(drafts)
+            .map(|(slot, d)| {
+                let s = &self.sched.running[slot.index].seq;
+                let start = s.cache.len();
+                let mut input = s.tokens[start..start + slot.rows].to_vec();
+                input.extend_from_slice(&d.tokens);
+                input
+            })
+            .collect();
+        let cached_before: Vec<usize> =
+            plan.slots.iter().map(|s| self.sched.running[s.index].seq.cache.len()).collect();
+        let mut tap_layers: Vec<usize> = plan
+            .slots
+            .iter()
+            .filter_map(|s| self.sched.running[s.index].proposer.as_ref())
+            .flat_map(|p| p.tap_layers().iter().copied())
+            .collect();
+        tap_layers.sort_unstable();
+        tap_layers.dedup();
+
+        let t = Instant::now();
+        let result = {
+            let mut batch = ForwardBatch::new();
+            batch.tap_layers = tap_layers.clone();
+            let mut slots = plan.slots.iter().zip(&inputs).peekable();
+            for (i, a) in self.sched.running.iter_mut().enumerate() {
+                let Some((slot, input)) = slots.peek() else { break };
+                if slot.index != i {
+                    continue;
+                }
+                let rows = match slot.kind {
+                    SlotKind::Decode { .. } => LogitsRows::All,
+                    SlotKind::Prefill { last: true } => LogitsRows::Last,
+                    SlotKind::Prefill { last: false } => LogitsRows::None,
+                };
+                batch.push(input, &mut a.seq.cache, rows);
+                slots.next();
+            }
+            self.target.model.forward(&mut batch)
+        };
+        let secs = t.elapsed().as_secs_f64();
+        self.totals.forward_secs += secs;
+        match result {
+            Ok(out) => {
+                self.totals.steps += 1;
+                self.totals.rows += inputs.iter().map(|i| i.len() as u64).sum::<u64>();
+                Some(StepForward { out, cached_before, tap_layers, secs })
+            }
+            Err(e) if e.is::<PoolExhausted>() => {
+                // The plan is checked against the pool, so the accounting is off somewhere:
+                // free the newest sequence's blocks and plan again (a lone sequence that
+                // cannot grow has outgrown the pool).
+                if self.sched.running.len() > 1 {
+                    if let Some(mut victim) = self.sched.running.pop() {
+                        use super::scheduler::SchedSeq;
+                        victim.release_kv();
+                        self.sched.waiting.push_front(victim);
+                        self.totals.preemptions += 1;
+                    }
+                } else if let Some(a) = self.sched.running.first_mut() {
+                    a.finish(FinishReason::ContextFull);
+                    self.totals.finished_requests += 1;
+                }
+                None
+            }
+            Err(e) => {
+                for slot in &plan.slots {
+                    self.sched.running[slot.index].fail(format!("forward failed: {e:#}"));
+                    self.totals.failed_requests += 1;
+                }
+                None
+            }
+        }
+    }
+
+    /// Phase 4, for every planned request.
+    fn verify_and_commit(&mut self, plan: &StepPlan<Active<'a>>, drafts: &mut [Draft], fwd: &StepForward) {
+        for (j, slot) in plan.slots.iter().enumerate() {
+            let draft = std::mem::take(&mut drafts[j]);
+            if let Err(e) = self.verify_slot(j, slot, draft, fwd) {
+                let a = &mut self.sched.running[slot.index];
+                a.fail(format!("{e:#}"));
+                self.totals.failed_requests += 1;
+            }
+        }
+    }
+
+    /// Verifies, commits, rolls back and streams one request's part of the step, then lets
+    /// its proposer observe what was committed.
+    fn verify_slot(&mut self, j: usize, slot: &Slot, draft: Draft, fwd: &StepForward) -> Result<()> {
+        let ctx = self.context_len();
+        let tokenizer = self.target.tokenizer;
+        let cached_before = fwd.cached_before[j];
+        let a = &mut self.sched.running[slot.index];
+        if a.done {
+            return Ok(());
+        }
+        if self.prefix_caching && matches!(slot.kind, SlotKind::Prefill { .. }) {
+            a.seq.cache.publish_prefix(&a.seq.tokens[..a.seq.prompt_len]);
+        }
+        if let SlotKind::Prefill { last: false } = slot.kind {
+            self.totals.prefill_tokens += slot.rows as u64;
+            let taps = slot_taps(a, fwd, j, slot.rows)?;
+            if let Some(p) = a.proposer.as_mut() {
+                p.observe(&a.seq.tokens, cached_before..cached_before + slot.rows, &taps)?;
+            }
+            return Ok(());
+        }
+        if !matches!(slot.kind, SlotKind::Decode { .. }) {
+            self.totals.prefill_tokens += slot.rows as u64;
+        }
+
+        let mut rows = fwd.out.seq_logits(j)?;
+        penalize_verification_rows(&mut rows, a.seq.generated(), &draft.tokens, &a.seq.params);
+        let verdict = verify(&draft, &rows, &a.seq.params, &mut a.seq.rng);
+        // Keep the fed pending tokens and the accepted drafts; forget rejected drafts.
+        let kept = cached_before + slot.rows + verdict.accepted;
+        a.seq.cache.truncate(kept);
+        let committed = verdict.committed(&draft.tokens);
+        if !a.seq.generated().is_empty() {
+            a.metrics.record(draft.tokens.len(), verdict.accepted, committed.len());
+            // The forward served every sequence at once; charge this one its rows' share.
+            let total_rows = fwd.out.row_ranges.iter().map(|r| r.len()).sum::<usize>().max(1);
+            a.metrics.verify_secs += fwd.secs * fwd.out.row_ranges[j].len() as f64 / total_rows as f64;
+            self.totals.verify_steps += 1;
+            self.totals.drafted += draft.tokens.len() as u64;
+            self.fleet.record(draft.tokens.len(), verdict.accepted);
+            if let Some(trace) = a.trace.as_mut() {
+                trace.push(StepTrace {
+                    draft: draft.tokens.clone(),
+                    accepted: verdict.accepted,
+                    next_token: verdict.next_token,
+                });
+            }
+        }
+
+        let mut chunk = TokenChunk::default();
+        let finish = a.commit(&committed, verdict.accepted, &self.stop_ids, tokenizer, ctx, &mut chunk);
+        // A stop among the accepted drafts ends the commit early: the cache must not keep
+        // K/V for tokens that were never committed.
+        a.seq.cache.truncate(kept.min(a.seq.tokens.len()));
+        self.totals.generated_tokens += chunk.ids.len() as u64;
+        let from_draft = chunk.ids.len().min(verdict.accepted) as u64;
+        a.drafts_delivered += from_draft;
+        self.totals.accepted += from_draft;
+        if !chunk.is_empty() {
+            a.send(EngineEvent::Tokens(chunk));
+        }
+        match finish {
+            Some(reason) => {
+                a.finish(reason);
+                self.totals.finished_requests += 1;
+            }
+            None if !a.done => {
+                let taps = slot_taps(a, fwd, j, kept - cached_before)?;
+                if let Some(p) = a.proposer.as_mut() {
+                    p.observe(&a.seq.tokens, cached_before..kept, &taps)?;
+                }
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Drops finished sequences (freeing their KV blocks), counting the abandoned ones.
+    fn remove_done(&mut self) {
+        let mut abandoned = 0;
+        self.sched.running.retain(|a| {
+            abandoned += u64::from(a.abandoned);
+            !a.done
+        });
+        self.totals.cancelled_requests += abandoned;
+    }
+
+    /// Waiting requests hold the prefix blocks they attached on arrival. With nothing running,
+    /// those of the requests behind the queue head are the only thing that can keep the head
+    /// from fitting: then they let go (and prefill those tokens themselves later), so the pool
+    /// never deadlocks on cached prefixes.
+    fn unpin_waiting_prefixes(&mut self) {
+        if !self.sched.running.is_empty() {
+            return;
+        }
+        let stats = self.pool.stats();
+        let Some(head) = self.sched.waiting.front() else { return };
+        let need = (head.seq.tokens.len() + 1).div_ceil(stats.block_size).saturating_sub(head.seq.cache.blocks().len());
+        if need <= stats.free_blocks {
+            return;
+        }
+        for a in self.sched.waiting.iter_mut().skip(1) {
+            if !a.seq.cache.is_empty() && !a.admitted {
+                a.seq.cache = self.pool.new_sequence();
+                self.totals.prefix_cache_hit_tokens =
+                    self.totals.prefix_cache_hit_tokens.saturating_sub(a.cached_prompt_tokens as u64);
+                a.cached_prompt_tokens = 0;
+            }
+        }
+    }
+}
+
+/// One request's part of the draft phase.
+fn draft_for(a: &mut Active, slot: &Slot, stop_ids: &[u32]) -> Result<Draft> {
+    let Some(p) = a.proposer.as_mut() else { return Ok(Draft::default()) };
+    if a.needs_begin {
+        p.begin(&a.seq.tokens)?;
+        a.needs_begin = false;
+    }
+    let SlotKind::Decode { draft: k } = slot.kind else { return Ok(Draft::default()) };
+    if k == 0 {
+        return Ok(Draft::default());
+    }
+    let t = Instant::now();
+    let caught_up = p.catch_up(&a.seq.tokens)?;
+    if caught_up > 0 {
+        a.metrics.catch_up_tokens += caught_up as u64;
+        a.metrics.catch_up_secs += t.elapsed().as_secs_f64();
+    }
+    let t = Instant::now();
+    let mut d = p.propose(&a.seq.tokens, k)?;
+    let stop = d.tokens.iter().position(|&t| a.is_stop(t, stop_ids));
+    d.tokens.truncate(k.min(stop.map_or(usize::MAX, |i| i + 1)));
+    if let Some(probs) = d.probs.as_mut() {
+        probs.truncate(d.tokens.len());
+    }
+    a.metrics.draft_secs += t.elapsed().as_secs_f64();
+    Ok(d)
+}
+
+/// The first `rows` rows of slot `j`'s taps, in the order its proposer asked for them.
+fn slot_taps(a: &Active, fwd: &StepForward, j: usize, rows: usize) -> Result<Vec<Tensor>> {
+    let Some(p) = a.proposer.as_ref() else { return Ok(Vec::new()) };
+    if p.tap_layers().is_empty() {
+        return Ok(Vec::new());
+    }
+    let all = fwd.out.seq_taps(j)?;
+    p.tap_layers()
+        .iter()
+        .map(|l| {
+            let k = fwd.tap_layers.iter().position(|t| t == l).context("tap layer missing")?;
+            Ok(all[k].narrow(0, 0, rows)?)
+        })
+        .collect()
+}
+
+impl<'a> From<&'a Transformer> for EngineModel<'a> {
+    fn from(model: &'a Transformer) -> Self {
+        Self { model, tokenizer: None }
+    }
+}

@@ -1,0 +1,128 @@
+//! Acceptance seen across all requests: the prior for each new request's own estimate.
+
+use crate::speculative::policy::{alpha_estimate, best_len};
+use crate::speculative::StepCost;
+
+/// Decayed counts of accepted draft positions and positions tried, over every request the
+/// engine has verified. A new request has no acceptance history of its own; starting it from
+/// what this drafter achieves on this server's traffic, rather than from a fixed guess plus
+/// optimism, keeps short requests from over-drafting when acceptance is poor, which at high
+/// load made speculation slower than plain batching.
+#[derive(Debug, Clone, Default)]
+pub(super) struct FleetAcceptance {
+    accepted: f64,
+    tried: f64,
+    /// Decayed drafting seconds and drafted tokens.
+    draft_secs: f64,
+    drafted: f64,
+    /// Decayed catch-up seconds and caught-up tokens.
+    catch_up_secs: f64,
+    caught_up: f64,
+}
+
+impl FleetAcceptance {
+    /// Half-life of about 350 draft positions: follows a change of traffic within seconds.
+    const DECAY: f64 = 0.998;
+    /// Weight, in tried positions, the fleet estimate gets in a request's own estimate.
+    const PRIOR_WEIGHT: f64 = 4.0;
+
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        // Positions tried: the accepted ones and the first rejected one, if any.
+        let tried = (accepted + 1).min(drafted) as f64;
+        let decay = Self::DECAY.powf(tried);
+        self.accepted = self.accepted * decay + accepted as f64;
+        self.tried = self.tried * decay + tried;
+    }
+
+    /// Upper confidence bound on α: optimistic while the server has seen few drafts (so
+    /// speculation gets tried at all), converging on the observed rate.
+    pub fn alpha(&self) -> f64 {
+        let mean = (self.accepted + 0.5) / (self.tried + 1.0);
+        (mean + 1.0 / (1.0 + self.tried).sqrt()).min(1.0)
+    }
+
+    /// Folds in one request's drafting work of a step.
+    pub fn record_costs(&mut self, drafted: usize, draft_secs: f64, caught_up: usize, catch_up_secs: f64) {
+        if drafted > 0 {
+            let decay = Self::DECAY.powf(drafted as f64);
+            self.draft_secs = self.draft_secs * decay + draft_secs;
+            self.drafted = self.drafted * decay + drafted as f64;
+        }
+        if caught_up > 0 {
+            let decay = Self::DECAY.powf(caught_up as f64);
+            self.catch_up_secs = self.catch_up_secs * decay + catch_up_secs;
+            self.caught_up = self.caught_up * decay + caught_up as f64;
+        }
+    }
+
+    /// Whether a new request should start with a probe: never-tried drafters always do;
+    /// otherwise only when the fleet's acceptance and draft cost make drafting pay by more
+    /// than catching up on the prompt costs, spread over the request's output.
+    pub fn start_with_probe(&self, cost: &StepCost, max_draft: usize, prompt: usize, max_tokens: usize) -> bool {
+        if self.tried == 0.0 {
+            return true;
+        }
+        let step = cost.secs(1).max(1e-12);
+        let per_token = |secs: f64, n: f64| if n > 0.0 { secs / n / step } else { 0.0 };
+        let draft_cost = per_token(self.draft_secs, self.drafted);
+        let catch_up = per_token(self.catch_up_secs, self.caught_up) * prompt as f64 / max_tokens.max(1) as f64;
+        best_len(cost, max_draft, self.alpha(), draft_cost).1 > 1.0 + catch_up
+    }
+
+    /// A request's α: its own decayed counts, with the fleet estimate as prior.
+    pub fn alpha_for(&self, own_accepted: f64, own_tried: f64) -> f64 {
+        alpha_estimate(own_accepted, own_tried, self.alpha(), Self::PRIOR_WEIGHT)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FleetAcceptance;
+    use crate::speculative::StepCost;
+
+    #[test]
+    fn fleet_acceptance_starts_optimistic_and_converges_on_what_it_sees() {
+        let mut fleet = FleetAcceptance::default();
+        assert_eq!(fleet.alpha(), 1.0, "nothing seen yet: try speculation");
+        // A drafter that gets the first of four positions right one time in five.
+        for i in 0..400 {
+            fleet.record(4, usize::from(i % 5 == 0));
+        }
+        let a = fleet.alpha();
+        assert!(a < 0.3, "after poor acceptance the estimate must fall: {a}");
+        // A new request starts from the fleet's estimate, and its own evidence moves it.
+        let fresh = fleet.alpha_for(0.0, 0.0);
+        assert!((fresh - a).abs() < 1e-12);
+        assert!(fleet.alpha_for(20.0, 20.0) > 0.8, "a request that keeps matching earns its drafts");
+        // Good acceptance later is learnt within a few hundred positions.
+        for _ in 0..300 {
+            fleet.record(4, 4);
+        }
+        assert!(fleet.alpha() > 0.8, "{}", fleet.alpha());
+    }
+
+    #[test]
+    fn new_requests_start_idle_once_the_fleet_knows_drafting_does_not_pay() {
+        let steep = StepCost::from_points((1..=16).map(|m| (m, 0.01 * (1.0 + 0.3 * (m - 1) as f64))).collect());
+        let mut fleet = FleetAcceptance::default();
+        assert!(fleet.start_with_probe(&steep, 15, 100, 128), "nothing known yet: probe");
+        // A draft model at a third of a decode step per token, rarely accepted.
+        for _ in 0..200 {
+            fleet.record(2, 0);
+            fleet.record_costs(2, 0.007, 0, 0.0);
+        }
+        fleet.record_costs(0, 0.0, 100, 0.2);
+        assert!(!fleet.start_with_probe(&steep, 15, 100, 128));
+        // Accepted every time and cheap: worth a probe even with the prompt to catch up on.
+        let mut good = FleetAcceptance::default();
+        for _ in 0..200 {
+            good.record(4, 4);
+            good.record_costs(4, 0.001, 0, 0.0);
+        }
+        good.record_costs(0, 0.0, 100, 0.05);
+        assert!(good.start_with_probe(&steep, 15, 100, 128));
+    }
+}

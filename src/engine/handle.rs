@@ -1,0 +1,192 @@
+//! The serving engine: one thread that owns the KV pool and runs [`EngineCore::step`] for
+//! every request, fed by a channel; the [`Engine`] handle submits requests to it and reads its
+//! published state.
+
+use super::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
+use super::loaded::LoadedModel;
+use super::request::{EngineEvent, EngineRequest, SubmitError};
+use crate::speculative::{build_proposer, StepCost, StepCostSettings};
+use anyhow::{Context, Result};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+enum Command {
+    Submit(Box<EngineRequest>, UnboundedSender<EngineEvent>),
+    /// Ends every request with this message (shutdown after the grace period).
+    AbortAll(String),
+    Stop,
+}
+
+/// Handle to the engine thread. Dropping it stops the thread (requests still running end).
+pub struct Engine {
+    model: Arc<LoadedModel>,
+    config: EngineConfig,
+    commands: Sender<Command>,
+    /// Requests submitted and not yet admitted (or gone).
+    queued: Arc<AtomicUsize>,
+    /// Published after every step (reading the pool itself would wait for a running forward).
+    snapshot: Arc<Mutex<EngineSnapshot>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    kv_capacity: usize,
+    cost: Option<Arc<StepCost>>,
+}
+
+impl Engine {
+    /// Builds the KV pool (and, with a drafter, checks it and measures the step-cost curve)
+    /// and starts the engine thread.
+    pub fn start(model: Arc<LoadedModel>, config: EngineConfig) -> Result<Self> {
+        let pool = model.model.new_kv_pool_typed(config.kv_tokens.max(1), config.kv_dtype);
+        let stats = pool.stats();
+        let kv_capacity = stats.total_blocks * stats.block_size;
+        let cost = match &config.drafter {
+            Some(spec) => {
+                // Fail at start, not on the first request, and load a draft model's weights now.
+                build_proposer(spec, model.target()).with_context(|| format!("drafter {}", spec.label()))?;
+                match &config.step_cost {
+                    Some(c) => Some(c.clone()),
+                    // Blocks up to a full batch of decode rows (the draft budget weighs the
+                    // whole step), and at least a full draft.
+                    None => Some(Arc::new(StepCost::measure(
+                        &model.model,
+                        &StepCostSettings::up_to(config.step_tokens.clamp(config.max_draft + 1, 64)),
+                    )?)),
+                }
+            }
+            None => None,
+        };
+        let queued = Arc::new(AtomicUsize::new(0));
+        let snapshot = Arc::new(Mutex::new(EngineSnapshot {
+            kv_total_blocks: stats.total_blocks,
+            kv_free_blocks: stats.free_blocks,
+            kv_block_size: stats.block_size,
+            ..Default::default()
+        }));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let thread = {
+            let (model, config, cost, queued, snapshot) =
+                (model.clone(), config.clone(), cost.clone(), queued.clone(), snapshot.clone());
+            std::thread::Builder::new().name("specula-engine".into()).spawn(move || {
+                let core = EngineCore::new(
+                    EngineModel { model: &model.model, tokenizer: Some(&model.tokenizer) },
+                    model.stop_ids(),
+                    pool,
+                    &config,
+                    cost,
+                    queued,
+                );
+                run(core, &model, &config, rx, &snapshot)
+            })?
+        };
+        Ok(Self { model, config, commands: tx, queued, snapshot, thread: Mutex::new(Some(thread)), kv_capacity, cost })
+    }
+
+    pub fn model(&self) -> &Arc<LoadedModel> {
+        &self.model
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The most tokens (prompt + output) one request can have: the model's context, or the
+    /// KV pool's capacity if smaller.
+    pub fn context_limit(&self) -> usize {
+        self.model.model.config.context_len.min(self.kv_capacity)
+    }
+
+    /// Queues a request; its events arrive on the returned receiver. Dropping the receiver
+    /// cancels the request and frees its KV blocks at the next step boundary.
+    pub fn submit(&self, request: EngineRequest) -> Result<UnboundedReceiver<EngineEvent>, SubmitError> {
+        let queued = self.queued.fetch_add(1, Ordering::SeqCst);
+        if queued >= self.config.max_waiting {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull(queued));
+        }
+        let (tx, rx) = unbounded_channel();
+        if self.commands.send(Command::Submit(Box::new(request), tx)).is_err() {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::Stopped);
+        }
+        Ok(rx)
+    }
+
+    /// The step-cost curve measured at start (with a drafter).
+    pub fn step_cost(&self) -> Option<&StepCost> {
+        self.cost.as_deref()
+    }
+
+    pub fn snapshot(&self) -> EngineSnapshot {
+        self.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Ends every queued and running request with `Failed(message)`.
+    pub fn abort_all(&self, message: &str) {
+        let _ = self.commands.send(Command::AbortAll(message.to_string()));
+    }
+
+    /// Stops the engine thread and waits for it.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Stop);
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The engine thread: take commands, step while there is work, publish the state.
+fn run(
+    mut core: EngineCore<'_>,
+    model: &LoadedModel,
+    config: &EngineConfig,
+    commands: Receiver<Command>,
+    snapshot: &Mutex<EngineSnapshot>,
+) {
+    // Returns false when the thread should stop.
+    let handle = |core: &mut EngineCore<'_>, cmd: Command| -> bool {
+        match cmd {
+            Command::Submit(req, sink) => {
+                let proposer = match (&config.drafter, req.speculate) {
+                    (Some(spec), true) => match build_proposer(spec, model.target()) {
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            // Counted as queued at submit: the engine's add would decrement it.
+                            let _ = sink.send(EngineEvent::Failed(format!("cannot build the drafter: {e:#}")));
+                            core.drop_queued();
+                            return true;
+                        }
+                    },
+                    _ => None,
+                };
+                core.add(*req, proposer, Box::new(sink));
+            }
+            Command::AbortAll(message) => core.abort_all(&message),
+            Command::Stop => return false,
+        }
+        true
+    };
+    loop {
+        if core.is_idle() {
+            let Ok(cmd) = commands.recv() else { return };
+            if !handle(&mut core, cmd) {
+                return;
+            }
+        }
+        while let Ok(cmd) = commands.try_recv() {
+            if !handle(&mut core, cmd) {
+                return;
+            }
+        }
+        core.step();
+        *snapshot.lock().unwrap_or_else(|e| e.into_inner()) = core.snapshot();
+    }
+}

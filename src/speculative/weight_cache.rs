@@ -1,0 +1,37 @@
+//! Drafter weights loaded once per process and shared by every proposer built from them (each
+//! proposer keeps its own caches), keyed by the canonical path they were loaded from.
+
+use anyhow::Result;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+pub struct WeightCache<T> {
+    loaded: Mutex<Option<HashMap<PathBuf, Arc<T>>>>,
+}
+
+impl<T> WeightCache<T> {
+    pub const fn new() -> Self {
+        Self { loaded: Mutex::new(None) }
+    }
+
+    /// The weights loaded from `path`, by `load` the first time. `check` runs on every reuse
+    /// (a cached drafter must still fit the target asking for it).
+    pub fn get_or_load(
+        &self,
+        path: &Path,
+        check: impl FnOnce(&T) -> Result<()>,
+        load: impl FnOnce() -> Result<T>,
+    ) -> Result<Arc<T>> {
+        let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        let hit = self.loaded.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|m| m.get(&key).cloned());
+        if let Some(weights) = hit {
+            check(&weights)?;
+            return Ok(weights);
+        }
+        // Loaded outside the lock: a slow load must not block proposers of other drafters.
+        let weights = Arc::new(load()?);
+        let mut guard = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(guard.get_or_insert_with(HashMap::new).entry(key).or_insert(weights).clone())
+    }
+}

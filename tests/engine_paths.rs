@@ -1,0 +1,118 @@
+//! `generate` (the CLI's and bench's path) and the server's engine run the same step loop: for
+//! every drafter kind, the same request gives the same tokens, text and speculation counters
+//! through both.
+
+mod common;
+
+use specula::engine::{
+    generate, Engine, EngineConfig, EngineEvent, EngineModel, EngineRequest, GenerateOptions, LoadedModel,
+};
+use specula::model::WeightFormat;
+use specula::sample::SamplingParams;
+use specula::speculative::{build_proposer, DraftLen, DrafterSpec, SpecMetrics, StepCost};
+use std::sync::Arc;
+
+/// What one path produced.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    tokens: Vec<u32>,
+    text: String,
+    finish: &'static str,
+    /// The speculation counters without the timings.
+    counts: (u64, u64, u64, u64, u64, Vec<u64>, Vec<u64>),
+}
+
+fn counts(m: &SpecMetrics) -> (u64, u64, u64, u64, u64, Vec<u64>, Vec<u64>) {
+    (m.steps, m.spec_steps, m.drafted, m.accepted, m.committed, m.drafted_at.clone(), m.accepted_at.clone())
+}
+
+fn through_generate(
+    loaded: &LoadedModel,
+    spec: &DrafterSpec,
+    prompt: &[u32],
+    params: &SamplingParams,
+    k: usize,
+) -> Outcome {
+    let pool = loaded.model.new_kv_pool(4096);
+    let mut proposer = build_proposer(spec, loaded.target()).unwrap();
+    let opts =
+        GenerateOptions { stop_ids: loaded.stop_ids(), draft_len: DraftLen::Fixed(k), ..GenerateOptions::default() };
+    let target = EngineModel { model: &loaded.model, tokenizer: Some(&loaded.tokenizer) };
+    let gen = generate(target, &pool, prompt, params.clone(), Some(proposer.as_mut()), &opts, &mut |_| {}).unwrap();
+    Outcome { tokens: gen.tokens, text: gen.text, finish: gen.finish.openai(), counts: counts(&gen.metrics) }
+}
+
+fn through_server_engine(
+    loaded: &Arc<LoadedModel>,
+    spec: &DrafterSpec,
+    prompt: &[u32],
+    params: &SamplingParams,
+    k: usize,
+) -> Outcome {
+    let config = EngineConfig {
+        drafter: Some(spec.clone()),
+        draft_len: DraftLen::Fixed(k),
+        // Given, not measured: a fixed draft length does not consult it.
+        step_cost: Some(Arc::new(StepCost::linear())),
+        kv_tokens: 4096,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(loaded.clone(), config).unwrap();
+    let request = EngineRequest { prompt: prompt.to_vec(), params: params.clone(), speculate: true, ignore_eos: false };
+    let mut rx = engine.submit(request).unwrap();
+    let (mut tokens, mut text) = (Vec::new(), String::new());
+    loop {
+        match rx.blocking_recv().expect("the engine ended the stream early") {
+            EngineEvent::Tokens(chunk) => {
+                tokens.extend_from_slice(&chunk.ids);
+                text.push_str(&chunk.text());
+            }
+            EngineEvent::Done(c) => {
+                text.push_str(&c.tail);
+                assert_eq!(c.usage.draft_n, c.metrics.drafted);
+                let snapshot = engine.snapshot();
+                assert_eq!(snapshot.kv_free_blocks + snapshot.kv_cached_blocks, snapshot.kv_total_blocks);
+                return Outcome { tokens, text, finish: c.finish.openai(), counts: counts(&c.metrics) };
+            }
+            EngineEvent::Failed(e) => panic!("the request failed: {e}"),
+        }
+    }
+}
+
+fn assert_same(loaded: &Arc<LoadedModel>, spec: &DrafterSpec, prompt: &[u32], params: SamplingParams, k: usize) {
+    let a = through_generate(loaded, spec, prompt, &params, k);
+    let b = through_server_engine(loaded, spec, prompt, &params, k);
+    assert!(a.counts.2 > 0, "{}: nothing was drafted, the comparison would be empty", spec.label());
+    assert_eq!(a, b, "{} at temperature {}", spec.label(), params.temperature);
+}
+
+fn params(temperature: f32, max_tokens: usize) -> SamplingParams {
+    SamplingParams { temperature, seed: Some(7), max_tokens: Some(max_tokens), ..SamplingParams::default() }
+}
+
+#[test]
+fn ngram_and_draft_model_run_the_same_loop_in_generate_and_the_server() {
+    let loaded = Arc::new(LoadedModel::load(&common::smollm2_path(), None, &candle_core::Device::Cpu).unwrap());
+    let prompt = loaded
+        .encode_prompt("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n")
+        .unwrap();
+    let ngram = DrafterSpec::parse("ngram").unwrap();
+    assert_same(&loaded, &ngram, &prompt, params(0.0, 48), 4);
+    assert_same(&loaded, &ngram, &prompt, params(0.8, 48), 4);
+    // SmolLM2 drafting for itself (same vocabulary).
+    let draft_model = DrafterSpec::DraftModel { model: common::smollm2_path().display().to_string() };
+    assert_same(&loaded, &draft_model, &prompt, params(0.0, 32), 3);
+}
+
+#[test]
+fn dflash_runs_the_same_loop_in_generate_and_the_server() {
+    let case = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash/fitted");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
+    let loaded =
+        Arc::new(LoadedModel::load(&case.join("target"), Some(WeightFormat::F32), &candle_core::Device::Cpu).unwrap());
+    let prompt: Vec<u32> =
+        expected["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let spec = DrafterSpec::parse(&format!("dflash:{}", case.join("drafter").display())).unwrap();
+    assert_same(&loaded, &spec, &prompt, params(0.0, 24), 7);
+}

@@ -70,8 +70,16 @@ fn through_server_engine(
             EngineEvent::Done(c) => {
                 text.push_str(&c.tail);
                 assert_eq!(c.usage.draft_n, c.metrics.drafted);
-                let snapshot = engine.snapshot();
-                assert_eq!(snapshot.kv_free_blocks + snapshot.kv_cached_blocks, snapshot.kv_total_blocks);
+                // The state is published after the step that finished the request.
+                let mut snapshot = engine.snapshot();
+                for _ in 0..200 {
+                    if snapshot.running == 0 {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    snapshot = engine.snapshot();
+                }
+                assert_eq!(snapshot.kv_free_blocks, snapshot.kv_total_blocks, "blocks held after the request ended");
                 return Outcome { tokens, text, finish: c.finish.openai(), counts: counts(&c.metrics) };
             }
             EngineEvent::Failed(e) => panic!("the request failed: {e}"),

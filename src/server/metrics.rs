@@ -196,7 +196,7 @@ impl ServerMetrics {
             "Per-sequence decode/verify steps.",
             e.verify_steps.to_string(),
         );
-        let tau = if e.verify_steps == 0 { 0.0 } else { (e.accepted + e.verify_steps) as f64 / e.verify_steps as f64 };
+        let tau = crate::speculative::metrics::tau(e.accepted, e.verify_steps);
         metric(
             "specula_acceptance_length",
             "gauge",

@@ -2,6 +2,16 @@
 
 use serde::Serialize;
 
+/// Acceptance length τ of `steps` verify steps that accepted `accepted` draft tokens in all:
+/// each step commits its accepted drafts plus one target token (0 before any step).
+pub fn tau(accepted: u64, steps: u64) -> f64 {
+    if steps == 0 {
+        0.0
+    } else {
+        (accepted + steps) as f64 / steps as f64
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct SpecMetrics {
     /// Target forward steps after prefill (each verifies one block, possibly empty).
@@ -55,11 +65,7 @@ impl SpecMetrics {
 
     /// Acceptance length τ: mean tokens committed per target verify step (accepted + 1).
     pub fn tau(&self) -> f64 {
-        if self.steps == 0 {
-            0.0
-        } else {
-            (self.accepted + self.steps) as f64 / self.steps as f64
-        }
+        tau(self.accepted, self.steps)
     }
 
     /// Per draft position i: the share of drafts that reached position i whose token there

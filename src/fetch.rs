@@ -24,15 +24,25 @@ use std::time::{Instant, UNIX_EPOCH};
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
 
-/// Root of the model and data cache: `$SPECULA_HOME`, else `$XDG_CACHE_HOME/specula`, else
-/// `~/.cache/specula` (relative `.cache/specula` when no home directory is known).
+/// Root of the model and data cache, the one place every reader of the cache (the CLI, the
+/// benchmarks, the tests) takes it from:
+/// 1. `$SPECULA_HOME`;
+/// 2. else `$XDG_CACHE_HOME/specula` (a relative `XDG_CACHE_HOME` is ignored, as the XDG base
+///    directory spec requires);
+/// 3. else `~/.cache/specula` (`$HOME/.cache/specula`; relative `.cache/specula` when no home
+///    directory is known).
+///
+/// An empty variable counts as unset.
 pub fn specula_home() -> PathBuf {
-    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    home_from(|name| std::env::var_os(name))
+}
+
+fn home_from(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> PathBuf {
+    let non_empty = |name: &str| var(name).filter(|v| !v.is_empty());
     if let Some(home) = non_empty("SPECULA_HOME") {
         return PathBuf::from(home);
     }
     if let Some(xdg) = non_empty("XDG_CACHE_HOME") {
-        // The XDG spec says relative values are invalid and must be ignored.
         if Path::new(&xdg).is_absolute() {
             return PathBuf::from(xdg).join("specula");
         }
@@ -1118,6 +1128,21 @@ mod tests {
         let first = fetch_once("no-such-asset-for-fetch-once", false).unwrap_err().to_string();
         assert!(first.contains("unknown asset"), "{first}");
         assert_eq!(fetch_once("no-such-asset-for-fetch-once", false).unwrap_err().to_string(), first);
+    }
+
+    #[test]
+    fn home_follows_specula_home_then_xdg_then_home() {
+        let home = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            home_from(move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.into()))
+        };
+        let all = [("SPECULA_HOME", "/s"), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")];
+        assert_eq!(home(&all), Path::new("/s"));
+        assert_eq!(home(&all[1..]), Path::new("/x/specula"));
+        assert_eq!(home(&all[2..]), Path::new("/h/.cache/specula"));
+        assert_eq!(home(&[("SPECULA_HOME", ""), ("XDG_CACHE_HOME", "/x")]), Path::new("/x/specula"));
+        assert_eq!(home(&[("XDG_CACHE_HOME", "rel"), ("HOME", "/h")]), Path::new("/h/.cache/specula"));
+        assert_eq!(home(&[]), Path::new(".cache/specula"));
     }
 
     #[test]

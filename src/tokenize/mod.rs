@@ -24,7 +24,7 @@ pub(crate) mod test_models {
     use super::{ChatTemplate, Tokenizer};
 
     /// A prompt and the prompt token count llama.cpp reported for it
-    /// (`usage.prompt_tokens` in /work/shared/reference/llamacpp-greedy/*.json).
+    /// (`usage.prompt_tokens` in tests/fixtures/llamacpp-greedy/*.json).
     pub struct ReferenceCount {
         pub chat: bool,
         pub prompt: &'static str,
@@ -69,31 +69,28 @@ pub(crate) mod test_models {
         pub template: ChatTemplate,
     }
 
-    fn specula_home() -> PathBuf {
-        match std::env::var_os("SPECULA_HOME") {
-            Some(home) => PathBuf::from(home),
-            None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/specula"),
-        }
-    }
-
     fn skip_model_tests() -> bool {
         std::env::var("SPECULA_SKIP_MODEL_TESTS").is_ok_and(|v| v == "1")
     }
 
+    /// The model's tokenizer and template, read once per process. A required model is fetched
+    /// (once per process, [`crate::fetch::fetch_once`]); an optional one is used only when it is
+    /// already in the cache (the Qwen models are large: `specula fetch` them to run those cases).
     fn load(key: &str, required: bool) -> Option<Arc<LoadedModel>> {
         if skip_model_tests() {
             return None;
         }
-        let path = specula_home().join("models").join(format!("{key}.gguf"));
-        if !path.exists() {
-            assert!(
-                !required,
-                "model file {} not found: run `specula fetch {key}` (or set \
-                 SPECULA_SKIP_MODEL_TESTS=1 to skip tests that need real models)",
-                path.display()
-            );
+        if !required && !crate::fetch::find_asset(key).is_some_and(|a| a.path().is_file()) {
+            eprintln!("skipping {key}: optional model not in the cache (`specula fetch {key}` to include it)");
             return None;
         }
+        let path = match crate::fetch::fetch_once(key, true) {
+            Ok(path) => path,
+            Err(err) => panic!(
+                "fetching {key} for the tokenizer tests failed: {err:#}\n(set SPECULA_SKIP_MODEL_TESTS=1 to skip \
+                 tests that need real models)"
+            ),
+        };
         static CACHE: OnceLock<Mutex<HashMap<String, Arc<LoadedModel>>>> = OnceLock::new();
         let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
         let loaded = cache.entry(key.to_string()).or_insert_with(|| {
@@ -106,12 +103,12 @@ pub(crate) mod test_models {
         Some(Arc::clone(loaded))
     }
 
-    /// SmolLM2 must be present unless SPECULA_SKIP_MODEL_TESTS=1.
+    /// SmolLM2, fetched on first use unless SPECULA_SKIP_MODEL_TESTS=1.
     pub fn smollm2() -> Option<Arc<LoadedModel>> {
         load("smollm2-135m", true)
     }
 
-    /// The Qwen2.5-Coder models are optional: `None` when absent.
+    /// The Qwen2.5-Coder models are optional: only those already fetched.
     pub fn qwen25_coder() -> Vec<(&'static str, Arc<LoadedModel>)> {
         ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
             .into_iter()
@@ -126,7 +123,7 @@ pub(crate) mod test_models {
         models
     }
 
-    /// The llama.cpp reference file for a model key, when this machine has it.
+    /// The llama.cpp reference file for a model key (tests/fixtures/llamacpp-greedy).
     pub fn reference_json(key: &str) -> Option<serde_json::Value> {
         let file = match key {
             "smollm2-135m" => "SmolLM2-135M-Instruct.Q4_1.json",
@@ -134,8 +131,8 @@ pub(crate) mod test_models {
             "qwen2.5-coder-1.5b" => "qwen2.5-coder-1.5b-instruct-q4_k_m.json",
             _ => return None,
         };
-        let path = PathBuf::from("/work/shared/reference/llamacpp-greedy").join(file);
-        let text = std::fs::read_to_string(path).ok()?;
-        serde_json::from_str(&text).ok()
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llamacpp-greedy").join(file);
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        Some(serde_json::from_str(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display())))
     }
 }

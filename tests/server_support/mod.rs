@@ -17,7 +17,8 @@ pub fn model() -> Arc<LoadedModel> {
     static MODEL: OnceLock<Arc<LoadedModel>> = OnceLock::new();
     MODEL
         .get_or_init(|| {
-            let path = specula::fetch::resolve_model(MODEL_ID, false).expect("fetching smollm2-135m");
+            let path =
+                specula::fetch::fetch_once(MODEL_ID, true).unwrap_or_else(|e| panic!("fetching {MODEL_ID}: {e:#}"));
             Arc::new(LoadedModel::load(&path, None, &candle_core::Device::Cpu).expect("loading smollm2-135m"))
         })
         .clone()

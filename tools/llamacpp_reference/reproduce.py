@@ -1,4 +1,4 @@
-"""Re-runs llama.cpp's greedy reference (../shared/reference/llamacpp-greedy) with the engine that
+"""Re-runs llama.cpp's greedy reference (tests/fixtures/llamacpp-greedy) with the engine that
 made it, and reports how far another llama.cpp configuration lands from it.
 
 The reference files say they come from `xllamacpp 2026.10.11549 (CPU wheel)`, llama.cpp's Python
@@ -8,6 +8,9 @@ move with that one switch.
 
     python3 -m venv /tmp/xll && /tmp/xll/bin/pip install xllamacpp==2026.10.11549
     /tmp/xll/bin/python tools/llamacpp_reference/reproduce.py MODEL.gguf REFERENCE.json [THREADS] [param=value ...]
+
+for example MODEL.gguf = ~/.cache/specula/models/smollm2-135m.gguf (`specula fetch smollm2-135m`)
+and REFERENCE.json = tests/fixtures/llamacpp-greedy/SmolLM2-135M-Instruct.Q4_1.json.
 """
 import json
 import sys

@@ -1,5 +1,5 @@
 // Teacher-forced log-probs from a llama.cpp build, for comparing builds with the reference
-// files in ../shared/reference/llamacpp-greedy (docs/performance.md, "Parity with llama.cpp").
+// files in tests/fixtures/llamacpp-greedy (docs/performance.md, "Parity with llama.cpp").
 //
 // Prompt as one batch, then the reference tokens one at a time, as the greedy run that made
 // the reference; prints "step argmax lp(argmax) ref_token lp(ref_token)" per step.

@@ -13,6 +13,7 @@
 //!   decoding request gets.
 
 mod active;
+mod config;
 mod core;
 mod draft_budget;
 mod fleet;

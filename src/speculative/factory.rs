@@ -78,7 +78,7 @@ pub fn build_proposer(spec: &DrafterSpec, target: Target<'_>) -> Result<Box<dyn 
         DrafterSpec::Ngram { max_ngram } => Ok(Box::new(NgramProposer::new(MIN_NGRAM.min(*max_ngram), *max_ngram)?)),
         DrafterSpec::DraftModel { model } => {
             let path = crate::fetch::resolve_model(model, true)?;
-            let draft = load_draft_model(&path, &target.tokenizer)
+            let draft = load_draft_model(&path, target.tokenizer)
                 .with_context(|| format!("{} cannot draft for this target", path.display()))?;
             let kv_tokens = target.model.config.context_len.min(draft.model.config.context_len).min(32_768);
             Ok(Box::new(DraftModelProposer::new(draft.model.clone(), kv_tokens, target.tokenizer.stop_ids().to_vec())))

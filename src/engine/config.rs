@@ -1,0 +1,85 @@
+//! The engine's settings, and the counters it publishes.
+
+use crate::kv::KvDtype;
+use crate::speculative::{DraftLen, DrafterSpec, StepCost, MAX_DRAFT};
+use std::sync::Arc;
+
+/// Settings of the engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// KV pool capacity in tokens (shared by all requests).
+    pub kv_tokens: usize,
+    pub kv_dtype: KvDtype,
+    /// Rows per forward: decode rows, draft rows and prefill chunks together.
+    pub step_tokens: usize,
+    /// Sequences decoding together at most.
+    pub max_running: usize,
+    /// Requests waiting for admission at most; beyond, `submit` refuses.
+    pub max_waiting: usize,
+    /// Server-wide drafter; each request gets its own proposer built from it.
+    pub drafter: Option<DrafterSpec>,
+    /// Draft length per request and step: `Auto` chooses up to `max_draft` where it pays.
+    pub draft_len: DraftLen,
+    /// Longest draft per request and step.
+    pub max_draft: usize,
+    /// Step-cost curve for adaptive drafting; None = measured at start (with a drafter).
+    pub step_cost: Option<Arc<StepCost>>,
+    /// Reuse the K/V of full prompt blocks already computed for an earlier request with the
+    /// same leading tokens (vLLM's automatic prefix caching). Outputs are unchanged.
+    pub prefix_caching: bool,
+    /// Record every verify step of every request (`Completion::trace`).
+    pub trace: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_tokens: 8192,
+            kv_dtype: KvDtype::F16,
+            step_tokens: 256,
+            max_running: 32,
+            max_waiting: 64,
+            drafter: None,
+            draft_len: DraftLen::Auto,
+            max_draft: MAX_DRAFT,
+            step_cost: None,
+            prefix_caching: true,
+            trace: false,
+        }
+    }
+}
+
+/// Engine counters and state for metrics and health checks.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct EngineSnapshot {
+    pub waiting: usize,
+    pub running: usize,
+    pub kv_total_blocks: usize,
+    pub kv_free_blocks: usize,
+    /// Blocks holding a published prompt prefix (held by a request or kept for reuse).
+    pub kv_cached_blocks: usize,
+    pub kv_block_size: usize,
+    /// Forward steps run.
+    pub steps: u64,
+    /// Rows (tokens) through the forward, all kinds.
+    pub rows: u64,
+    /// Prompt (and recomputed) tokens prefilled.
+    pub prefill_tokens: u64,
+    /// Prompt tokens whose K/V came from the prefix cache instead of a prefill.
+    pub prefix_cache_hit_tokens: u64,
+    /// Tokens committed to requests.
+    pub generated_tokens: u64,
+    /// Decode (verification) steps summed over sequences.
+    pub verify_steps: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    pub preemptions: u64,
+    /// Seconds spent in steps (forward + bookkeeping).
+    pub busy_secs: f64,
+    /// Of those, seconds in the model's forward: the rest is drafting, sampling,
+    /// verification, detokenising and streaming.
+    pub forward_secs: f64,
+    pub finished_requests: u64,
+    pub failed_requests: u64,
+    pub cancelled_requests: u64,
+}

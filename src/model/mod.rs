@@ -1,6 +1,7 @@
 //! Models: GGUF weights, architectures, and one forward over a packed batch of sequences that
 //! returns the logits rows and hidden-state taps asked for.
 
+pub mod accuracy;
 mod batch;
 mod config;
 mod elementwise;

@@ -38,21 +38,19 @@ const MAX_ROWS: usize = 8;
 /// Activation blocks per work item when quantising.
 const QUANT_CHUNK: usize = 32;
 
-/// Whether this CPU runs the kernels. `SPECULA_NO_Q8_KERNEL=1` turns them off (A/B runs).
+/// Whether this CPU runs the kernels (whether they are used is `KernelSettings::vnni_kernels`).
 pub fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        let off = super::env_flag("SPECULA_NO_Q8_KERNEL");
         #[cfg(target_arch = "x86_64")]
         {
-            !off && is_x86_feature_detected!("avx512f")
+            is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("f16c")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = off;
             false
         }
     })
@@ -581,7 +579,8 @@ mod avx512 {
             let vd = _mm512_set1_ps(d);
             let (rlo, rhi) = (_mm512_fnmadd_ps(qlo, vd, lo), _mm512_fnmadd_ps(qhi, vd, hi));
             let (d_r, sum_r, _, _) = quantize_level(rlo, rhi, r.as_mut_ptr().add(b * BLOCK));
-            *blocks.get_unchecked_mut(b) = ActBlock { d, d_r, sum, sum_r, s: d_r.mul_add(sum_r as f32, d * sum as f32) };
+            *blocks.get_unchecked_mut(b) =
+                ActBlock { d, d_r, sum, sum_r, s: d_r.mul_add(sum_r as f32, d * sum as f32) };
         }
     }
 }
@@ -607,7 +606,12 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                 let (w, offset, d, min): (Vec<i32>, i32, f32, Option<f32>) = match &p.weights {
                     Packed::Q8_0 { qs, d } => {
                         let tile = (nt * kb_n + b) * TILE_N * BLOCK;
-                        ((0..BLOCK).map(|i| qs[tile + (i / 4 * TILE_N + lane) * 4 + i % 4] as i32).collect(), 128, d[at].to_f32(), None)
+                        (
+                            (0..BLOCK).map(|i| qs[tile + (i / 4 * TILE_N + lane) * 4 + i % 4] as i32).collect(),
+                            128,
+                            d[at].to_f32(),
+                            None,
+                        )
                     }
                     Packed::Q4_1 { qs, d, m } => {
                         let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;

@@ -18,7 +18,8 @@
 //! every matmul input, which a 30-layer model turns into log-prob errors of several tenths
 //! of a nat at some steps (docs/kernels.md); two levels bring the kernels within f32
 //! rounding of exact arithmetic on the file's weights, for twice the integer dot products
-//! on weights already in registers (decode waits on reading the weights, not on these).
+//! on weights already in registers: small decode batches wait on reading the weights, while
+//! prefill and wide verify blocks, which wait on arithmetic, pay for the second level.
 //! Row invariance: each output is exact integer dot products per 32-value block,
 //! then the same float operations in the same order, whatever the number of rows, their
 //! grouping or the thread split (threads split output columns). So a verified block of

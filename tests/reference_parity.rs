@@ -47,11 +47,12 @@ fn reference_cases(file: &str) -> Vec<Case> {
 }
 
 /// How far apart two candidates may be and still count as a near-tie, where a different greedy
-/// pick is legitimate. 0.1 nats: llama.cpp itself, built from source on this machine (same
-/// commit month as the reference, AVX-512 kernels), picks differently from the reference at a
-/// 0.089-nat gap (qwen2.5-coder-0.5b, "The capital of France is", step 11; docs/performance.md,
-/// "Two builds of llama.cpp itself"). A tighter bound would fail llama.cpp's own build.
-const NEAR_TIE_NATS: f32 = 0.1;
+/// pick is legitimate. llama.cpp's log-probs carry its 8-bit activation noise: against exact
+/// f32 arithmetic on the same file it is off by up to 0.19 nats on these prompts, and our
+/// default path (two-level activations) by 0.003 (docs/kernels.md). At "Once upon a time" step 4
+/// llama.cpp prefers its token by 0.19 nats where exact arithmetic prefers the other by 0.16;
+/// so a different pick is legitimate within llama.cpp's own error, 0.19 + margin.
+const NEAR_TIE_NATS: f32 = 0.25;
 
 /// Teacher-forced comparison: one forward over prompt + llama.cpp's 24 tokens, logits for every
 /// row. At each step our argmax must be llama.cpp's token unless the two were within

@@ -27,7 +27,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
     println!("qkv bias:      {}", c.qkv_bias);
     let types: Vec<String> = file.type_counts().iter().map(|(t, n)| format!("{t}×{n}")).collect();
     println!("tensor types:  {}", types.join(", "));
-    println!("default weights: {}", WeightFormat::default_for(&file).name());
+    println!("default weights: {}", WeightFormat::default_for(&file, &crate::model::KernelSettings::from_env()).name());
     let tok = Tokenizer::from_gguf(&file.content)?;
     let name = |id: Option<u32>| id.and_then(|i| tok.token_text(i).map(|t| format!("{i} {t:?}"))).unwrap_or("-".into());
     println!(

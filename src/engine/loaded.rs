@@ -1,6 +1,6 @@
 //! A model ready to serve: weights, tokenizer and chat template from one GGUF file.
 
-use crate::model::{GgufFile, HfModelDir, Transformer, WeightFormat};
+use crate::model::{GgufFile, HfModelDir, KernelSettings, Transformer, WeightFormat};
 use crate::tokenize::{ChatMessage, ChatTemplate, Tokenizer};
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -15,11 +15,17 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    /// Loads a GGUF file or a Hugging Face model directory; `weights` None picks the
-    /// measured default for the file's types.
+    /// Loads a GGUF file or a Hugging Face model directory with the environment's kernel
+    /// settings ([`KernelSettings::from_env`]); `weights` None picks the measured default for
+    /// the file's types.
     pub fn load(path: &Path, weights: Option<WeightFormat>, device: &Device) -> Result<Self> {
+        Self::load_with(path, &KernelSettings::from_env().with_weights(weights), device)
+    }
+
+    /// [`Self::load`] with explicit kernel settings.
+    pub fn load_with(path: &Path, kernels: &KernelSettings, device: &Device) -> Result<Self> {
         if HfModelDir::is_model_dir(path) {
-            return Self::load_hf(path, weights, device);
+            return Self::load_hf(path, kernels, device);
         }
         let mut file = GgufFile::open(path)?;
         // Architecture first: an unsupported model should say so, not fail on its tokenizer.
@@ -27,8 +33,7 @@ impl LoadedModel {
         let tokenizer = Tokenizer::from_gguf(&file.content)
             .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
         let template = ChatTemplate::from_gguf(&file.content).ok();
-        let format = weights.unwrap_or_else(|| WeightFormat::default_for(&file));
-        let model = Transformer::load(&mut file, format, device)?;
+        let model = Transformer::load(&mut file, kernels, device)?;
         model.warm_up()?;
         if tokenizer.vocab_size() > model.config.vocab {
             anyhow::bail!(
@@ -41,7 +46,7 @@ impl LoadedModel {
         Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
     }
 
-    fn load_hf(path: &Path, weights: Option<WeightFormat>, device: &Device) -> Result<Self> {
+    fn load_hf(path: &Path, kernels: &KernelSettings, device: &Device) -> Result<Self> {
         let mut dir = HfModelDir::open(path)?;
         let config = dir.config()?;
         let model_type = dir.config_json["model_type"].as_str().unwrap_or("").to_string();
@@ -49,7 +54,8 @@ impl LoadedModel {
         let tokenizer =
             Tokenizer::from_gguf(&vocab).with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
         let template = ChatTemplate::from_gguf(&vocab).ok();
-        let model = Transformer::load_from(&mut dir, config, weights.unwrap_or(WeightFormat::Native), device)?;
+        let model =
+            Transformer::load_from(&mut dir, config, kernels.weights.unwrap_or(WeightFormat::Native), kernels, device)?;
         model.warm_up()?;
         Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
     }

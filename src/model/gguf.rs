@@ -47,16 +47,18 @@ impl WeightFormat {
     /// convert to Q8_0, which runs on our kernel (or, without AVX-512 VNNI, is padded onto
     /// candle's repacked one; see [`super::linear`]). Q4_0/Q4_1/Q5_0/Q5_1 run scalar in
     /// candle, and any width that is not a multiple of 256 misses its repacked kernels.
-    pub fn default_for(file: &GgufFile) -> Self {
+    /// `kernels` says which kernels may run (its `weights` is not read here).
+    pub fn default_for(file: &GgufFile, kernels: &super::KernelSettings) -> Self {
         let slow = file.content.tensor_infos.iter().filter(|(name, _)| name.starts_with("blk.")).any(|(_, t)| {
             let dims = t.shape.dims();
             let k = dims.last().copied().unwrap_or(0);
             let ours = t.shape.rank() == 2
+                && kernels.vnni_kernels
                 && super::vnni_matmul::available()
                 && super::vnni_matmul::supports(t.ggml_dtype, dims[0], k);
             !ours
                 && (matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q4_0)
-                    || (t.shape.rank() == 2 && k % 256 != 0 && super::linear::repacked_q8_available()))
+                    || (t.shape.rank() == 2 && k % 256 != 0 && super::linear::repacked_q8_available(kernels)))
         });
         if slow {
             Self::Q8_0

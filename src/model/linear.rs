@@ -9,6 +9,7 @@
 //! (docs/performance.md).
 
 use super::gguf::WeightFormat;
+use super::kernels::KernelSettings;
 use super::source::TensorSource;
 use super::vnni_matmul::{self, PackedMatrix};
 use anyhow::{Context, Result};
@@ -18,16 +19,18 @@ use std::sync::Arc;
 
 const REPACK_K: usize = 256;
 
-/// Whether candle's repacked Q8_0 kernel runs on this CPU (it needs VNNI dot products).
-pub fn repacked_q8_available() -> bool {
+/// Whether candle's repacked Q8_0 kernel is allowed (`kernels.candle_repack`) and runs on this
+/// CPU (it needs VNNI dot products).
+pub fn repacked_q8_available(kernels: &KernelSettings) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::env::var("SPECULA_NO_PAD").is_err()
+        kernels.candle_repack
             && ((is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni"))
                 || (is_x86_feature_detected!("avxvnni") && is_x86_feature_detected!("avx2")))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = kernels;
         false
     }
 }
@@ -46,6 +49,8 @@ pub struct Linear {
     in_features: usize,
     /// Input width the weight was padded to, when padded.
     padded_in: Option<usize>,
+    /// Whether candle's AMX kernel may take Q4_K batches (`KernelSettings::amx`).
+    amx: bool,
 }
 
 impl Linear {
@@ -55,24 +60,33 @@ impl Linear {
         name: &str,
         bias: bool,
         format: WeightFormat,
+        kernels: &KernelSettings,
         device: &Device,
     ) -> Result<Self> {
         let q = Arc::new(file.qtensor(&format!("{name}.weight"), device)?);
         let bias = if bias { Some(file.dense(&format!("{name}.bias"), device)?) } else { None };
-        Self::from_qtensor(q, bias, format, device).with_context(|| format!("loading `{name}.weight`"))
+        Self::from_qtensor(q, bias, format, kernels, device).with_context(|| format!("loading `{name}.weight`"))
     }
 
-    pub fn from_qtensor(q: Arc<QTensor>, bias: Option<Tensor>, format: WeightFormat, device: &Device) -> Result<Self> {
+    pub fn from_qtensor(
+        q: Arc<QTensor>,
+        bias: Option<Tensor>,
+        format: WeightFormat,
+        kernels: &KernelSettings,
+        device: &Device,
+    ) -> Result<Self> {
         let (_, in_features) = q.shape().dims2()?;
+        let amx = kernels.amx;
         let target = match format {
             WeightFormat::Native => None,
             WeightFormat::F32 => {
                 let weight = Weight::Candle(QMatMul::Tensor(q.dequantize(device)?));
-                return Ok(Self { weight, bias, in_features, padded_in: None });
+                return Ok(Self { weight, bias, in_features, padded_in: None, amx });
             }
             WeightFormat::F16 => {
                 let w = q.dequantize(device)?.to_dtype(DType::F16)?;
-                return Ok(Self { weight: Weight::Candle(QMatMul::TensorF16(w)), bias, in_features, padded_in: None });
+                let weight = Weight::Candle(QMatMul::TensorF16(w));
+                return Ok(Self { weight, bias, in_features, padded_in: None, amx });
             }
             WeightFormat::Q8_0 => Some(GgmlDType::Q8_0),
             WeightFormat::Q4_0 => Some(GgmlDType::Q4_0),
@@ -81,20 +95,24 @@ impl Linear {
         // The file's own Q8_0/Q4_1 tensors (`native`), or anything converted to Q8_0, run on
         // our kernels where the CPU has them.
         let final_type = target.unwrap_or(q.dtype());
-        if device.is_cpu() && vnni_matmul::available() && vnni_matmul::supports(final_type, out_features, in_features) {
+        if device.is_cpu()
+            && kernels.vnni_kernels
+            && vnni_matmul::available()
+            && vnni_matmul::supports(final_type, out_features, in_features)
+        {
             let converted = if final_type == q.dtype() {
                 q.clone()
             } else {
                 Arc::new(QTensor::quantize(&q.dequantize(device)?, final_type)?)
             };
             if let Some(packed) = PackedMatrix::from_qtensor(&converted)? {
-                return Ok(Self { weight: Weight::Vnni(Arc::new(packed)), bias, in_features, padded_in: None });
+                return Ok(Self { weight: Weight::Vnni(Arc::new(packed)), bias, in_features, padded_in: None, amx });
             }
         }
         let pad = target == Some(GgmlDType::Q8_0)
             && in_features % REPACK_K != 0
             && device.is_cpu()
-            && repacked_q8_available();
+            && repacked_q8_available(kernels);
         let weight = match target {
             None => QMatMul::from_arc(q)?,
             Some(t) if t == q.dtype() && !pad => QMatMul::from_arc(q)?,
@@ -108,7 +126,7 @@ impl Linear {
             }
         };
         let padded_in = pad.then(|| in_features.next_multiple_of(REPACK_K));
-        Ok(Self { weight: Weight::Candle(weight), bias, in_features, padded_in })
+        Ok(Self { weight: Weight::Candle(weight), bias, in_features, padded_in, amx })
     }
 
     /// Output rows × input width of the weight as stored (before padding).
@@ -133,8 +151,10 @@ impl Linear {
                 let input = x.flatten_all()?.to_vec1::<f32>()?;
                 Tensor::from_vec(p.matmul(&input), (rows, p.out_features()), x.device())?
             }
-            (Weight::Candle(w), Some(p)) => row_invariant_matmul(w, &x.pad_with_zeros(1, 0, p - self.in_features)?)?,
-            (Weight::Candle(w), None) => row_invariant_matmul(w, x)?,
+            (Weight::Candle(w), Some(p)) => {
+                row_invariant_matmul(w, &x.pad_with_zeros(1, 0, p - self.in_features)?, self.amx)?
+            }
+            (Weight::Candle(w), None) => row_invariant_matmul(w, x, self.amx)?,
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
@@ -152,7 +172,7 @@ impl Linear {
 /// (from 32 rows) needs nothing: it applies the same per-sub-block scale and min updates in
 /// the same order as the tile kernel to exact integer sums, so it matches it bit for bit.
 /// Checked by `tests/forward_equivalence.rs` (`*_bitwise_*`, blocks of up to 40 rows).
-fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
+fn row_invariant_matmul(weight: &QMatMul, x: &Tensor, amx: bool) -> Result<Tensor> {
     let rows = x.dim(0)?;
     let dtype = match weight {
         QMatMul::QTensor(q) if cfg!(target_arch = "x86_64") => Some(q.dtype()),
@@ -164,7 +184,7 @@ fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
             let two = x.pad_with_zeros(0, 0, 1)?;
             Ok(weight.forward(&two)?.narrow(0, 0, 1)?)
         }
-        Some(GgmlDType::Q4K) if rows >= Q4K_AMX_MIN_ROWS && no_amx() => {
+        Some(GgmlDType::Q4K) if rows >= Q4K_AMX_MIN_ROWS && !amx => {
             // Same results either way (see above); this only trades prefill speed for memory.
             let chunk = (Q4K_AMX_MIN_ROWS - 1) / 4 * 4; // whole 4-row units of the tile kernel
             let parts = (0..rows)
@@ -177,15 +197,9 @@ fn row_invariant_matmul(weight: &QMatMul, x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Batches of this many rows or more take candle's AMX kernel for Q4_K (where the CPU has it).
+/// Batches of this many rows or more take candle's AMX kernel for Q4_K (where the CPU has it);
+/// with `KernelSettings::amx` off they run in chunks below it.
 const Q4K_AMX_MIN_ROWS: usize = 32;
-
-/// `SPECULA_NO_AMX=1` keeps Q4_K batches below the AMX threshold. AMX keeps its own copy of
-/// every Q4_K matrix at one byte per weight (+1.4 GB for Qwen2.5-1.5B) for faster prefill.
-fn no_amx() -> bool {
-    static NO_AMX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *NO_AMX.get_or_init(|| super::env_flag("SPECULA_NO_AMX"))
-}
 
 /// Several projections of the same input run as one matmul (q/k/v, gate/up): one parallel
 /// region and one activation quantisation instead of several. Falls back to separate
@@ -202,6 +216,7 @@ impl FusedLinear {
         names: &[String],
         bias: bool,
         format: WeightFormat,
+        kernels: &KernelSettings,
         device: &Device,
     ) -> Result<Self> {
         let mut qs = Vec::with_capacity(names.len());
@@ -217,7 +232,7 @@ impl FusedLinear {
             let parts = qs
                 .into_iter()
                 .zip(biases)
-                .map(|(q, b)| Linear::from_qtensor(Arc::new(q), b, format, device))
+                .map(|(q, b)| Linear::from_qtensor(Arc::new(q), b, format, kernels, device))
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Self { parts, widths });
         }
@@ -236,7 +251,7 @@ impl FusedLinear {
         } else {
             None
         };
-        Ok(Self { parts: vec![Linear::from_qtensor(stacked, bias, format, device)?], widths })
+        Ok(Self { parts: vec![Linear::from_qtensor(stacked, bias, format, kernels, device)?], widths })
     }
 
     /// Output widths of the logical projections.

@@ -4,6 +4,7 @@
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, WeightFormat};
+use super::kernels::KernelSettings;
 use super::linear::{FusedLinear, Linear};
 use super::rope::Rope;
 use super::source::TensorSource;
@@ -38,9 +39,11 @@ pub struct Transformer {
 }
 
 impl Transformer {
-    pub fn load(file: &mut GgufFile, format: WeightFormat, device: &Device) -> Result<Self> {
+    /// Loads with `kernels.weights`, or the file's measured default when that is `None`.
+    pub fn load(file: &mut GgufFile, kernels: &KernelSettings, device: &Device) -> Result<Self> {
         let config = ModelConfig::from_gguf(&file.content)?;
-        Self::load_from(file, config, format, device)
+        let format = kernels.weights.unwrap_or_else(|| WeightFormat::default_for(file, kernels));
+        Self::load_from(file, config, format, kernels, device)
     }
 
     /// Loads from any tensor source with an already-read config.
@@ -48,22 +51,30 @@ impl Transformer {
         file: &mut dyn TensorSource,
         config: ModelConfig,
         format: WeightFormat,
+        kernels: &KernelSettings,
         device: &Device,
     ) -> Result<Self> {
         let embedding = Arc::new(file.qtensor("token_embd.weight", device)?);
         let lm_head = if config.tied_head {
-            Linear::from_qtensor(embedding.clone(), None, format, device)?
+            Linear::from_qtensor(embedding.clone(), None, format, kernels, device)?
         } else {
-            Linear::load(file, "output", false, format, device)?
+            Linear::load(file, "output", false, format, kernels, device)?
         };
         let mut layers = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
             let names = |parts: &[&str]| parts.iter().map(|p| format!("blk.{i}.{p}")).collect::<Vec<_>>();
             let layer = Layer {
-                qkv: FusedLinear::load(file, &names(&["attn_q", "attn_k", "attn_v"]), config.qkv_bias, format, device)?,
-                o: Linear::load(file, &format!("blk.{i}.attn_output"), false, format, device)?,
-                gate_up: FusedLinear::load(file, &names(&["ffn_gate", "ffn_up"]), false, format, device)?,
-                down: Linear::load(file, &format!("blk.{i}.ffn_down"), false, format, device)?,
+                qkv: FusedLinear::load(
+                    file,
+                    &names(&["attn_q", "attn_k", "attn_v"]),
+                    config.qkv_bias,
+                    format,
+                    kernels,
+                    device,
+                )?,
+                o: Linear::load(file, &format!("blk.{i}.attn_output"), false, format, kernels, device)?,
+                gate_up: FusedLinear::load(file, &names(&["ffn_gate", "ffn_up"]), false, format, kernels, device)?,
+                down: Linear::load(file, &format!("blk.{i}.ffn_down"), false, format, kernels, device)?,
                 attn_norm: file.dense(&format!("blk.{i}.attn_norm.weight"), device)?,
                 ffn_norm: file.dense(&format!("blk.{i}.ffn_norm.weight"), device)?,
                 qk_norm: if config.qk_norm {
@@ -103,17 +114,22 @@ impl Transformer {
         Ok(Self { config, weight_format: format, device: device.clone(), embedding, layers, norm, lm_head, rope })
     }
 
-    /// Opens a GGUF file or a Hugging Face model directory and loads it; `format` None picks
-    /// the measured default.
+    /// Opens a GGUF file or a Hugging Face model directory and loads it with the
+    /// environment's kernel settings ([`KernelSettings::from_env`]); `format` None picks the
+    /// measured default.
     pub fn from_path(path: &std::path::Path, format: Option<WeightFormat>, device: &Device) -> Result<Self> {
+        Self::from_path_with(path, &KernelSettings::from_env().with_weights(format), device)
+    }
+
+    /// [`Self::from_path`] with explicit kernel settings.
+    pub fn from_path_with(path: &std::path::Path, kernels: &KernelSettings, device: &Device) -> Result<Self> {
         if super::hf::HfModelDir::is_model_dir(path) {
             let mut dir = super::hf::HfModelDir::open(path)?;
             let config = dir.config()?;
-            return Self::load_from(&mut dir, config, format.unwrap_or(WeightFormat::Native), device);
+            return Self::load_from(&mut dir, config, kernels.weights.unwrap_or(WeightFormat::Native), kernels, device);
         }
         let mut file = GgufFile::open(path)?;
-        let format = format.unwrap_or_else(|| WeightFormat::default_for(&file));
-        Self::load(&mut file, format, device)
+        Self::load(&mut file, kernels, device)
     }
 
     /// Runs one throwaway token so lazily built kernel layouts (candle repacks weights on

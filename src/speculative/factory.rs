@@ -4,7 +4,7 @@ use super::draft_model::{check_vocab_compatible, DraftModelProposer};
 use super::ngram::{NgramProposer, MAX_NGRAM_LIMIT};
 use super::weight_cache::WeightCache;
 use super::Proposer;
-use crate::model::{GgufFile, Transformer, WeightFormat};
+use crate::model::{GgufFile, KernelSettings, Transformer};
 use crate::tokenize::Tokenizer;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -108,8 +108,7 @@ fn load_draft_model(path: &std::path::Path, target: &Tokenizer) -> Result<Arc<Dr
             let tokenizer = Tokenizer::from_gguf(&file.content)
                 .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
             check_vocab_compatible(target, &tokenizer).context("its vocabulary differs")?;
-            let format = WeightFormat::default_for(&file);
-            let model = Transformer::load(&mut file, format, &candle_core::Device::Cpu)?;
+            let model = Transformer::load(&mut file, &KernelSettings::from_env(), &candle_core::Device::Cpu)?;
             model.warm_up()?;
             Ok(DraftAssets { model: Arc::new(model), tokenizer })
         },

@@ -60,7 +60,8 @@ fn head(seed: u64) -> TargetHead {
     let mut rng = SamplerRng::from_seed(seed);
     let emb = QTensor::quantize(&random_tensor(&mut rng, &[VOCAB, HIDDEN], 1.0, 0.0), GgmlDType::F32).unwrap();
     let lm = QTensor::quantize(&random_tensor(&mut rng, &[VOCAB, HIDDEN], 0.5, 0.0), GgmlDType::F32).unwrap();
-    let lm = TargetLinear::from_qtensor(Arc::new(lm), None, WeightFormat::F32, &Device::Cpu).unwrap();
+    let lm =
+        TargetLinear::from_qtensor(Arc::new(lm), None, WeightFormat::F32, &Default::default(), &Device::Cpu).unwrap();
     let norm = random_tensor(&mut rng, &[HIDDEN], 0.2, 1.0);
     TargetHead::from_parts(Arc::new(emb), norm, 1e-6, 8, lm, &Device::Cpu)
 }
@@ -315,7 +316,8 @@ fn the_last_target_layer_is_tapped_after_the_final_norm_as_in_hugging_face() {
     let mut rng = SamplerRng::from_seed(25);
     let emb =
         Arc::new(QTensor::quantize(&random_tensor(&mut rng, &[VOCAB, HIDDEN], 1.0, 0.0), GgmlDType::F32).unwrap());
-    let lm = TargetLinear::from_qtensor(emb.clone(), None, WeightFormat::F32, &Device::Cpu).unwrap();
+    let lm =
+        TargetLinear::from_qtensor(emb.clone(), None, WeightFormat::F32, &Default::default(), &Device::Cpu).unwrap();
     let norm = random_tensor(&mut rng, &[HIDDEN], 0.2, 1.0);
     let h = TargetHead::from_parts(emb, norm.clone(), 1e-6, 4, lm, &Device::Cpu);
     let x = random_tensor(&mut rng, &[3, HIDDEN], 3.0, 0.0);

@@ -1,0 +1,108 @@
+//! Which kernels run the matmuls, in one place: the weight format and the on/off switches,
+//! read from the environment once ([`KernelSettings::from_env`]) and passed to the loader.
+//! docs/kernels.md lists every environment variable the project reads.
+
+use super::gguf::WeightFormat;
+
+/// Kernel choices for loading a model. The default is what runs without any setting: the
+/// measured weight format for the file and every kernel the CPU has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSettings {
+    /// Weight format in memory; `None` picks the measured default for the file
+    /// ([`WeightFormat::default_for`]).
+    pub weights: Option<WeightFormat>,
+    /// Our AVX-512 VNNI kernels for Q8_0, Q4_1 and Q5_0 matrices (`vnni_matmul`), where the
+    /// CPU has them. Off: those types run on candle's kernels.
+    pub vnni_kernels: bool,
+    /// candle's repacked Q8_0 kernel for input widths that are not multiples of 256, by
+    /// zero-padding them (`linear`), where the CPU has VNNI dot products.
+    pub candle_repack: bool,
+    /// candle's AMX kernel for Q4_K batches of 32 rows or more, where the CPU has AMX. It
+    /// keeps its own one-byte-per-weight copy of every Q4_K matrix (+1.4 GB for
+    /// Qwen2.5-1.5B); off, such batches run in chunks below the threshold (same results).
+    pub amx: bool,
+}
+
+impl Default for KernelSettings {
+    fn default() -> Self {
+        Self { weights: None, vnni_kernels: true, candle_repack: true, amx: true }
+    }
+}
+
+/// Switch name, deprecated aliases still honoured.
+const NO_VNNI_KERNELS: (&str, &[&str]) = ("SPECULA_NO_VNNI_KERNELS", &["SPECULA_NO_Q8_KERNEL"]);
+const NO_CANDLE_REPACK: (&str, &[&str]) = ("SPECULA_NO_CANDLE_REPACK", &["SPECULA_NO_PAD"]);
+const NO_AMX: (&str, &[&str]) = ("SPECULA_NO_AMX", &[]);
+
+impl KernelSettings {
+    /// The settings from the environment: `SPECULA_NO_VNNI_KERNELS`, `SPECULA_NO_CANDLE_REPACK`
+    /// and `SPECULA_NO_AMX` (see [`env_flag`]). Read on the first call only, so every model
+    /// of a process loads with the same kernels.
+    pub fn from_env() -> Self {
+        static SETTINGS: std::sync::OnceLock<KernelSettings> = std::sync::OnceLock::new();
+        *SETTINGS.get_or_init(|| {
+            let off = |(name, aliases): (&str, &[&str])| {
+                std::iter::once(name).chain(aliases.iter().copied()).any(|n| {
+                    let on = env_flag(n);
+                    if on && n != name {
+                        eprintln!("warning: {n} is deprecated; use {name}");
+                    }
+                    on
+                })
+            };
+            Self {
+                weights: None,
+                vnni_kernels: !off(NO_VNNI_KERNELS),
+                candle_repack: !off(NO_CANDLE_REPACK),
+                amx: !off(NO_AMX),
+            }
+        })
+    }
+
+    /// The same settings with a weight format (`None`: the file's default).
+    pub fn with_weights(self, weights: Option<WeightFormat>) -> Self {
+        Self { weights, ..self }
+    }
+}
+
+/// An on/off setting from the environment, parsed one way for every switch: `1`, `true`,
+/// `yes` or `on` (any case) is on; absent, empty, `0`, `false`, `no` or `off` is off. Any
+/// other value is off, with a warning.
+pub fn env_flag(name: &str) -> bool {
+    parse_flag(name, std::env::var(name).ok().as_deref())
+}
+
+fn parse_flag(name: &str, value: Option<&str>) -> bool {
+    let Some(v) = value else { return false };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => true,
+        "" | "0" | "false" | "no" | "off" => false,
+        other => {
+            eprintln!("warning: {name}={other:?} is not a boolean (1/true/yes/on or 0/false/no/off); taken as off");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_parse_one_way() {
+        for on in ["1", "true", "TRUE", "yes", "On", " 1 "] {
+            assert!(parse_flag("X", Some(on)), "{on:?}");
+        }
+        for off in ["", "0", "false", "no", "off", "2", "maybe"] {
+            assert!(!parse_flag("X", Some(off)), "{off:?}");
+        }
+        assert!(!parse_flag("X", None));
+    }
+
+    #[test]
+    fn defaults_turn_every_kernel_on() {
+        let d = KernelSettings::default();
+        assert!(d.vnni_kernels && d.candle_repack && d.amx && d.weights.is_none());
+        assert_eq!(d.with_weights(Some(WeightFormat::F32)).weights, Some(WeightFormat::F32));
+    }
+}

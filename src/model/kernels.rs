@@ -21,11 +21,15 @@ pub struct KernelSettings {
     /// keeps its own one-byte-per-weight copy of every Q4_K matrix (+1.4 GB for
     /// Qwen2.5-1.5B); off, such batches run in chunks below the threshold (same results).
     pub amx: bool,
+    /// Our kernels quantise activations in two levels (within f32's results, docs/kernels.md);
+    /// off: one level, llama.cpp's arithmetic, cheaper where arithmetic is the bottleneck
+    /// (prefill, batched decode).
+    pub two_level_activations: bool,
 }
 
 impl Default for KernelSettings {
     fn default() -> Self {
-        Self { weights: None, vnni_kernels: true, candle_repack: true, amx: true }
+        Self { weights: None, vnni_kernels: true, candle_repack: true, amx: true, two_level_activations: true }
     }
 }
 
@@ -33,10 +37,11 @@ impl Default for KernelSettings {
 const NO_VNNI_KERNELS: (&str, &[&str]) = ("SPECULA_NO_VNNI_KERNELS", &["SPECULA_NO_Q8_KERNEL"]);
 const NO_CANDLE_REPACK: (&str, &[&str]) = ("SPECULA_NO_CANDLE_REPACK", &["SPECULA_NO_PAD"]);
 const NO_AMX: (&str, &[&str]) = ("SPECULA_NO_AMX", &[]);
+const ONE_LEVEL_ACTIVATIONS: (&str, &[&str]) = ("SPECULA_ONE_LEVEL_ACTIVATIONS", &[]);
 
 impl KernelSettings {
-    /// The settings from the environment: `SPECULA_NO_VNNI_KERNELS`, `SPECULA_NO_CANDLE_REPACK`
-    /// and `SPECULA_NO_AMX` (see [`env_flag`]). Read on the first call only, so every model
+    /// The settings from the environment: `SPECULA_NO_VNNI_KERNELS`, `SPECULA_NO_CANDLE_REPACK`,
+    /// `SPECULA_NO_AMX` and `SPECULA_ONE_LEVEL_ACTIVATIONS` (see [`env_flag`]). Read on the first call only, so every model
     /// of a process loads with the same kernels.
     pub fn from_env() -> Self {
         static SETTINGS: std::sync::OnceLock<KernelSettings> = std::sync::OnceLock::new();
@@ -55,6 +60,7 @@ impl KernelSettings {
                 vnni_kernels: !off(NO_VNNI_KERNELS),
                 candle_repack: !off(NO_CANDLE_REPACK),
                 amx: !off(NO_AMX),
+                two_level_activations: !off(ONE_LEVEL_ACTIVATIONS),
             }
         })
     }
@@ -102,7 +108,7 @@ mod tests {
     #[test]
     fn defaults_turn_every_kernel_on() {
         let d = KernelSettings::default();
-        assert!(d.vnni_kernels && d.candle_repack && d.amx && d.weights.is_none());
+        assert!(d.vnni_kernels && d.candle_repack && d.amx && d.two_level_activations && d.weights.is_none());
         assert_eq!(d.with_weights(Some(WeightFormat::F32)).weights, Some(WeightFormat::F32));
     }
 }

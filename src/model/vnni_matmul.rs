@@ -71,6 +71,8 @@ pub struct PackedMatrix {
     n: usize,
     k: usize,
     weights: Packed,
+    /// Activations in two levels (`KernelSettings::two_level_activations`).
+    two_level: bool,
 }
 
 /// Scales are kept in f16 as stored: fewer bytes streamed per step, and widening is exact.
@@ -97,7 +99,7 @@ const Q5_0_BYTES: usize = 6 + BLOCK / 2;
 impl PackedMatrix {
     /// Packs a `[n, k]` Q8_0, Q5_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
     /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
-    pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
+    pub fn from_qtensor(q: &QTensor, two_level: bool) -> Result<Option<Self>> {
         let (n, k) = q.shape().dims2()?;
         if !available() || !supports(q.dtype(), n, k) {
             return Ok(None);
@@ -161,7 +163,7 @@ impl PackedMatrix {
             }
             Packed::Q4_1 { qs, d, m }
         };
-        Ok(Some(Self { n, k, weights }))
+        Ok(Some(Self { n, k, weights, two_level }))
     }
 
     pub fn out_features(&self) -> usize {
@@ -172,7 +174,7 @@ impl PackedMatrix {
     pub fn matmul(&self, x: &[f32]) -> Vec<f32> {
         let m = x.len() / self.k;
         assert_eq!(x.len(), m * self.k, "input is not whole rows");
-        let acts = QuantizedRows::new(x, self.k);
+        let acts = QuantizedRows::new(x, self.k, self.two_level);
         // Not zeroed first: every element is written by exactly one tile below (a zeroed
         // 8 × 49152 logits buffer was a page-faulting memset on every step).
         let mut out: Vec<f32> = Vec::with_capacity(m * self.n);
@@ -246,16 +248,18 @@ struct QuantizedRows {
     /// `[m][k/32]`.
     blocks: Vec<ActBlock>,
     k: usize,
+    /// The second level is used (else `r` and `d_r` are zero and the kernels skip it).
+    two_level: bool,
 }
 
 impl QuantizedRows {
-    fn new(x: &[f32], k: usize) -> Self {
+    fn new(x: &[f32], k: usize, two_level: bool) -> Self {
         let n_blocks = x.len() / BLOCK;
         let (mut q, mut r) = (vec![0i8; x.len()], vec![0i8; x.len()]);
         let mut blocks = vec![ActBlock::default(); n_blocks];
         if n_blocks <= SERIAL_QUANT_BLOCKS {
-            quantize_range(x, &mut q, &mut r, &mut blocks);
-            return Self { q, r, blocks, k };
+            quantize_range(x, &mut q, &mut r, &mut blocks, two_level);
+            return Self { q, r, blocks, k, two_level };
         }
         // Prefill-sized inputs on all cores.
         let ptrs = (SyncPtr(q.as_mut_ptr()), SyncPtr(r.as_mut_ptr()), SyncPtr(blocks.as_mut_ptr()));
@@ -271,11 +275,12 @@ impl QuantizedRows {
                         std::slice::from_raw_parts_mut(q_ptr.get().add(range.start * BLOCK), n * BLOCK),
                         std::slice::from_raw_parts_mut(r_ptr.get().add(range.start * BLOCK), n * BLOCK),
                         std::slice::from_raw_parts_mut(b_ptr.get().add(range.start), n),
+                        two_level,
                     )
                 };
             }
         });
-        Self { q, r, blocks, k }
+        Self { q, r, blocks, k, two_level }
     }
 }
 
@@ -285,19 +290,23 @@ const SERIAL_QUANT_BLOCKS: usize = 1024;
 
 /// Quantises whole blocks of `x` into the two levels `q`, `r` and their `blocks` (see
 /// [`QuantizedRows`]).
-fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock]) {
+fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
     #[cfg(target_arch = "x86_64")]
     if available() {
         // SAFETY: the features were detected.
-        return unsafe { avx512::quantize_range(x, q, r, blocks) };
+        return unsafe { avx512::quantize_range(x, q, r, blocks, two_level) };
     }
-    quantize_range_portable(x, q, r, blocks)
+    quantize_range_portable(x, q, r, blocks, two_level)
 }
 
-fn quantize_range_portable(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock]) {
+fn quantize_range_portable(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
     for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
         let (qs, rs) = (&mut q[b * BLOCK..(b + 1) * BLOCK], &mut r[b * BLOCK..(b + 1) * BLOCK]);
         let (d, sum) = quantize_block_portable(xs, qs);
+        if !two_level {
+            blocks[b] = ActBlock { d, sum, s: d * sum as f32, ..ActBlock::default() };
+            continue;
+        }
         // What the first level leaves over, with one rounding (fused, as the vector code).
         let rest: Vec<f32> = xs.iter().zip(qs.iter()).map(|(&x, &q)| (-(q as f32)).mul_add(d, x)).collect();
         let (d_r, sum_r) = quantize_block_portable(&rest, rs);
@@ -424,11 +433,13 @@ mod avx512 {
                     let (q, rest) = (acts.q.as_ptr().add(at) as *const i32, acts.r.as_ptr().add(at) as *const i32);
                     let a = acts.blocks.get_unchecked(row * kb_n + b);
                     let isum = dot_block(_mm512_set1_epi32(-w.offset * a.sum), &w.wv, q);
-                    let isum_r = dot_block(_mm512_set1_epi32(-w.offset * a.sum_r), &w.wv, rest);
                     let scale = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d));
-                    let scale_r = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r));
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_r), scale_r, *acc);
+                    if acts.two_level {
+                        let isum_r = dot_block(_mm512_set1_epi32(-w.offset * a.sum_r), &w.wv, rest);
+                        let scale_r = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r));
+                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_r), scale_r, *acc);
+                    }
                     if let Some(min) = w.min {
                         *acc = _mm512_fmadd_ps(min, _mm512_set1_ps(a.s), *acc);
                     }
@@ -569,13 +580,23 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock]) {
+    pub(super) unsafe fn quantize_range(
+        x: &[f32],
+        q: &mut [i8],
+        r: &mut [i8],
+        blocks: &mut [ActBlock],
+        two_level: bool,
+    ) {
         let n = x.len() / BLOCK;
         assert!(q.len() >= n * BLOCK && r.len() >= n * BLOCK && blocks.len() >= n);
         for b in 0..n {
             let xs = x.as_ptr().add(b * BLOCK);
             let (lo, hi) = (_mm512_loadu_ps(xs), _mm512_loadu_ps(xs.add(16)));
             let (d, sum, qlo, qhi) = quantize_level(lo, hi, q.as_mut_ptr().add(b * BLOCK));
+            if !two_level {
+                *blocks.get_unchecked_mut(b) = ActBlock { d, sum, s: d * sum as f32, ..ActBlock::default() };
+                continue;
+            }
             // x − q·d with one rounding.
             let vd = _mm512_set1_ps(d);
             let (rlo, rhi) = (_mm512_fnmadd_ps(qlo, vd, lo), _mm512_fnmadd_ps(qhi, vd, hi));
@@ -597,7 +618,7 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
     for row in 0..m {
         let (mut q, mut r) = (vec![0i8; k], vec![0i8; k]);
         let mut blocks = vec![ActBlock::default(); kb_n];
-        quantize_range_portable(&x[row * k..(row + 1) * k], &mut q, &mut r, &mut blocks);
+        quantize_range_portable(&x[row * k..(row + 1) * k], &mut q, &mut r, &mut blocks, p.two_level);
         for col in 0..n {
             let (nt, lane) = (col / TILE_N, col % TILE_N);
             let mut acc = 0f32;
@@ -641,7 +662,9 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                 };
                 let (qa, ra) = (&q[b * BLOCK..][..BLOCK], &r[b * BLOCK..][..BLOCK]);
                 acc = (dot(qa, a.sum) as f32).mul_add(d * a.d, acc);
-                acc = (dot(ra, a.sum_r) as f32).mul_add(d * a.d_r, acc);
+                if p.two_level {
+                    acc = (dot(ra, a.sum_r) as f32).mul_add(d * a.d_r, acc);
+                }
                 if let Some(m) = min {
                     acc = m.mul_add(a.s, acc);
                 }
@@ -668,10 +691,14 @@ mod tests {
     }
 
     fn packed(dtype: GgmlDType, n: usize, k: usize) -> (PackedMatrix, Vec<f32>) {
+        packed_levels(dtype, n, k, true)
+    }
+
+    fn packed_levels(dtype: GgmlDType, n: usize, k: usize, two_level: bool) -> (PackedMatrix, Vec<f32>) {
         let w = Tensor::from_vec(random(n * k, 7), (n, k), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&w, dtype).unwrap();
         let dense = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        (PackedMatrix::from_qtensor(&q).unwrap().unwrap(), dense)
+        (PackedMatrix::from_qtensor(&q, two_level).unwrap().unwrap(), dense)
     }
 
     #[test]
@@ -680,9 +707,11 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
+        for (dtype, two_level) in
+            [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1].into_iter().flat_map(|d| [(d, true), (d, false)])
+        {
             let (n, k) = (48, 576);
-            let (p, _) = packed(dtype, n, k);
+            let (p, _) = packed_levels(dtype, n, k, two_level);
             let x = random(19 * k, 11);
             let all = p.matmul(&x);
             assert_eq!(all, matmul_portable(&p, &x), "{dtype:?}");
@@ -718,8 +747,8 @@ mod tests {
             let n = x.len() / BLOCK;
             let mut fast = (vec![0i8; x.len()], vec![0i8; x.len()], vec![ActBlock::default(); n]);
             let mut slow = fast.clone();
-            quantize_range(&x, &mut fast.0, &mut fast.1, &mut fast.2);
-            quantize_range_portable(&x, &mut slow.0, &mut slow.1, &mut slow.2);
+            quantize_range(&x, &mut fast.0, &mut fast.1, &mut fast.2, true);
+            quantize_range_portable(&x, &mut slow.0, &mut slow.1, &mut slow.2, true);
             assert_eq!((&fast.0, &fast.1), (&slow.0, &slow.1), "{magnitude}");
             let bits = |b: &[ActBlock]| {
                 b.iter().map(|a| (a.d.to_bits(), a.d_r.to_bits(), a.sum, a.sum_r, a.s.to_bits())).collect::<Vec<_>>()

@@ -2,8 +2,8 @@
 //!
 //! Each set is fetched on first use ([`crate::fetch::fetch`]) and read into [`Prompt`]s in the
 //! file's own order, so every run sees the same prompts. The evaluation sets (gsm8k-100,
-//! gsm8k-fewshot, humaneval, humaneval-edit, mt-bench, math500) must never feed training: use
-//! [`is_training_set`] / [`is_evaluation_set`] to guard that.
+//! gsm8k-fewshot, humaneval, humaneval-edit, humaneval-rust, mt-bench, math500) must never feed
+//! training: use [`is_training_set`] / [`is_evaluation_set`] to guard that.
 //!
 //! `humaneval-edit` is derived from HumanEval rather than fetched on its own: each prompt gives
 //! the model a complete reference function (prompt + canonical solution) and asks for a small
@@ -39,10 +39,10 @@ pub struct Prompt {
 
 /// Sets used to measure quality and speed: never train on them.
 pub const EVALUATION_SETS: &[&str] =
-    &["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "mt-bench", "math500"];
+    &["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "humaneval-rust", "mt-bench", "math500"];
 
 /// Sets that may feed training (drafter heads and the like); prompts only.
-pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy", "humaneval-rust"];
+pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy"];
 
 /// Sets [`load`] turns into prompts.
 pub const PROMPT_SETS: &[&str] = &[
@@ -400,7 +400,7 @@ mod tests {
 
     #[test]
     fn evaluation_and_training_sets_are_disjoint() {
-        for key in ["gsm8k-100", "humaneval", "humaneval-edit", "mt-bench", "math500"] {
+        for key in ["gsm8k-100", "humaneval", "humaneval-edit", "humaneval-rust", "mt-bench", "math500"] {
             assert!(is_evaluation_set(key) && !is_training_set(key), "{key}");
         }
         for key in TRAINING_SETS {

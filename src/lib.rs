@@ -9,6 +9,7 @@
 //! - [`sample`]: sampling settings and the one sampler used by plain decoding and the verifier.
 //! - [`speculative`]: the `Proposer` trait, one file per drafter, one pure verifier.
 //! - [`engine`]: the step loop (schedule → propose → forward → verify → commit).
+//! - [`train`]: training data for DFlash drafters, made by the target (`specula train data`).
 //! - [`server`]: the OpenAI-compatible HTTP server, its playground page and load tool.
 //! - [`cli`]: the `specula` command line.
 
@@ -24,4 +25,5 @@ pub mod sample;
 pub mod server;
 pub mod speculative;
 pub mod tokenize;
+pub mod train;
 mod vmath;

@@ -6,6 +6,7 @@ mod generate_cmd;
 mod inspect_cmd;
 mod loadtest_cmd;
 mod serve_cmd;
+mod train_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -30,6 +31,8 @@ enum Command {
     Serve(serve_cmd::ServeArgs),
     /// Drive a running server with concurrent streaming clients; report tok/s, TTFT, ITL.
     Loadtest(loadtest_cmd::LoadtestArgs),
+    /// Train DFlash drafters: `train data` makes training data with the target.
+    Train(train_cmd::TrainArgs),
 }
 
 /// Entry point; returns the process exit code. Errors print as one line.
@@ -48,6 +51,7 @@ pub fn main() -> i32 {
         Command::Bench(a) => bench_cmd::run(a),
         Command::Serve(a) => serve_cmd::run(a),
         Command::Loadtest(a) => loadtest_cmd::run(a),
+        Command::Train(a) => train_cmd::run(a),
     };
     match result {
         Ok(()) => 0,

@@ -1,0 +1,292 @@
+//! `specula train data`: the batched data path writes exactly the target's own greedy output,
+//! masks exactly the response, resumes without duplicates (also after a cut-off line), and
+//! never takes evaluation prompts.
+
+mod common;
+
+use specula::engine::{generate, EngineModel, GenerateOptions, LoadedModel};
+use specula::train::data::{
+    self, check_no_eval_prompts, check_no_eval_prompts_against, generate_data, read_examples, DataSettings, Example,
+    GenSettings, PromptSource,
+};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+fn target() -> &'static LoadedModel {
+    static MODEL: OnceLock<LoadedModel> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        LoadedModel::load(&common::smollm2_path(), None, &candle_core::Device::Cpu).expect("loading smollm2")
+    })
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("specula-train-data-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Six short chats in the FastChat / ShareGPT format (a local stand-in for a downloaded set).
+fn prompts_file(dir: &Path) -> PathBuf {
+    let texts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain recursion to a child in two sentences.",
+        "List three prime numbers.",
+        "How do I make a cup of tea?",
+        "Say hello in Spanish.",
+    ];
+    let chats: Vec<_> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            serde_json::json!({"id": format!("t{i}"), "conversations": [
+                {"from": "human", "value": t}, {"from": "gpt", "value": "(reference answer, unused)"}]})
+        })
+        .collect();
+    let path = dir.join("chats.json");
+    std::fs::write(&path, serde_json::to_string(&chats).unwrap()).unwrap();
+    path
+}
+
+fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
+    DataSettings {
+        sources: vec![PromptSource::File { key: "fastchat-dummy".into(), path: prompts.to_path_buf() }],
+        limit: Some(limit),
+        gen: GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0 },
+        out: out.to_path_buf(),
+        batch: 4,
+        shard_size: 4,
+        kv_tokens: 4096,
+    }
+}
+
+fn examples(dir: &Path) -> Vec<Example> {
+    read_examples(dir, false).unwrap().0
+}
+
+fn shard_text(dir: &Path) -> String {
+    (0..)
+        .map(|i| dir.join(data::shard_name(i)))
+        .take_while(|p| p.exists())
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect()
+}
+
+#[test]
+fn batched_data_is_the_targets_own_greedy_output_with_the_response_masked() {
+    let work = tempdir("equal");
+    let prompts = prompts_file(&work);
+    let out = work.join("out");
+    let summary = generate_data(target(), &settings(&prompts, &out, 6), &mut |_| {}).unwrap();
+    assert_eq!((summary.prompts, summary.written, summary.already), (6, 6, 0));
+    assert!(summary.run.tokens_per_sec > 0.0);
+    let exs = examples(&out);
+    assert_eq!(exs.len(), 6);
+    // Shards of 4: two files.
+    assert!(out.join("shard-00001.jsonl").exists());
+    let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["examples"], 6);
+    assert_eq!(meta["target"]["vocab_size"], target().tokenizer.vocab_size());
+
+    let loaded = target();
+    let pool = loaded.model.new_kv_pool(4096);
+    let opts = GenerateOptions { stop_ids: loaded.stop_ids(), ..GenerateOptions::default() };
+    let source = datasets_prompts(&prompts);
+    for ex in &exs {
+        let p = source.iter().find(|p| p.id == ex.id).expect("example of a known prompt");
+        assert_eq!(ex.set, "fastchat-dummy");
+        assert_eq!(ex.prompt, p.text);
+        let ids = data::encode(loaded, p).unwrap();
+        assert_eq!(&ex.tokens[..ex.prompt_tokens], &ids[..], "{}: prompt tokens", ex.id);
+        let params = data::example_params(&GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0 }, &ex.set, &ex.id);
+        let alone =
+            generate(EngineModel { model: &loaded.model, tokenizer: None }, &pool, &ids, params, None, &opts, &mut |_| {})
+                .unwrap();
+        assert_eq!(ex.response(), &alone.tokens[..], "{}: batched output differs from generate alone", ex.id);
+        assert!(!alone.tokens.is_empty());
+        // The loss mask: 0 over the prompt, 1 over exactly the response.
+        assert_eq!(ex.loss_mask.len(), ex.tokens.len());
+        assert!(ex.loss_mask[..ex.prompt_tokens].iter().all(|&m| m == 0), "{}", ex.id);
+        assert!(ex.loss_mask[ex.prompt_tokens..].iter().all(|&m| m == 1), "{}", ex.id);
+        assert_eq!(ex.loss_mask.iter().filter(|&&m| m == 1).count(), alone.tokens.len());
+        let finish = if alone.tokens.len() == 16 { "length" } else { "stop" };
+        assert_eq!(ex.finish, finish, "{}", ex.id);
+    }
+    // Made only of training prompts: the check passes on it.
+    let check = check_no_eval_prompts(&out).unwrap();
+    assert_eq!(check.examples, 6);
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+fn datasets_prompts(path: &Path) -> Vec<specula::datasets::Prompt> {
+    specula::datasets::load_from_path("fastchat-dummy", path, None).unwrap()
+}
+
+#[test]
+fn resume_appends_the_rest_without_duplicates_and_recovers_a_cut_off_line() {
+    let work = tempdir("resume");
+    let prompts = prompts_file(&work);
+    let out = work.join("out");
+    let first = generate_data(target(), &settings(&prompts, &out, 3), &mut |_| {}).unwrap();
+    assert_eq!(first.written, 3);
+    let after_three = shard_text(&out);
+    let three = examples(&out);
+
+    let second = generate_data(target(), &settings(&prompts, &out, 6), &mut |_| {}).unwrap();
+    assert_eq!((second.already, second.written), (3, 3));
+    let all = examples(&out);
+    assert_eq!(all.len(), 6);
+    assert_eq!(&all[..3], &three[..], "the first three examples changed");
+    assert!(shard_text(&out).starts_with(&after_three));
+    let mut keys: Vec<_> = all.iter().map(|e| (e.set.clone(), e.id.clone())).collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 6, "duplicate examples");
+
+    // Nothing left: a rerun writes nothing.
+    let third = generate_data(target(), &settings(&prompts, &out, 6), &mut |_| {}).unwrap();
+    assert_eq!((third.already, third.written), (6, 0));
+    assert_eq!(examples(&out), all);
+
+    // A run killed mid-line: the last shard (shard 1, examples 5 and 6) ends in half a line.
+    let last = out.join(data::shard_name(1));
+    let text = std::fs::read_to_string(&last).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2);
+    let cut = format!("{}\n{}", lines[0], &lines[1][..lines[1].len() / 2]);
+    std::fs::write(&last, &cut).unwrap();
+    assert_eq!(examples(&out).len(), 5);
+    let fourth = generate_data(target(), &settings(&prompts, &out, 6), &mut |_| {}).unwrap();
+    assert!(fourth.dropped_partial_line);
+    assert_eq!((fourth.already, fourth.written), (5, 1));
+    let recovered = examples(&out);
+    assert_eq!(recovered.len(), 6);
+    assert_eq!(&recovered[..5], &all[..5]);
+    assert_eq!(recovered[5], all[5], "the regenerated example differs");
+    assert!(std::fs::read_to_string(&last).unwrap().ends_with('\n'));
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
+fn refuses_eval_sets_other_targets_and_empty_sets() {
+    let work = tempdir("refuse");
+    let prompts = prompts_file(&work);
+    let out = work.join("out");
+    for key in data::EVAL_SETS {
+        let mut s = settings(&prompts, &out, 2);
+        s.sources = vec![PromptSource::Set(key.to_string())];
+        let err = format!("{:#}", generate_data(target(), &s, &mut |_| {}).unwrap_err());
+        assert!(err.contains("evaluation set"), "{key}: {err}");
+        // Even in a file of that set's format.
+        s.sources = vec![PromptSource::File { key: key.to_string(), path: prompts.clone() }];
+        let err = format!("{:#}", generate_data(target(), &s, &mut |_| {}).unwrap_err());
+        assert!(err.contains("evaluation set"), "{key}: {err}");
+    }
+    assert!(!out.exists(), "a refused run must not create the output");
+
+    let empty = work.join("empty.json");
+    std::fs::write(&empty, "[]").unwrap();
+    let mut s = settings(&prompts, &out, 2);
+    s.sources = vec![PromptSource::File { key: "fastchat-dummy".into(), path: empty }];
+    let err = format!("{:#}", generate_data(target(), &s, &mut |_| {}).unwrap_err());
+    assert!(err.contains("no prompts"), "{err}");
+
+    let mut s = settings(&prompts, &out, 2);
+    s.sources = vec![PromptSource::Set("no-such-set".into())];
+    let err = format!("{:#}", generate_data(target(), &s, &mut |_| {}).unwrap_err());
+    assert!(err.contains("unknown prompt set"), "{err}");
+
+    // A directory made for another target is refused, and so are other settings.
+    generate_data(target(), &settings(&prompts, &out, 1), &mut |_| {}).unwrap();
+    let meta_path = out.join("meta.json");
+    let original = std::fs::read_to_string(&meta_path).unwrap();
+    let mut meta: serde_json::Value = serde_json::from_str(&original).unwrap();
+    meta["target"]["file_name"] = "qwen2.5-coder-0.5b.gguf".into();
+    meta["target"]["vocab_size"] = 151_936.into();
+    std::fs::write(&meta_path, meta.to_string()).unwrap();
+    let err = format!("{:#}", generate_data(target(), &settings(&prompts, &out, 2), &mut |_| {}).unwrap_err());
+    assert!(err.contains("another target"), "{err}");
+    std::fs::write(&meta_path, &original).unwrap();
+    let mut other = settings(&prompts, &out, 2);
+    other.gen.max_new_tokens = 8;
+    let err = format!("{:#}", generate_data(target(), &other, &mut |_| {}).unwrap_err());
+    assert!(err.contains("other settings"), "{err}");
+    assert_eq!(examples(&out).len(), 1, "refused runs must not write");
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
+fn the_command_line_refuses_eval_sets_and_missing_models_clearly() {
+    let work = tempdir("cli");
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_specula")).args(args).output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let out = work.join("out");
+    let out = out.to_str().unwrap();
+    let (code, err) =
+        run(&["train", "data", "--target", "smollm2-135m", "--prompts", "fastchat-dummy,gsm8k-100", "--out", out]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("`gsm8k-100` is an evaluation set") && !err.contains("panicked"), "{err}");
+    let (code, err) =
+        run(&["train", "data", "--target", "/no/such/model.gguf", "--prompts", "fastchat-dummy", "--out", out]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.starts_with("error:") && !err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
+fn eval_prompt_check_catches_eval_sets_ids_and_texts() {
+    let work = tempdir("evalcheck");
+    let write = |exs: &[Example]| {
+        let lines: String = exs.iter().map(|e| serde_json::to_string(e).unwrap() + "\n").collect();
+        std::fs::write(work.join(data::shard_name(0)), lines).unwrap();
+    };
+    let ex = |set: &str, id: &str, prompt: &str| Example {
+        set: set.into(),
+        id: id.into(),
+        prompt: prompt.into(),
+        prompt_tokens: 1,
+        tokens: vec![1, 2],
+        loss_mask: vec![0, 1],
+        finish: "stop".into(),
+    };
+    // An example labelled with an evaluation set fails the real check (no files needed).
+    write(&[ex("fastchat-dummy", "fastchat-dummy/a", "hi"), ex("gsm8k-100", "gsm8k-100/0000", "Q")]);
+    let err = check_no_eval_prompts(&work).unwrap_err().to_string();
+    assert!(err.contains("gsm8k-100/0000"), "{err}");
+
+    // Evaluation prompts given as fixtures: their ids and texts are caught under any set name.
+    let eval = vec![(
+        "humaneval".to_string(),
+        vec![specula::datasets::Prompt {
+            id: "HumanEval/0".into(),
+            text: "def has_close_elements(numbers, threshold):\n".into(),
+            kind: specula::datasets::PromptKind::Completion,
+            reference: None,
+        }],
+    )];
+    write(&[ex("sharegpt", "sharegpt/x", "def has_close_elements(numbers,  threshold):")]);
+    let err = check_no_eval_prompts_against(&work, &eval).unwrap_err().to_string();
+    assert!(err.contains("HumanEval/0"), "{err}");
+    write(&[ex("sharegpt", "HumanEval/0", "something else")]);
+    assert!(check_no_eval_prompts_against(&work, &eval).is_err());
+    write(&[ex("sharegpt", "sharegpt/y", "something else")]);
+    assert_eq!(check_no_eval_prompts_against(&work, &eval).unwrap().examples, 1);
+
+    // Against the real evaluation files on this machine (whichever are fetched; humaneval and
+    // gsm8k-100 are fetched by other tests): a copied prompt is caught.
+    for (key, file) in [("humaneval", "humaneval"), ("gsm8k-100", "gsm8k-100")] {
+        let path = specula::fetch::find_asset(file).unwrap().path();
+        if !path.is_file() {
+            eprintln!("{key} is not fetched: its real-file check is skipped");
+            continue;
+        }
+        let first = specula::datasets::load_from_path(key, &path, Some(1)).unwrap().remove(0);
+        write(&[ex("sharegpt", "sharegpt/z", &first.text)]);
+        let err = check_no_eval_prompts(&work).unwrap_err().to_string();
+        assert!(err.contains(&first.id), "{key}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&work);
+}

@@ -53,7 +53,7 @@ fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
     DataSettings {
         sources: vec![PromptSource::File { key: "fastchat-dummy".into(), path: prompts.to_path_buf() }],
         limit: Some(limit),
-        gen: GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0 },
+        gen: GenSettings { max_new_tokens: 8, temperature: 0.0, seed: 0 },
         out: out.to_path_buf(),
         batch: 4,
         shard_size: 4,
@@ -78,7 +78,9 @@ fn batched_data_is_the_targets_own_greedy_output_with_the_response_masked() {
     let work = tempdir("equal");
     let prompts = prompts_file(&work);
     let out = work.join("out");
-    let summary = generate_data(target(), &settings(&prompts, &out, 6), &mut |_| {}).unwrap();
+    let mut s = settings(&prompts, &out, 6);
+    s.gen.max_new_tokens = 16;
+    let summary = generate_data(target(), &s, &mut |_| {}).unwrap();
     assert_eq!((summary.prompts, summary.written, summary.already), (6, 6, 0));
     assert!(summary.run.tokens_per_sec > 0.0);
     let exs = examples(&out);
@@ -209,7 +211,7 @@ fn refuses_eval_sets_other_targets_and_empty_sets() {
     assert!(err.contains("another target"), "{err}");
     std::fs::write(&meta_path, &original).unwrap();
     let mut other = settings(&prompts, &out, 2);
-    other.gen.max_new_tokens = 8;
+    other.gen.max_new_tokens = 9;
     let err = format!("{:#}", generate_data(target(), &other, &mut |_| {}).unwrap_err());
     assert!(err.contains("other settings"), "{err}");
     assert_eq!(examples(&out).len(), 1, "refused runs must not write");

@@ -62,7 +62,7 @@ fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
 }
 
 fn examples(dir: &Path) -> Vec<Example> {
-    read_examples(dir, false).unwrap().0
+    read_examples(dir, false).unwrap().examples
 }
 
 fn shard_text(dir: &Path) -> String {
@@ -101,10 +101,18 @@ fn batched_data_is_the_targets_own_greedy_output_with_the_response_masked() {
         assert_eq!(ex.prompt, p.text);
         let ids = data::encode(loaded, p).unwrap();
         assert_eq!(&ex.tokens[..ex.prompt_tokens], &ids[..], "{}: prompt tokens", ex.id);
-        let params = data::example_params(&GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0 }, &ex.set, &ex.id);
-        let alone =
-            generate(EngineModel { model: &loaded.model, tokenizer: None }, &pool, &ids, params, None, &opts, &mut |_| {})
-                .unwrap();
+        let params =
+            data::example_params(&GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0 }, &ex.set, &ex.id);
+        let alone = generate(
+            EngineModel { model: &loaded.model, tokenizer: None },
+            &pool,
+            &ids,
+            params,
+            None,
+            &opts,
+            &mut |_| {},
+        )
+        .unwrap();
         assert_eq!(ex.response(), &alone.tokens[..], "{}: batched output differs from generate alone", ex.id);
         assert!(!alone.tokens.is_empty());
         // The loss mask: 0 over the prompt, 1 over exactly the response.

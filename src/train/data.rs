@@ -298,10 +298,20 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(shards.into_iter().map(|(_, p)| p).collect())
 }
 
+/// The shards of a data directory, read.
+#[derive(Debug, Clone, Default)]
+pub struct ShardScan {
+    pub examples: Vec<Example>,
+    /// Each shard file and the examples it holds.
+    pub counts: Vec<(PathBuf, usize)>,
+    /// The last shard ended in a cut-off or unparsable line.
+    pub dropped_partial_line: bool,
+}
+
 /// Reads every example of a data directory. With `repair`, a cut-off or unparsable trailing
-/// line of the last shard is cut from the file (returned as true); without, it is ignored.
-/// Any other line that does not parse is an error.
-pub fn read_examples(dir: &Path, repair: bool) -> Result<(Vec<Example>, Vec<(PathBuf, usize)>, bool)> {
+/// line of the last shard is cut from the file; without, it is ignored. Any other line that
+/// does not parse is an error.
+pub fn read_examples(dir: &Path, repair: bool) -> Result<ShardScan> {
     let shards = shard_files(dir)?;
     let mut examples = Vec::new();
     let mut counts = Vec::new();
@@ -349,7 +359,7 @@ pub fn read_examples(dir: &Path, repair: bool) -> Result<(Vec<Example>, Vec<(Pat
         }
         counts.push((path.clone(), n));
     }
-    Ok((examples, counts, dropped))
+    Ok(ShardScan { examples, counts, dropped_partial_line: dropped })
 }
 
 fn read_meta(dir: &Path) -> Result<Option<Meta>> {
@@ -517,7 +527,7 @@ pub fn generate_data(
             );
         }
     }
-    let (existing, counts, dropped_partial_line) = read_examples(dir, true)?;
+    let ShardScan { examples: existing, counts, dropped_partial_line } = read_examples(dir, true)?;
     if old_meta.is_none() && !existing.is_empty() {
         bail!("{} holds shards but no meta.json: not resuming data of an unknown target", dir.display());
     }
@@ -569,7 +579,8 @@ pub fn generate_data(
             meta.skipped.push(s.clone());
         }
     }
-    let mut writer = ShardWriter::new(dir, settings.shard_size, &counts);
+    // A resumed directory keeps the shard size it was started with.
+    let mut writer = ShardWriter::new(dir, meta.shard_size.max(1), &counts);
     meta.shards = writer.shard_names();
     write_meta(dir, &meta)?;
 
@@ -618,7 +629,8 @@ pub fn generate_data(
                     continue;
                 }
                 let (index, outcome) = in_flight.remove(i);
-                let o = Rc::try_unwrap(outcome).map_err(|_| anyhow::anyhow!("engine still holds a finished request"))?;
+                let o =
+                    Rc::try_unwrap(outcome).map_err(|_| anyhow::anyhow!("engine still holds a finished request"))?;
                 let o = o.into_inner();
                 let (set, p, ids) = &todo[index];
                 let finish = match o.end {
@@ -665,15 +677,7 @@ pub fn generate_data(
     meta.shards = writer.shard_names();
     meta.last_run = run.clone();
     write_meta(dir, &meta)?;
-    Ok(DataSummary {
-        prompts: prompts.len(),
-        already,
-        written: run.examples,
-        dropped_partial_line,
-        skipped,
-        run,
-        meta,
-    })
+    Ok(DataSummary { prompts: prompts.len(), already, written: run.examples, dropped_partial_line, skipped, run, meta })
 }
 
 /// What [`check_no_eval_prompts`] compared.
@@ -709,7 +713,7 @@ pub fn check_no_eval_prompts(dir: &Path) -> Result<EvalCheck> {
 
 /// [`check_no_eval_prompts`] against the given evaluation prompts.
 pub fn check_no_eval_prompts_against(dir: &Path, eval: &[(String, Vec<Prompt>)]) -> Result<EvalCheck> {
-    let (examples, _, _) = read_examples(dir, false)?;
+    let examples = read_examples(dir, false)?.examples;
     let norm = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
     let mut texts: HashMap<String, String> = HashMap::new();
     let mut ids: HashMap<&str, &str> = HashMap::new();
@@ -769,7 +773,8 @@ mod tests {
 
     #[test]
     fn eval_sets_are_refused_and_unknown_sets_named() {
-        for key in ["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "humaneval-rust", "mt-bench", "math500"]
+        for key in
+            ["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "humaneval-rust", "mt-bench", "math500"]
         {
             let err = check_training_set(key).unwrap_err().to_string();
             assert!(err.contains("evaluation set"), "{key}: {err}");
@@ -797,11 +802,11 @@ mod tests {
         let b = serde_json::to_string(&example("sharegpt", "b", "ho")).unwrap();
         let shard = dir.join(shard_name(0));
         std::fs::write(&shard, format!("{a}\n{}", &b[..b.len() / 2])).unwrap();
-        let (ex, counts, dropped) = read_examples(&dir, false).unwrap();
-        assert_eq!((ex.len(), counts[0].1, dropped), (1, 1, true));
+        let scan = read_examples(&dir, false).unwrap();
+        assert_eq!((scan.examples.len(), scan.counts[0].1, scan.dropped_partial_line), (1, 1, true));
         assert_eq!(std::fs::read_to_string(&shard).unwrap().len(), a.len() + 1 + b.len() / 2, "no repair asked");
-        let (ex, _, dropped) = read_examples(&dir, true).unwrap();
-        assert_eq!((ex.len(), dropped), (1, true));
+        let scan = read_examples(&dir, true).unwrap();
+        assert_eq!((scan.examples.len(), scan.dropped_partial_line), (1, true));
         assert_eq!(std::fs::read_to_string(&shard).unwrap(), format!("{a}\n"));
         std::fs::write(&shard, format!("{a}\nnot json\n{b}\n")).unwrap();
         assert!(read_examples(&dir, true).unwrap_err().to_string().contains("line 2"));
@@ -813,7 +818,12 @@ mod tests {
         let dir = tempdir("evalcheck");
         let eval = vec![(
             "mt-bench".to_string(),
-            vec![Prompt { id: "mt-bench/81".into(), text: "Write a  poem.".into(), kind: PromptKind::Chat, reference: None }],
+            vec![Prompt {
+                id: "mt-bench/81".into(),
+                text: "Write a  poem.".into(),
+                kind: PromptKind::Chat,
+                reference: None,
+            }],
         )];
         let write = |exs: &[Example]| {
             let lines: String = exs.iter().map(|e| serde_json::to_string(e).unwrap() + "\n").collect();

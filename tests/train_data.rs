@@ -300,3 +300,23 @@ fn eval_prompt_check_catches_eval_sets_ids_and_texts() {
     }
     let _ = std::fs::remove_dir_all(&work);
 }
+
+#[test]
+fn sampled_data_does_not_depend_on_the_batch() {
+    let work = tempdir("sampled");
+    let prompts = prompts_file(&work);
+    let run = |batch: usize, name: &str| {
+        let mut s = settings(&prompts, &work.join(name), 6);
+        s.gen.temperature = 0.9;
+        s.gen.seed = 7;
+        s.batch = batch;
+        generate_data(target(), &s, &mut |_| {}).unwrap();
+        let mut exs = examples(&work.join(name));
+        exs.sort_by(|a, b| a.id.cmp(&b.id));
+        exs
+    };
+    let batched = run(4, "b4");
+    let alone = run(1, "b1");
+    assert_eq!(batched, alone, "each example samples with its own seed, whatever runs beside it");
+    let _ = std::fs::remove_dir_all(&work);
+}

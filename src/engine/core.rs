@@ -135,7 +135,7 @@ impl<'a> EngineCore<'a> {
             (Some(_), DraftLen::Fixed(n)) => DraftChoice::Fixed(n),
             (Some(_), DraftLen::Auto) => match &self.cost {
                 Some(cost) => {
-                    let max_tokens = req.params.max_tokens.unwrap_or(ctx - req.prompt.len());
+                    let max_tokens = req.params.max_tokens.unwrap_or(ctx.saturating_sub(req.prompt.len()));
                     let probe = self.fleet.start_with_probe(cost, self.max_draft, req.prompt.len(), max_tokens);
                     DraftChoice::Adaptive(AdaptiveState::new(self.max_draft, cost.clone(), probe))
                 }

@@ -296,15 +296,18 @@ impl<'a> EngineCore<'a> {
             .iter()
             .map(|slot| {
                 let a = &mut self.sched.running[slot.index];
-                let before = a.metrics.clone();
+                // The drafter's work of this step, for the fleet's cost estimates (scalars only:
+                // this runs for every request every step).
+                let m = &a.metrics;
+                let before = (m.draft_secs, m.catch_up_tokens, m.catch_up_secs);
                 let result = draft_for(a, slot, stop_ids);
                 if let Ok(d) = &result {
                     let m = &a.metrics;
                     self.fleet.record_costs(
                         d.tokens.len(),
-                        m.draft_secs - before.draft_secs,
-                        (m.catch_up_tokens - before.catch_up_tokens) as usize,
-                        m.catch_up_secs - before.catch_up_secs,
+                        m.draft_secs - before.0,
+                        (m.catch_up_tokens - before.1) as usize,
+                        m.catch_up_secs - before.2,
                     );
                 }
                 result.unwrap_or_else(|e| {

@@ -58,6 +58,7 @@ fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
         batch: 4,
         shard_size: 4,
         kv_tokens: 4096,
+        max_prompt_tokens: None,
     }
 }
 

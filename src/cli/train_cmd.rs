@@ -1,4 +1,5 @@
-//! `specula train …`: training DFlash drafters. `train data` makes the training data.
+//! `specula train …`: training DFlash drafters. `train data` makes the training data,
+//! `train dflash` trains a drafter on it.
 
 use crate::train::data::{self, DataSettings, GenSettings, PromptSource};
 use anyhow::Result;
@@ -16,6 +17,109 @@ enum TrainCommand {
     /// Let the target answer training prompts (batched, resumable) and write token ids + loss
     /// masks as JSON-line shards. Evaluation sets are refused.
     Data(DataArgs),
+    /// Train a DFlash drafter for a target on data from `train data`; checkpoints, resumes and
+    /// exports a `--drafter dflash:DIR` directory (OUT/drafter).
+    Dflash(DflashArgs),
+}
+
+#[derive(clap::Args)]
+pub struct DflashArgs {
+    /// Target model: key or path (the one the data was made with).
+    #[arg(long)]
+    target: String,
+    /// Training data directories (from `specula train data`), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    data: Vec<PathBuf>,
+    /// Output directory: OUT/drafter (the exported drafter), OUT/checkpoint, OUT/train-log.jsonl.
+    #[arg(long)]
+    out: PathBuf,
+    /// Drafter decoder layers.
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// Query heads (default: the target's).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Key/value heads (default: the target's).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Head width (default: the target's).
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// MLP width (default: the target's).
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// Block size B (the anchor + B − 1 masks).
+    #[arg(long, default_value_t = 16)]
+    block: usize,
+    /// Tapped target layers, comma-separated 0-based ids (default: --n-taps spread from the
+    /// second layer to the third-from-last).
+    #[arg(long, value_delimiter = ',')]
+    taps: Option<Vec<usize>>,
+    #[arg(long, default_value_t = 5)]
+    n_taps: usize,
+    /// Anchors per sequence and step.
+    #[arg(long, default_value_t = 64)]
+    anchors: usize,
+    /// Loss decay γ (default: 7 for B = 16, 5 for 10, 4 for 8).
+    #[arg(long)]
+    gamma: Option<f64>,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Fraction of steps warming up.
+    #[arg(long, default_value_t = 0.04)]
+    warmup: f64,
+    /// Gradient clipping (global norm).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f64,
+    /// Optimiser steps (default: --epochs over the training split).
+    #[arg(long)]
+    steps: Option<usize>,
+    #[arg(long, default_value_t = 1.0)]
+    epochs: f64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Examples are cut to this many tokens.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+    /// Reduced drafter vocabulary: the N most frequent response tokens (default: the target's).
+    #[arg(long)]
+    draft_vocab: Option<usize>,
+    /// MASK token id (default: an unused control token of the target).
+    #[arg(long)]
+    mask_token: Option<u32>,
+    /// Examples held out for validation.
+    #[arg(long, default_value_t = 32)]
+    val_examples: usize,
+    /// Checkpoint, validate and export every N steps.
+    #[arg(long, default_value_t = 200)]
+    checkpoint_every: usize,
+    /// Log training metrics every N steps.
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
+    /// Target features: `online` (recomputed each use) or `offline` (cached once in f16).
+    #[arg(long, default_value = "offline")]
+    features: String,
+    /// Where offline features are cached (default: OUT/features).
+    #[arg(long)]
+    features_dir: Option<PathBuf>,
+    /// Continue from OUT/checkpoint (same settings and data).
+    #[arg(long)]
+    resume: bool,
+    /// Stop after this many steps in this run (the schedule still spans every step).
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Exported weight type: f32, f16 or bf16.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Target weight format in memory (default: measured best).
+    #[arg(long)]
+    weights: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -53,6 +157,9 @@ pub struct DataArgs {
     /// KV cache capacity in tokens, shared by the batch.
     #[arg(long, default_value_t = 16384)]
     kv_tokens: usize,
+    /// Skip prompts longer than this many tokens (chat template included).
+    #[arg(long)]
+    max_prompt_tokens: Option<usize>,
     /// Weight format in memory: native, q8_0, q4_0, f16, f32 (default: measured best).
     #[arg(long)]
     weights: Option<String>,
@@ -61,6 +168,7 @@ pub struct DataArgs {
 pub fn run(args: TrainArgs) -> Result<()> {
     match args.command {
         TrainCommand::Data(a) => run_data(a),
+        TrainCommand::Dflash(a) => run_dflash(a),
     }
 }
 
@@ -78,6 +186,7 @@ fn run_data(args: DataArgs) -> Result<()> {
         batch: args.batch,
         shard_size: args.shard_size,
         kv_tokens: args.kv_tokens,
+        max_prompt_tokens: args.max_prompt_tokens,
     };
     settings.validate()?;
     // Refuse evaluation and unknown sets before loading a model.
@@ -114,4 +223,160 @@ fn run_data(args: DataArgs) -> Result<()> {
         args.out.display()
     );
     Ok(())
+}
+
+fn run_dflash(args: DflashArgs) -> Result<()> {
+    use crate::train::dflash::{self as td, Features, TrainRun, TrainSettings};
+    use anyhow::{bail, Context};
+    let settings = TrainSettings {
+        layers: args.layers,
+        heads: args.heads,
+        kv_heads: args.kv_heads,
+        head_dim: args.head_dim,
+        ffn: args.ffn,
+        block: args.block,
+        taps: args.taps.clone(),
+        n_taps: args.n_taps,
+        anchors: args.anchors,
+        gamma: args.gamma,
+        adam: td::optim::AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
+        warmup: args.warmup,
+        clip: args.clip,
+        steps: args.steps,
+        epochs: args.epochs,
+        batch: args.batch,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        draft_vocab: args.draft_vocab,
+        mask_token: args.mask_token,
+        val_examples: args.val_examples,
+        checkpoint_every: args.checkpoint_every,
+    };
+    settings.validate()?;
+    let export_dtype = match args.dtype.as_str() {
+        "f32" => candle_core::DType::F32,
+        "f16" => candle_core::DType::F16,
+        "bf16" => candle_core::DType::BF16,
+        other => bail!("--dtype {other}: expected f32, f16 or bf16"),
+    };
+    let path = crate::fetch::resolve_model(&args.target, true)?;
+    let weights = args.weights.as_deref().map(crate::model::WeightFormat::parse).transpose()?;
+    let target = crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)?;
+    let id = data::TargetId::of(&target);
+    let mut examples = Vec::new();
+    for dir in &args.data {
+        let meta: data::Meta = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("meta.json"))
+                .with_context(|| format!("{} is not a training data directory (no meta.json)", dir.display()))?,
+        )
+        .with_context(|| format!("{}/meta.json", dir.display()))?;
+        if !meta.target.same_model(&id) {
+            bail!("{} was made with {} , not {}", dir.display(), meta.target.file_name, id.file_name);
+        }
+        // Refuses a directory holding any evaluation prompt.
+        data::check_no_eval_prompts(dir)?;
+        examples.extend(td::load_examples(dir, settings.max_tokens)?);
+    }
+    let (train, val) = td::split_validation(examples, settings.val_examples);
+    eprintln!("{} training examples, {} held out", train.len(), val.len());
+    let run = TrainRun {
+        target: &target.model,
+        tokenizer: &target.tokenizer,
+        train,
+        val,
+        settings,
+        out: args.out.clone(),
+        resume: args.resume,
+        stop_after: args.stop_after,
+        export_dtype,
+        log_every: args.log_every,
+    };
+    // The tapped layers are known before the drafter exists only from the settings.
+    let layer_ids = match &run.settings.taps {
+        Some(t) => t.clone(),
+        None => crate::speculative::dflash::default_target_layer_ids(target.model.config.n_layers, run.settings.n_taps),
+    };
+    let mut features = match args.features.as_str() {
+        "online" => Features::Online { target: &target.model, layer_ids },
+        "offline" => {
+            let dir = args.features_dir.clone().unwrap_or_else(|| args.out.join("features"));
+            let key = crate::train::features::FeatureKey {
+                target: id.file_name.clone(),
+                layer_ids: layer_ids.clone(),
+                hidden: target.model.config.hidden,
+                max_tokens: run.settings.max_tokens,
+            };
+            let mut cache = crate::train::features::FeatureCache::open(&dir, key.clone())?;
+            let all: Vec<&td::TrainExample> = run.train.iter().chain(&run.val).collect();
+            let t0 = Instant::now();
+            let mut last = Instant::now();
+            td::fill_feature_cache(&mut cache, &key, &target.model, &all, |done, total| {
+                if done == total || last.elapsed().as_secs_f64() >= 5.0 {
+                    last = Instant::now();
+                    eprintln!("features {done}/{total} examples, {:.0}s", t0.elapsed().as_secs_f64());
+                }
+            })?;
+            Features::Offline(cache)
+        }
+        other => bail!("--features {other}: expected online or offline"),
+    };
+    run.settings.validate()?;
+    let mut observer = ProgressObserver::new();
+    let report = run.run(&mut features, &mut observer)?;
+    observer.bar.finish_and_clear();
+    let val = report.final_val.as_ref();
+    println!(
+        "{} of {} steps ({} train / {} validation examples) in {:.0}s, {:.0} scored block rows/s, peak memory {:.0} MB; validation loss {}, τ ≈ {}; drafter in {}",
+        report.steps,
+        report.total_steps,
+        report.train_examples,
+        report.val_examples,
+        report.secs,
+        report.rows_per_sec,
+        report.peak_rss_mb.unwrap_or(f64::NAN),
+        val.map_or("-".into(), |v| format!("{:.4}", v.loss)),
+        val.map_or("-".into(), |v| format!("{:.2}", v.tau)),
+        report.drafter_dir.display()
+    );
+    Ok(())
+}
+
+struct ProgressObserver {
+    bar: indicatif::ProgressBar,
+}
+
+impl ProgressObserver {
+    fn new() -> Self {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed}<{eta} {msg}")
+                .expect("valid template"),
+        );
+        Self { bar }
+    }
+}
+
+impl crate::train::dflash::TrainObserver for ProgressObserver {
+    fn step(&mut self, step: usize, total: usize, loss: f64, tau: f64) {
+        self.bar.set_length(total as u64);
+        self.bar.set_position(step as u64);
+        self.bar.set_message(format!("loss {loss:.3} τ≈{tau:.2}"));
+    }
+
+    fn log(&mut self, line: &crate::train::dflash::LogLine) {
+        let acc: Vec<String> =
+            line.train.accuracy.iter().take(4).map(|a| a.map_or("-".into(), |a| format!("{:.2}", a))).collect();
+        let val = line.val.as_ref().map_or(String::new(), |v| format!(" | val loss {:.3} τ≈{:.2}", v.loss, v.tau));
+        self.bar.println(format!(
+            "step {} lr {:.2e} loss {:.3} acc@1..4 [{}] τ≈{:.2} |g| {:.2} {:.0} rows/s{}",
+            line.step,
+            line.lr,
+            line.train.loss,
+            acc.join(" "),
+            line.train.tau,
+            line.grad_norm,
+            line.rows_per_sec,
+            val
+        ));
+    }
 }

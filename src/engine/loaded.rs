@@ -33,7 +33,7 @@ impl LoadedModel {
         let tokenizer = Tokenizer::from_gguf(&file.content)
             .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
         let template = ChatTemplate::from_gguf(&file.content).ok();
-        let model = Transformer::load(&mut file, kernels, device)?;
+        let model = Transformer::load(&mut file, kernels, device)?.with_source_path(path);
         model.warm_up()?;
         if tokenizer.vocab_size() > model.config.vocab {
             anyhow::bail!(
@@ -55,7 +55,8 @@ impl LoadedModel {
             Tokenizer::from_gguf(&vocab).with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
         let template = ChatTemplate::from_gguf(&vocab).ok();
         let model =
-            Transformer::load_from(&mut dir, config, kernels.weights.unwrap_or(WeightFormat::Native), kernels, device)?;
+            Transformer::load_from(&mut dir, config, kernels.weights.unwrap_or(WeightFormat::Native), kernels, device)?
+                .with_source_path(path);
         model.warm_up()?;
         Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
     }

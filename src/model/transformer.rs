@@ -36,6 +36,9 @@ pub struct Transformer {
     norm: Tensor,
     lm_head: Linear,
     rope: Rope,
+    /// The file or directory the weights came from, when loaded from a path: an untied LM
+    /// head's weights are read again from there when asked for ([`Self::lm_head_weights`]).
+    source_path: Option<std::path::PathBuf>,
 }
 
 impl Transformer {
@@ -111,7 +114,17 @@ impl Transformer {
         }
         let norm = file.dense("output_norm.weight", device)?;
         let rope = Rope::new(config.rope_style, config.rope_theta, config.rope_dim, config.head_dim);
-        Ok(Self { config, weight_format: format, device: device.clone(), embedding, layers, norm, lm_head, rope })
+        Ok(Self {
+            config,
+            weight_format: format,
+            device: device.clone(),
+            embedding,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            source_path: None,
+        })
     }
 
     /// Opens a GGUF file or a Hugging Face model directory and loads it with the
@@ -123,13 +136,38 @@ impl Transformer {
 
     /// [`Self::from_path`] with explicit kernel settings.
     pub fn from_path_with(path: &std::path::Path, kernels: &KernelSettings, device: &Device) -> Result<Self> {
-        if super::hf::HfModelDir::is_model_dir(path) {
+        let mut model = if super::hf::HfModelDir::is_model_dir(path) {
             let mut dir = super::hf::HfModelDir::open(path)?;
             let config = dir.config()?;
-            return Self::load_from(&mut dir, config, kernels.weights.unwrap_or(WeightFormat::Native), kernels, device);
+            Self::load_from(&mut dir, config, kernels.weights.unwrap_or(WeightFormat::Native), kernels, device)?
+        } else {
+            let mut file = GgufFile::open(path)?;
+            Self::load(&mut file, kernels, device)?
+        };
+        model.source_path = Some(path.to_path_buf());
+        Ok(model)
+    }
+
+    /// Records where the weights came from (see [`Self::lm_head_weights`]).
+    pub fn with_source_path(mut self, path: &std::path::Path) -> Self {
+        self.source_path = Some(path.to_path_buf());
+        self
+    }
+
+    /// The LM head's weights `[vocab, hidden]` in the file's own type: the embedding when the
+    /// head is tied, otherwise read again from the model's file (the loaded head may be
+    /// repacked for our kernels). Drafters train against it and take rows of it.
+    pub fn lm_head_weights(&self) -> Result<Arc<candle_core::quantized::QTensor>> {
+        if self.config.tied_head {
+            return Ok(self.embedding.clone());
         }
-        let mut file = GgufFile::open(path)?;
-        Self::load(&mut file, kernels, device)
+        let path = self.source_path.as_ref().context("the model was not loaded from a path; its LM head cannot be read again")?;
+        let q = if super::hf::HfModelDir::is_model_dir(path) {
+            super::hf::HfModelDir::open(path)?.qtensor("output.weight", &self.device)?
+        } else {
+            GgufFile::open(path)?.qtensor("output.weight", &self.device)?
+        };
+        Ok(Arc::new(q))
     }
 
     /// Runs one throwaway token so lazily built kernel layouts (candle repacks weights on

@@ -115,7 +115,7 @@ impl TargetId {
         }
     }
 
-    fn same_model(&self, other: &Self) -> bool {
+    pub fn same_model(&self, other: &Self) -> bool {
         self.file_name == other.file_name
             && self.vocab_size == other.vocab_size
             && self.n_layers == other.n_layers
@@ -180,6 +180,9 @@ pub struct DataSettings {
     pub shard_size: usize,
     /// KV cache capacity in tokens, shared by the batch.
     pub kv_tokens: usize,
+    /// Prompts longer than this (in tokens, template included) are skipped: long prompts cost
+    /// prefill time and teach a drafter little that short ones do not. None: no limit.
+    pub max_prompt_tokens: Option<usize>,
 }
 
 impl DataSettings {
@@ -567,7 +570,11 @@ pub fn generate_data(
     let mut skipped = Vec::new();
     for (set, p) in prompts.iter().filter(|(s, p)| !done.contains(&(s.clone(), p.id.clone()))) {
         let ids = encode(target, p).with_context(|| format!("encoding {set} {}", p.id))?;
-        if ids.is_empty() || ids.len() + 1 >= ctx || ids.len() + 1 > settings.kv_tokens {
+        if ids.is_empty()
+            || ids.len() + 1 >= ctx
+            || ids.len() + 1 > settings.kv_tokens
+            || settings.max_prompt_tokens.is_some_and(|m| ids.len() > m)
+        {
             skipped.push(format!("{set}/{}", p.id));
             continue;
         }

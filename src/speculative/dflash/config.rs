@@ -64,6 +64,9 @@ pub struct DflashConfig {
     pub output_multiplier: f64,
     /// `tanh(logits / c) * c` when set (Gemma-style targets).
     pub final_logit_softcapping: Option<f64>,
+    /// A reduced drafter vocabulary of this many target tokens (`dflash_config.draft_vocab_size`,
+    /// with a `d2t` tensor; our extension, see `model::DraftVocab`). None: the target's.
+    pub draft_vocab_size: Option<usize>,
 }
 
 /// The reference's default tapped layers (`build_target_layer_ids`): `n_draft_layers` ids
@@ -208,6 +211,10 @@ impl DflashConfig {
             input_embedding_scale: scale("input_embedding_scale")?.unwrap_or(1.0),
             output_multiplier: scale("output_multiplier")?.unwrap_or(1.0),
             final_logit_softcapping: scale("final_logit_softcapping")?.filter(|c| *c > 0.0),
+            draft_vocab_size: match draft_value("draft_vocab_size") {
+                None => None,
+                Some(v) => Some(as_usize(v, "draft_vocab_size")?).filter(|&n| n > 0),
+            },
         })
     }
 
@@ -261,6 +268,92 @@ impl DflashConfig {
 
     /// Checks that this drafter can draft for `target`: same hidden size, tapped layers inside
     /// the target, and a MASK token that is a row of the target's embedding.
+    /// A drafter of `n_layers` full-attention layers for `target`, Qwen3-style (the shape every
+    /// published DFlash drafter has; `specula train dflash` builds these).
+    #[allow(clippy::too_many_arguments)]
+    pub fn for_target(
+        target: &ModelConfig,
+        n_layers: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        ffn: usize,
+        block_size: usize,
+        target_layer_ids: Vec<usize>,
+        mask_token_id: u32,
+    ) -> Self {
+        Self {
+            hidden: target.hidden,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn,
+            rms_eps: target.rms_eps,
+            rope_theta: target.rope_theta as f64,
+            attention_bias: false,
+            block_size,
+            target_layer_ids,
+            mask_token_id,
+            num_target_layers: Some(target.n_layers),
+            layer_attention: vec![LayerAttention::FULL; n_layers],
+            input_embedding_scale: 1.0,
+            output_multiplier: 1.0,
+            final_logit_softcapping: None,
+            draft_vocab_size: None,
+        }
+    }
+
+    /// The z-lab `config.json` for this drafter (what [`Self::from_json`] reads back, and what
+    /// the reference package loads), for a target of `vocab_size` tokens. Only full-attention
+    /// drafters without scaling are written.
+    pub fn to_json(&self, vocab_size: usize, max_positions: usize) -> Result<Value> {
+        if self.layer_attention.iter().any(|a| !a.is_full())
+            || self.input_embedding_scale != 1.0
+            || self.output_multiplier != 1.0
+            || self.final_logit_softcapping.is_some()
+        {
+            bail!("only full-attention drafters without embedding/logit scaling can be written as config.json");
+        }
+        let mut dflash = serde_json::json!({
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": self.target_layer_ids,
+        });
+        if let Some(n) = self.draft_vocab_size {
+            dflash["draft_vocab_size"] = n.into();
+        }
+        Ok(serde_json::json!({
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": dflash,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": self.ffn,
+            "layer_types": vec!["full_attention"; self.n_layers],
+            "max_position_embeddings": max_positions,
+            "max_window_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_hidden_layers": self.n_layers,
+            "num_key_value_heads": self.n_kv_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_eps,
+            "rope_scaling": null,
+            "rope_theta": self.rope_theta,
+            "sliding_window": null,
+            "tie_word_embeddings": false,
+            "torch_dtype": "float32",
+            "use_cache": true,
+            "use_sliding_window": false,
+            "vocab_size": vocab_size,
+        }))
+    }
+
     pub fn check_target(&self, target: &ModelConfig) -> Result<()> {
         if self.hidden != target.hidden {
             bail!(

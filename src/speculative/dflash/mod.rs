@@ -34,7 +34,11 @@ pub fn load_for_target(dir: &Path, target: &Transformer, device: &Device) -> Res
     config
         .check_target(&target.config)
         .with_context(|| format!("DFlash drafter {} cannot draft for this target", dir.display()))?;
-    DflashDrafter::load(dir, device)
+    let mut drafter = DflashDrafter::load(dir, device)?;
+    drafter
+        .attach_target(target, &crate::model::KernelSettings::from_env())
+        .with_context(|| format!("DFlash drafter {}: building its reduced LM head", dir.display()))?;
+    Ok(drafter)
 }
 
 /// Parses the argument of `--drafter dflash:ARG`: a drafter directory, optionally followed by

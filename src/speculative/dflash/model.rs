@@ -103,6 +103,36 @@ struct DflashLayer {
     attention: LayerAttention,
 }
 
+/// A reduced drafter vocabulary (our extension of the z-lab format: `dflash_config.draft_vocab_size`
+/// and a `d2t` tensor of target ids): the drafter scores only these tokens, with the
+/// target's own LM-head rows for them. Verification still uses the full target, so output
+/// stays lossless; tokens outside the set are simply never drafted.
+struct DraftVocab {
+    draft_to_target: Vec<u32>,
+    /// The target's head rows for `draft_to_target`, built by [`DflashDrafter::attach_target`].
+    head: Option<TargetLinear>,
+}
+
+/// Rows `ids` of a `[rows, cols]` quantised matrix, copied block for block (no requantisation).
+pub fn select_rows(q: &QTensor, ids: &[u32], device: &Device) -> Result<QTensor> {
+    let (rows, cols) = q.shape().dims2()?;
+    let dtype = q.dtype();
+    if cols % dtype.block_size() != 0 {
+        bail!("a row of {cols} values is not a whole number of {:?} blocks", dtype);
+    }
+    let row_bytes = cols / dtype.block_size() * dtype.type_size();
+    let data = q.data()?;
+    let mut out = Vec::with_capacity(ids.len() * row_bytes);
+    for &id in ids {
+        let id = id as usize;
+        if id >= rows {
+            bail!("token {id} is beyond the head's {rows} rows");
+        }
+        out.extend_from_slice(&data[id * row_bytes..(id + 1) * row_bytes]);
+    }
+    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &out, vec![ids.len(), cols], device)?)
+}
+
 pub struct DflashDrafter {
     pub config: DflashConfig,
     pub path: PathBuf,
@@ -113,6 +143,7 @@ pub struct DflashDrafter {
     /// RoPE inverse frequencies, computed in f32 as Hugging Face's `Qwen3RotaryEmbedding` does.
     inv_freq: Vec<f32>,
     device: Device,
+    draft_vocab: Option<DraftVocab>,
 }
 
 /// Every tensor a checkpoint must hold, with its `[out, in]` shape (names without a prefix).
@@ -193,10 +224,29 @@ impl DflashDrafter {
                 bail!("{origin}: tensor `{full}` has type {:?} (supported: f32, bf16, f16)", view.dtype());
             }
         }
+        let draft_to_target = match config.draft_vocab_size {
+            None => None,
+            Some(n) => {
+                let full = format!("{prefix}d2t");
+                let t = st.load(&full, &Device::Cpu).map_err(|_| {
+                    anyhow::anyhow!("{origin}: `draft_vocab_size` is set but tensor `{full}` is missing")
+                })?;
+                if t.dims() != [n] {
+                    bail!("{origin}: tensor `{full}` has shape {:?}, expected [{n}]", t.dims());
+                }
+                let ids: Vec<i64> = t.to_dtype(DType::I64)?.to_vec1()?;
+                let ids = ids
+                    .into_iter()
+                    .map(|i| u32::try_from(i).with_context(|| format!("{origin}: `{full}` holds {i}, not a token id")))
+                    .collect::<Result<Vec<u32>>>()?;
+                Some(ids)
+            }
+        };
         let vb = VarBuilder::from_backend(Box::new(st), DType::F32, device.clone());
         let vb = if prefix.is_empty() { vb } else { vb.pp("model") };
         let mut drafter = Self::from_var_builder(config, vb).with_context(|| format!("{origin}"))?;
         drafter.path = dir.to_path_buf();
+        drafter.set_draft_vocab(draft_to_target)?;
         Ok(drafter)
     }
 
@@ -243,12 +293,27 @@ impl DflashDrafter {
             inv_freq,
             device,
             path: PathBuf::new(),
+            draft_vocab: None,
             config,
         })
     }
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Sets (or clears) the reduced vocabulary; the head is built by [`Self::attach_target`].
+    pub fn set_draft_vocab(&mut self, draft_to_target: Option<Vec<u32>>) -> Result<()> {
+        if let Some(ids) = &draft_to_target {
+            if ids.is_empty() {
+                bail!("an empty drafter vocabulary");
+            }
+            if self.config.draft_vocab_size != Some(ids.len()) {
+                bail!("drafter vocabulary of {} tokens, config says {:?}", ids.len(), self.config.draft_vocab_size);
+            }
+        }
+        self.draft_vocab = draft_to_target.map(|draft_to_target| DraftVocab { draft_to_target, head: None });
+        Ok(())
     }
 
     /// cos and sin tables `[rows, head_dim]` for absolute positions (f32 angles, as HF).
@@ -280,8 +345,13 @@ impl DflashDrafter {
             }
         }
         let taps: Vec<Tensor> = taps.iter().map(|t| t.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
-        let concat = Tensor::cat(&taps, 1)?;
-        Ok(rms_norm(&self.fc.forward(&concat)?, &self.hidden_norm, self.config.rms_eps)?)
+        self.fuse_features(&Tensor::cat(&taps, 1)?)
+    }
+
+    /// [`Self::context_features`] of taps already concatenated, `[rows, taps·hidden]` f32 (the
+    /// trainer keeps them so).
+    pub fn fuse_features(&self, concat: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm(&self.fc.forward(concat)?, &self.hidden_norm, self.config.rms_eps)?)
     }
 
     /// Per layer, the K/V of context rows with features `[rows, hidden]` at `positions`:
@@ -416,8 +486,48 @@ impl DflashDrafter {
 
     /// Draft logits `[rows, vocab]` for final-normed hidden states: the target's LM head, then
     /// the optional output multiplier and soft-capping.
+    /// With a reduced drafter vocabulary the columns are the drafter's ids
+    /// ([`Self::target_token`] maps them back).
     pub fn logits(&self, head: &TargetHead, hidden: &Tensor) -> Result<Tensor> {
-        let mut logits = head.logits(hidden)?.to_dtype(DType::F32)?;
+        let logits = match &self.draft_vocab {
+            Some(v) => v.head.as_ref().context("the drafter's reduced head was not built for a target")?.forward(hidden)?,
+            None => head.logits(hidden)?,
+        };
+        self.finish_logits(logits.to_dtype(DType::F32)?)
+    }
+
+    /// The target token of drafter vocabulary entry `id` (the identity without a reduced
+    /// vocabulary).
+    pub fn target_token(&self, id: u32) -> u32 {
+        match &self.draft_vocab {
+            Some(v) => v.draft_to_target[id as usize],
+            None => id,
+        }
+    }
+
+    /// The drafter's vocabulary as target ids, when reduced.
+    pub fn draft_vocab(&self) -> Option<&[u32]> {
+        self.draft_vocab.as_ref().map(|v| v.draft_to_target.as_slice())
+    }
+
+    /// Builds the reduced LM head from `target`'s head rows (exactly those rows of the
+    /// target's own weights, so a drafter's logit for a token equals the full head's).
+    pub fn attach_target(&mut self, target: &Transformer, kernels: &crate::model::KernelSettings) -> Result<()> {
+        let Some(vocab) = &mut self.draft_vocab else { return Ok(()) };
+        let weights = target.lm_head_weights()?;
+        let rows = select_rows(&weights, &vocab.draft_to_target, target.device())?;
+        vocab.head = Some(TargetLinear::from_qtensor(
+            Arc::new(rows),
+            None,
+            target.weight_format,
+            kernels,
+            target.device(),
+        )?);
+        Ok(())
+    }
+
+    /// Output multiplier and soft-capping on raw head logits (f32).
+    pub fn finish_logits(&self, mut logits: Tensor) -> Result<Tensor> {
         if self.config.output_multiplier != 1.0 {
             logits = (logits * self.config.output_multiplier)?;
         }

@@ -186,7 +186,7 @@ impl DflashProposer {
         self.cache.end - self.cache.kept..self.cache.end
     }
 
-    /// The draft logits `[masks, vocab]` of a block `[tokens.last(), MASK × masks]` at positions
+    /// The draft logits `[masks, drafter vocab]` of a block `[tokens.last(), MASK × masks]` at positions
     /// `start..=start + masks` (`start = tokens.len() − 1`) against the context cache: row i
     /// scores the token at `start + 1 + i`.
     pub fn draft_logits(&mut self, tokens: &[u32], masks: usize) -> Result<Tensor> {
@@ -280,7 +280,8 @@ impl Proposer for DflashProposer {
             return Ok(Draft::default());
         }
         let logits = self.draft_logits(tokens, masks)?;
-        let mut draft = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let mut draft: Vec<u32> =
+            logits.argmax(D::Minus1)?.to_vec1::<u32>()?.into_iter().map(|id| self.drafter.target_token(id)).collect();
         draft.truncate(self.settings.max_draft.unwrap_or(usize::MAX));
         Ok(Draft::deterministic(draft))
     }

@@ -1,0 +1,194 @@
+//! The DFlash training objective on one sequence (docs/training.md, "The objective").
+//!
+//! Each anchor `p` opens a block of `B` rows at positions `p … p+B−1`: row 0 holds the clean
+//! token `x[p]`, rows 1… the MASK token. Every row of the block sees the target's features of
+//! positions `0 … p−1` (strictly before the anchor) and all rows of its own block; blocks do not
+//! see each other. All anchors of a sequence run in one drafter forward
+//! ([`DflashDrafter::forward_block`], the same code that drafts when serving) with a
+//! block-sparse additive mask. Row `k ≥ 1` is scored against `x[p+k]` with weight
+//! `exp(−(k−1)/γ)` when `p+k` is inside the sequence and a response token (and, with a reduced
+//! drafter vocabulary, one of its tokens); everything else weighs 0. The loss of a batch is
+//! `Σ w·CE / Σ w` over all its rows.
+
+use crate::speculative::dflash::{DflashDrafter, TargetHead};
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor, D};
+
+/// What the drafter is trained against and never changes: the target's embedding (block
+/// inputs) and LM-head rows (the drafter's output vocabulary).
+pub struct FrozenTarget {
+    pub head: TargetHead,
+    /// `[drafter vocab, hidden]` f32: the target's LM-head rows for the drafter's tokens.
+    pub lm_head: Tensor,
+    /// Target id → drafter id (`u32::MAX`: not in the drafter's vocabulary); None when the
+    /// drafter's vocabulary is the target's.
+    pub target_to_draft: Option<Vec<u32>>,
+}
+
+impl FrozenTarget {
+    fn draft_id(&self, target_id: u32) -> Option<u32> {
+        match &self.target_to_draft {
+            None => Some(target_id),
+            Some(map) => map.get(target_id as usize).copied().filter(|&d| d != u32::MAX),
+        }
+    }
+}
+
+/// One training sequence: its tokens, loss mask and target features (at least up to the last
+/// anchor), and the anchors drawn for it.
+pub struct SequenceInput<'a> {
+    pub tokens: &'a [u32],
+    pub loss_mask: &'a [u8],
+    /// `[≥ max anchor, taps·hidden]` f32.
+    pub features: &'a Tensor,
+    pub anchors: &'a [usize],
+}
+
+/// A scored block row: its index among the forward's rows, its label in drafter ids, its
+/// weight, and its offset `k` in the block.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScoredRow {
+    pub row: usize,
+    pub label: u32,
+    pub weight: f32,
+    pub offset: usize,
+}
+
+/// The decay weight of block offset `k ≥ 1`: `exp(−(k−1)/γ)`.
+pub fn offset_weight(k: usize, gamma: f64) -> f32 {
+    (-((k - 1) as f64) / gamma).exp() as f32
+}
+
+/// The rows of a sequence's forward that carry a label (weight > 0), in row order.
+pub fn scored_rows(
+    tokens: &[u32],
+    loss_mask: &[u8],
+    anchors: &[usize],
+    block: usize,
+    gamma: f64,
+    frozen: &FrozenTarget,
+) -> Vec<ScoredRow> {
+    let mut out = Vec::new();
+    for (a, &p) in anchors.iter().enumerate() {
+        for k in 1..block {
+            let pos = p + k;
+            if pos >= tokens.len() || loss_mask.get(pos).copied().unwrap_or(0) == 0 {
+                continue;
+            }
+            let Some(label) = frozen.draft_id(tokens[pos]) else { continue };
+            out.push(ScoredRow { row: a * block + k, label, weight: offset_weight(k, gamma), offset: k });
+        }
+    }
+    out
+}
+
+/// The loss terms of one sequence.
+pub struct SequenceLoss {
+    /// `Σ w·CE` over the sequence's scored rows (a scalar with a gradient).
+    pub weighted_ce: Tensor,
+    pub weight_sum: f64,
+    /// Per block offset k (index k−1): scored rows, and rows whose argmax is the label.
+    pub scored: Vec<usize>,
+    pub hits: Vec<usize>,
+    /// Per anchor: how many of its drafts would be accepted greedily (leading hits).
+    pub accepted: Vec<usize>,
+}
+
+/// The objective's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct ObjectiveSettings {
+    pub block: usize,
+    pub gamma: f64,
+}
+
+/// `Σ w·CE` and the accuracy counts of one sequence; see the module doc.
+pub fn sequence_loss(
+    drafter: &DflashDrafter,
+    frozen: &FrozenTarget,
+    input: &SequenceInput,
+    settings: ObjectiveSettings,
+) -> Result<SequenceLoss> {
+    let block = settings.block;
+    let (tokens, anchors) = (input.tokens, input.anchors);
+    if anchors.is_empty() {
+        bail!("a training sequence needs at least one anchor");
+    }
+    if let Some(&bad) = anchors.iter().find(|&&p| p >= tokens.len()) {
+        bail!("anchor {bad} is outside a sequence of {} tokens", tokens.len());
+    }
+    let device = drafter.device();
+    let c = &drafter.config;
+    let rows = scored_rows(tokens, input.loss_mask, anchors, block, settings.gamma, frozen);
+    let n = anchors.len() * block;
+
+    // Context: every position before the last anchor (earlier anchors see a prefix of it).
+    let ctx_len = *anchors.iter().max().expect("non-empty");
+    if input.features.dim(0)? < ctx_len {
+        bail!("features for {} rows, the last anchor needs {ctx_len}", input.features.dim(0)?);
+    }
+    let ctx_positions: Vec<usize> = (0..ctx_len).collect();
+    let context = if ctx_len > 0 {
+        let features = drafter.fuse_features(&input.features.narrow(0, 0, ctx_len)?)?;
+        drafter.context_kv(&features, &ctx_positions)?
+    } else {
+        let empty = Tensor::zeros((c.n_kv_heads, 0, c.head_dim), DType::F32, device)?;
+        vec![crate::speculative::dflash::LayerKv { k: empty.clone(), v: empty }; c.n_layers]
+    };
+
+    let mut ids = vec![c.mask_token_id; n];
+    let mut positions = Vec::with_capacity(n);
+    for (a, &p) in anchors.iter().enumerate() {
+        ids[a * block] = tokens[p];
+        positions.extend(p..p + block);
+    }
+    let mut embeddings = frozen.head.embed(&ids)?;
+    if c.input_embedding_scale != 1.0 {
+        embeddings = (embeddings * c.input_embedding_scale)?;
+    }
+    let mut mask = vec![f32::NEG_INFINITY; n * (ctx_len + n)];
+    for (a, &p) in anchors.iter().enumerate() {
+        for r in a * block..(a + 1) * block {
+            let line = &mut mask[r * (ctx_len + n)..(r + 1) * (ctx_len + n)];
+            line[..p].fill(0.0);
+            line[ctx_len + a * block..ctx_len + (a + 1) * block].fill(0.0);
+        }
+    }
+    let mask = Tensor::from_vec(mask, (n, ctx_len + n), device)?;
+    let hidden = drafter.forward_block(&embeddings, &positions, &context, &ctx_positions, Some(&mask))?;
+
+    let mut scored = vec![0usize; block - 1];
+    let mut hits = vec![0usize; block - 1];
+    let mut accepted = vec![0usize; anchors.len()];
+    if rows.is_empty() {
+        let zero = (hidden.sum_all()? * 0.0)?;
+        return Ok(SequenceLoss { weighted_ce: zero, weight_sum: 0.0, scored, hits, accepted });
+    }
+    let index = Tensor::new(rows.iter().map(|r| r.row as u32).collect::<Vec<_>>(), device)?;
+    let selected = hidden.index_select(&index, 0)?;
+    let logits = drafter.finish_logits(selected.matmul(&frozen.lm_head.t()?)?)?;
+    let labels = Tensor::new(rows.iter().map(|r| r.label).collect::<Vec<_>>(), device)?.unsqueeze(1)?;
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?;
+    let ce = (lse - logits.gather(&labels, D::Minus1)?)?.squeeze(1)?;
+    let weights = Tensor::new(rows.iter().map(|r| r.weight).collect::<Vec<_>>(), device)?;
+    let weighted_ce = (ce * &weights)?.sum_all()?;
+
+    let argmax: Vec<u32> = logits.detach().argmax(D::Minus1)?.to_vec1()?;
+    // Leading hits per anchor: rows come in (anchor, offset) order, so a block's run of hits
+    // is unbroken until its first miss or missing row.
+    let mut next_offset = vec![1usize; anchors.len()];
+    for (r, &pred) in rows.iter().zip(&argmax) {
+        let hit = pred == r.label;
+        scored[r.offset - 1] += 1;
+        hits[r.offset - 1] += hit as usize;
+        let a = r.row / block;
+        if next_offset[a] == r.offset && hit {
+            accepted[a] += 1;
+            next_offset[a] += 1;
+        } else {
+            next_offset[a] = usize::MAX;
+        }
+    }
+    let weight_sum = rows.iter().map(|r| r.weight as f64).sum();
+    Ok(SequenceLoss { weighted_ce, weight_sum, scored, hits, accepted })
+}

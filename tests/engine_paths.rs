@@ -124,3 +124,50 @@ fn dflash_runs_the_same_loop_in_generate_and_the_server() {
     let spec = DrafterSpec::parse(&format!("dflash:{}", case.join("drafter").display())).unwrap();
     assert_same(&loaded, &spec, &prompt, params(0.0, 24), 7);
 }
+
+/// DFlash with prefix caching: a request whose prompt shares a prefix with an earlier one
+/// restores the target's K/V and the drafter's context rows for it, and then drafts exactly as
+/// it would have with the whole prompt computed (same tokens and speculation counters as
+/// `generate`, which never uses the prefix cache).
+#[test]
+fn dflash_shares_prompt_prefixes_through_the_prefix_cache() {
+    let case = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash/fitted");
+    let loaded =
+        Arc::new(LoadedModel::load(&case.join("target"), Some(WeightFormat::F32), &candle_core::Device::Cpu).unwrap());
+    let spec = DrafterSpec::parse(&format!("dflash:{}", case.join("drafter").display())).unwrap();
+    let shared: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 250).collect();
+    let first = [shared.clone(), vec![3, 4, 5]].concat();
+    let second = [shared.clone(), vec![9, 8]].concat();
+    let config = EngineConfig {
+        drafter: Some(spec.clone()),
+        draft_len: DraftLen::Fixed(7),
+        step_cost: Some(Arc::new(StepCost::linear())),
+        kv_tokens: 4096,
+        prefix_caching: true,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(loaded.clone(), config).unwrap();
+    let run = |prompt: &[u32]| {
+        let request =
+            EngineRequest { prompt: prompt.to_vec(), params: params(0.0, 24), speculate: true, ignore_eos: false };
+        let mut rx = engine.submit(request).unwrap();
+        let mut tokens = Vec::new();
+        loop {
+            match rx.blocking_recv().expect("stream ended early") {
+                EngineEvent::Tokens(chunk) => tokens.extend_from_slice(&chunk.ids),
+                EngineEvent::Done(c) => return (tokens, counts(&c.metrics)),
+                EngineEvent::Failed(e) => panic!("{e}"),
+            }
+        }
+    };
+    let a = run(&first);
+    let hits_before = engine.snapshot().prefix_cache_hit_tokens;
+    let b = run(&second);
+    let hits = engine.snapshot().prefix_cache_hit_tokens - hits_before;
+    assert!(hits >= 32, "the second prompt restored only {hits} tokens from the prefix cache");
+    for (prompt, got) in [(&first, a), (&second, b)] {
+        let want = through_generate(&loaded, &spec, prompt, &params(0.0, 24), 7);
+        assert!(want.counts.2 > 0, "nothing drafted");
+        assert_eq!((got.0, got.1), (want.tokens, want.counts), "prompt of {} tokens", prompt.len());
+    }
+}

@@ -143,11 +143,14 @@ impl<'a> EngineCore<'a> {
             },
         };
         let mut cache = self.pool.new_sequence();
-        // Proposers that read the target's hidden states (DFlash) need every prompt position
-        // computed, so they prefill everything.
-        let needs_taps = proposer.as_ref().is_some_and(|p| !p.tap_layers().is_empty());
-        let cached_prompt_tokens =
-            if self.prefix_caching && !needs_taps && invalid.is_none() { cache.attach_prefix(&req.prompt) } else { 0 };
+        // Proposers that read the target's hidden states (DFlash) restore only what they can
+        // restore themselves; the rest of the prompt runs through the target.
+        let restorable = proposer.as_ref().map_or(usize::MAX, |p| p.restorable_prefix(&req.prompt));
+        let cached_prompt_tokens = if self.prefix_caching && invalid.is_none() {
+            cache.attach_prefix_limited(&req.prompt, restorable)
+        } else {
+            0
+        };
         self.totals.prefix_cache_hit_tokens += cached_prompt_tokens as u64;
         let mut active = Active {
             seq: Sequence::new(&req.prompt, cache, req.params.clone()),

@@ -340,6 +340,11 @@ impl SeqCache {
     /// cover (their K/V need no computing). The last prompt token is never covered, so the
     /// prefill still produces the logits for the first generated token.
     pub fn attach_prefix(&mut self, prompt: &[u32]) -> usize {
+        self.attach_prefix_limited(prompt, usize::MAX)
+    }
+
+    /// [`Self::attach_prefix`], covering at most `max_tokens` tokens (whole blocks).
+    pub fn attach_prefix_limited(&mut self, prompt: &[u32], max_tokens: usize) -> usize {
         if !self.blocks.is_empty() {
             return 0;
         }
@@ -347,7 +352,8 @@ impl SeqCache {
         let mut storage = pool.lock();
         let bs = storage.layout.block_size;
         let mut key = 0;
-        for block_tokens in prompt[..prompt.len().saturating_sub(1)].chunks_exact(bs) {
+        let usable = prompt.len().saturating_sub(1).min(max_tokens);
+        for block_tokens in prompt[..usable].chunks_exact(bs) {
             key = prefix_key(key, block_tokens);
             let Some(&b) = storage.prefix.by_key.get(&key) else { break };
             match &storage.prefix.published[b as usize] {

@@ -20,6 +20,18 @@ pub trait Proposer: Send {
     /// Starts a new sequence with its prompt.
     fn begin(&mut self, prompt: &[u32]) -> Result<()>;
 
+    /// How many leading tokens of `prompt` the engine may restore from its prefix cache
+    /// instead of running them through the target (asked before `begin`). A drafter that
+    /// reads the target's hidden states sees none for restored rows, so it answers with what
+    /// it can restore on its own; the others need nothing from those rows.
+    fn restorable_prefix(&self, _prompt: &[u32]) -> usize {
+        if self.tap_layers().is_empty() {
+            usize::MAX
+        } else {
+            0
+        }
+    }
+
     /// After a step: `tokens` is the whole committed sequence (prompt + output; its last
     /// token is not yet in the target's cache), `cached` the range of `tokens` that entered
     /// the target's KV cache in this step, and `taps` the target's hidden states for exactly
@@ -52,6 +64,10 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     fn tap_layers(&self) -> &[usize] {
         (**self).tap_layers()
     }
+    fn restorable_prefix(&self, prompt: &[u32]) -> usize {
+        (**self).restorable_prefix(prompt)
+    }
+
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         (**self).begin(prompt)
     }

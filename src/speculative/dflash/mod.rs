@@ -12,11 +12,13 @@
 //! * [`proposer`]: the [`Proposer`](crate::speculative::Proposer) with the drafter's context cache.
 
 pub mod config;
+pub mod context_store;
 pub mod model;
 pub mod proposer;
 #[cfg(test)]
 mod tests;
 
+pub use context_store::ContextStore;
 pub use config::{default_target_layer_ids, DflashConfig, LayerAttention};
 pub use model::{expected_tensors, DflashDrafter, LayerKv, TargetHead};
 pub use proposer::{DflashProposer, DflashSettings};

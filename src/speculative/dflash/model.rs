@@ -68,6 +68,11 @@ impl TargetHead {
         Ok(tap)
     }
 
+    /// The target's embedding table (also its identity for [`super::ContextStore`]).
+    pub fn embedding(&self) -> &Arc<QTensor> {
+        &self.embedding
+    }
+
     /// Token embeddings `[ids, hidden]` (f32).
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         let ids = Tensor::new(ids, &self.device)?;
@@ -144,7 +149,13 @@ pub struct DflashDrafter {
     inv_freq: Vec<f32>,
     device: Device,
     draft_vocab: Option<DraftVocab>,
+    /// Context K/V of recent prompts, shared by every proposer of this drafter.
+    pub context_store: super::ContextStore,
 }
+
+/// Prompt rows whose context K/V a drafter keeps for prefix-cache hits (about 3 KB per row
+/// for a two-layer drafter of a 576-wide target).
+const CONTEXT_STORE_ROWS: usize = 16_384;
 
 /// Every tensor a checkpoint must hold, with its `[out, in]` shape (names without a prefix).
 pub fn expected_tensors(c: &DflashConfig) -> Vec<(String, Vec<usize>)> {
@@ -294,6 +305,7 @@ impl DflashDrafter {
             device,
             path: PathBuf::new(),
             draft_vocab: None,
+            context_store: super::ContextStore::new(CONTEXT_STORE_ROWS),
             config,
         })
     }

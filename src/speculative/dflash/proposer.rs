@@ -152,6 +152,10 @@ pub struct DflashProposer {
     head: TargetHead,
     settings: DflashSettings,
     cache: ContextCache,
+    /// The sequence's prompt, and whether its context rows were handed to the drafter's
+    /// [`super::ContextStore`] yet.
+    prompt: Vec<u32>,
+    prompt_stored: bool,
 }
 
 impl DflashProposer {
@@ -169,7 +173,7 @@ impl DflashProposer {
         if settings.context_window == Some(0) {
             bail!("DFlash context window must be at least 1 row");
         }
-        Ok(Self { drafter, head, settings, cache: ContextCache::default() })
+        Ok(Self { drafter, head, settings, cache: ContextCache::default(), prompt: Vec::new(), prompt_stored: false })
     }
 
     pub fn drafter(&self) -> &DflashDrafter {
@@ -220,6 +224,32 @@ impl DflashProposer {
     }
 }
 
+impl DflashProposer {
+    /// Once the drafter holds the context rows of the whole prompt, a copy goes to the
+    /// drafter's store, for later requests that share a prefix with it.
+    fn store_prompt_rows(&mut self) -> Result<()> {
+        let n = self.prompt.len();
+        if self.prompt_stored || n == 0 || self.settings.context_window.is_some() {
+            return Ok(());
+        }
+        if self.cache.end < n || self.cache.end > self.cache.kept || self.cache.layers.is_empty() {
+            return Ok(());
+        }
+        let layers = self
+            .cache
+            .layers
+            .iter()
+            .map(|(k, v)| {
+                let like = k.data.as_ref().expect("rows were appended");
+                Ok(LayerKv { k: k.view(like)?.narrow(1, 0, n)?.copy()?, v: v.view(like)?.narrow(1, 0, n)?.copy()? })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.drafter.context_store.put(self.head.embedding(), &self.prompt, layers);
+        self.prompt_stored = true;
+        Ok(())
+    }
+}
+
 impl Proposer for DflashProposer {
     fn name(&self) -> &str {
         "dflash"
@@ -229,14 +259,31 @@ impl Proposer for DflashProposer {
         &self.drafter.config.target_layer_ids
     }
 
-    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
+    fn restorable_prefix(&self, prompt: &[u32]) -> usize {
+        // A windowed context is not kept whole, so there is nothing to store or restore.
+        if self.settings.context_window.is_some() {
+            return 0;
+        }
+        self.drafter.context_store.restorable(self.head.embedding(), prompt)
+    }
+
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.cache.clear_at(0);
+        self.prompt = prompt.to_vec();
+        self.prompt_stored = false;
         Ok(())
     }
 
-    fn observe(&mut self, _tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()> {
+    fn observe(&mut self, tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()> {
         if cached.is_empty() {
             return Ok(());
+        }
+        // The first rows the target computed follow a prefix it restored from its cache: the
+        // drafter restores its context rows for that prefix from its own store.
+        if self.cache.end == 0 && cached.start > 0 && self.settings.context_window.is_none() {
+            if let Some(kv) = self.drafter.context_store.take(self.head.embedding(), tokens, cached.start) {
+                self.cache.append(kv, cached.start)?;
+            }
         }
         // Rows the engine ran again replace ours; rows that never ran through the target (a
         // restored prefix) have no features, so the context restarts after them (spec §3.7).
@@ -269,6 +316,7 @@ impl Proposer for DflashProposer {
         if let Some(w) = self.settings.context_window {
             self.cache.keep_last(w);
         }
+        self.store_prompt_rows()?;
         Ok(())
     }
 

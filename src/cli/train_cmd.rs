@@ -19,7 +19,7 @@ enum TrainCommand {
     Data(DataArgs),
     /// Train a DFlash drafter for a target on data from `train data`; checkpoints, resumes and
     /// exports a `--drafter dflash:DIR` directory (OUT/drafter).
-    Dflash(DflashArgs),
+    Dflash(Box<DflashArgs>),
 }
 
 #[derive(clap::Args)]
@@ -168,7 +168,7 @@ pub struct DataArgs {
 pub fn run(args: TrainArgs) -> Result<()> {
     match args.command {
         TrainCommand::Data(a) => run_data(a),
-        TrainCommand::Dflash(a) => run_dflash(a),
+        TrainCommand::Dflash(a) => run_dflash(*a),
     }
 }
 
@@ -367,7 +367,7 @@ impl crate::train::dflash::TrainObserver for ProgressObserver {
         let acc: Vec<String> =
             line.train.accuracy.iter().take(4).map(|a| a.map_or("-".into(), |a| format!("{:.2}", a))).collect();
         let val = line.val.as_ref().map_or(String::new(), |v| format!(" | val loss {:.3} τ≈{:.2}", v.loss, v.tau));
-        self.bar.println(format!(
+        let text = format!(
             "step {} lr {:.2e} loss {:.3} acc@1..4 [{}] τ≈{:.2} |g| {:.2} {:.0} rows/s{}",
             line.step,
             line.lr,
@@ -377,6 +377,12 @@ impl crate::train::dflash::TrainObserver for ProgressObserver {
             line.grad_norm,
             line.rows_per_sec,
             val
-        ));
+        );
+        // Without a terminal the bar draws nothing, and neither would its println.
+        if self.bar.is_hidden() {
+            eprintln!("{text}");
+        } else {
+            self.bar.println(text);
+        }
     }
 }

@@ -269,7 +269,7 @@ pub fn drafter_config(target: &Transformer, settings: &TrainSettings, mask_token
     );
     config.draft_vocab_size = settings.draft_vocab;
     config.check_target(t)?;
-    if config.n_heads % config.n_kv_heads != 0 || config.head_dim % 2 != 0 {
+    if !config.n_heads.is_multiple_of(config.n_kv_heads) || !config.head_dim.is_multiple_of(2) {
         bail!("drafter heads: {} query heads, {} KV heads, head_dim {}", config.n_heads, config.n_kv_heads, config.head_dim);
     }
     Ok(config)

@@ -530,3 +530,34 @@ fn export_loads_in_the_reference_package() {
     }
     assert!(worst <= 1e-4, "max |Δ logit| {worst} against the reference package");
 }
+
+/// `--init-from`: a run can start from an exported drafter (its shape, MASK and reduced
+/// vocabulary come with it).
+#[test]
+fn a_run_starts_from_an_exported_drafter() {
+    let target = tiny_target();
+    let examples = tiny_examples(&target, 12, 8, 16, 21);
+    let first = tempfile::tempdir().unwrap();
+    run_training(&target, &examples, TrainSettings { draft_vocab: Some(30), ..tiny_settings(5) }, first.path(), false, None);
+    let second = tempfile::tempdir().unwrap();
+    let settings = TrainSettings {
+        init_from: Some(first.path().join("drafter")),
+        adam: td::optim::AdamWSettings { lr: 1e-12, weight_decay: 0.0, ..Default::default() },
+        ..tiny_settings(1)
+    };
+    run_training(&target, &examples, settings, second.path(), false, None);
+    let a = candle_core::safetensors::load(first.path().join("drafter/model.safetensors"), &Device::Cpu).unwrap();
+    let b = candle_core::safetensors::load(second.path().join("drafter/model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &a {
+        let diff = (t.to_dtype(DType::F32).unwrap() - b[name].to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff <= 1e-6, "{name} moved by {diff}");
+    }
+}

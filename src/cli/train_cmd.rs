@@ -111,6 +111,10 @@ pub struct DflashArgs {
     /// Continue from OUT/checkpoint (same settings and data).
     #[arg(long)]
     resume: bool,
+    /// Start from an exported drafter directory's weights (its shape, MASK and vocabulary)
+    /// instead of a fresh initialisation.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
     /// Stop after this many steps in this run (the schedule still spans every step).
     #[arg(long)]
     stop_after: Option<usize>,
@@ -251,6 +255,7 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         mask_token: args.mask_token,
         val_examples: args.val_examples,
         checkpoint_every: args.checkpoint_every,
+        init_from: args.init_from.clone(),
     };
     settings.validate()?;
     let export_dtype = match args.dtype.as_str() {

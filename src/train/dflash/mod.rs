@@ -82,6 +82,10 @@ pub struct TrainSettings {
     pub val_examples: usize,
     /// Checkpoint (and export) every this many steps.
     pub checkpoint_every: usize,
+    /// Start from this exported drafter's weights, shape, MASK token and vocabulary instead of
+    /// a fresh initialisation (to train further with a new schedule or more data).
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for TrainSettings {
@@ -109,6 +113,7 @@ impl Default for TrainSettings {
             mask_token: None,
             val_examples: 32,
             checkpoint_every: 200,
+            init_from: None,
         }
     }
 }
@@ -559,6 +564,23 @@ impl TrainRun<'_> {
                 params.push((name, Var::from_tensor(t)?));
             }
             (config, meta.draft_vocab, params, meta.step, meta.history, meta.train_secs, Some(tensors))
+        } else if let Some(dir) = &s.init_from {
+            let drafter = DflashDrafter::load(dir, &device)?;
+            let config = drafter.config.clone();
+            config.check_target(&self.target.config).with_context(|| format!("--init-from {}", dir.display()))?;
+            if config.block_size != s.block {
+                bail!("--init-from {}: block size {}, --block {}", dir.display(), config.block_size, s.block);
+            }
+            let vocab = drafter.draft_vocab().map(|v| v.to_vec());
+            let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &device)?;
+            let mut names: Vec<String> = expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
+            names.sort();
+            let mut params = Vec::new();
+            for name in names {
+                let t = tensors.get(&name).with_context(|| format!("--init-from: no `{name}`"))?;
+                params.push((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?));
+            }
+            (config, vocab, params, 0, Vec::new(), 0.0, None)
         } else {
             let mut all: Vec<TrainExample> = self.train.clone();
             all.extend(self.val.iter().cloned());

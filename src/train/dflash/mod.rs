@@ -801,6 +801,12 @@ pub fn export(
     .into();
     let tmp = dir.join("model.safetensors.tmp");
     candle_core::safetensors::save(&tensors, &tmp)?;
+    // The writer creates owner-only files; an exported drafter is meant to be shared.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+    }
     std::fs::rename(&tmp, dir.join("model.safetensors"))?;
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&json)? + "\n")?;
     Ok(())

@@ -108,6 +108,10 @@ pub struct DflashArgs {
     /// Where offline features are cached (default: OUT/features).
     #[arg(long)]
     features_dir: Option<PathBuf>,
+    /// Initialise drafter layer i from target layer i (same head and MLP shapes) instead of
+    /// random weights.
+    #[arg(long)]
+    init_from_target: bool,
     /// Continue from OUT/checkpoint (same settings and data).
     #[arg(long)]
     resume: bool,
@@ -256,6 +260,7 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         val_examples: args.val_examples,
         checkpoint_every: args.checkpoint_every,
         init_from: args.init_from.clone(),
+        init_from_target: args.init_from_target,
     };
     settings.validate()?;
     let export_dtype = match args.dtype.as_str() {

@@ -154,6 +154,18 @@ impl Transformer {
         self
     }
 
+    /// A tensor by its GGUF name, read again from the model's file and dequantised to f32
+    /// (drafters initialised from the target's layers read them so).
+    pub fn read_dense(&self, gguf_name: &str) -> Result<Tensor> {
+        let path = self.source_path.as_ref().context("the model was not loaded from a path")?;
+        let q = if super::hf::HfModelDir::is_model_dir(path) {
+            super::hf::HfModelDir::open(path)?.qtensor(gguf_name, &self.device)?
+        } else {
+            GgufFile::open(path)?.qtensor(gguf_name, &self.device)?
+        };
+        Ok(q.dequantize(&self.device)?.to_dtype(candle_core::DType::F32)?)
+    }
+
     /// The LM head's weights `[vocab, hidden]` in the file's own type: the embedding when the
     /// head is tied, otherwise read again from the model's file (the loaded head may be
     /// repacked for our kernels). Drafters train against it and take rows of it.

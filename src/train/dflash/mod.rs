@@ -82,6 +82,11 @@ pub struct TrainSettings {
     pub val_examples: usize,
     /// Checkpoint (and export) every this many steps.
     pub checkpoint_every: usize,
+    /// Initialise drafter layer i from target layer i (attention, MLP and norm weights; q/k
+    /// norms 1), `fc` to pass the first tap through and `hidden_norm` to the target's first
+    /// attention norm, instead of random weights. Needs the target's head and MLP shapes.
+    #[serde(default)]
+    pub init_from_target: bool,
     /// Start from this exported drafter's weights, shape, MASK token and vocabulary instead of
     /// a fresh initialisation (to train further with a new schedule or more data).
     #[serde(default)]
@@ -113,6 +118,7 @@ impl Default for TrainSettings {
             mask_token: None,
             val_examples: 32,
             checkpoint_every: 200,
+            init_from_target: false,
             init_from: None,
         }
     }
@@ -306,6 +312,61 @@ fn standard_normal(rng: &mut StdRng) -> f32 {
     let u1: f64 = 1.0 - rng.random::<f64>();
     let u2: f64 = rng.random::<f64>();
     ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+}
+
+/// Copies target layer i into drafter layer i (see [`TrainSettings::init_from_target`]). GGUF
+/// llama files store q/k rows permuted for interleaved RoPE; the drafter rotates halves
+/// (NeoX), so those rows are put back in Hugging Face order.
+pub fn init_from_target_layers(config: &DflashConfig, params: &[(String, Var)], target: &Transformer) -> Result<()> {
+    let t = &target.config;
+    if config.n_layers > t.n_layers
+        || (config.n_heads, config.n_kv_heads, config.head_dim, config.ffn) != (t.n_heads, t.n_kv_heads, t.head_dim, t.ffn)
+    {
+        bail!(
+            "--init-from-target needs the target's heads, KV heads, head width and MLP width ({}, {}, {}, {})",
+            t.n_heads,
+            t.n_kv_heads,
+            t.head_dim,
+            t.ffn
+        );
+    }
+    let set = |name: &str, value: Tensor| -> Result<()> {
+        let (_, v) = params.iter().find(|(n, _)| n == name).with_context(|| format!("no parameter `{name}`"))?;
+        if v.dims() != value.dims() {
+            bail!("`{name}`: target tensor of shape {:?}, drafter {:?}", value.dims(), v.dims());
+        }
+        Ok(v.set(&value)?)
+    };
+    let unpermute = |w: Tensor, heads: usize| -> Result<Tensor> {
+        if t.rope_style != crate::model::RopeStyle::Interleaved {
+            return Ok(w);
+        }
+        let (rows, cols) = w.dims2()?;
+        let hd = rows / heads;
+        // GGUF row h·hd + 2r + j holds Hugging Face row h·hd + j·hd/2 + r.
+        Ok(w.reshape((heads, hd / 2, 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
+    };
+    for i in 0..config.n_layers {
+        let g = |n: &str| target.read_dense(&format!("blk.{i}.{n}.weight"));
+        let d = |n: &str| format!("layers.{i}.{n}.weight");
+        set(&d("input_layernorm"), g("attn_norm")?)?;
+        set(&d("post_attention_layernorm"), g("ffn_norm")?)?;
+        set(&d("self_attn.q_proj"), unpermute(g("attn_q")?, t.n_heads)?)?;
+        set(&d("self_attn.k_proj"), unpermute(g("attn_k")?, t.n_kv_heads)?)?;
+        set(&d("self_attn.v_proj"), g("attn_v")?)?;
+        set(&d("self_attn.o_proj"), g("attn_output")?)?;
+        set(&d("mlp.gate_proj"), g("ffn_gate")?)?;
+        set(&d("mlp.up_proj"), g("ffn_up")?)?;
+        set(&d("mlp.down_proj"), g("ffn_down")?)?;
+    }
+    // fc passes the first tap through; the context rows then look like a residual stream.
+    let h = config.hidden;
+    let k = config.target_layer_ids.len();
+    let eye = Tensor::eye(h, DType::F32, target.device())?;
+    let zeros = Tensor::zeros((h, (k - 1) * h), DType::F32, target.device())?;
+    set("fc.weight", Tensor::cat(&[&eye, &zeros], 1)?)?;
+    set("hidden_norm.weight", target.read_dense("blk.0.attn_norm.weight")?)?;
+    Ok(())
 }
 
 /// A drafter whose weights are `params` (sharing their storage: updating a variable updates
@@ -595,6 +656,9 @@ impl TrainRun<'_> {
                 config.draft_vocab_size = Some(v.len());
             }
             let params = init_params(&config, s.seed, &device)?;
+            if s.init_from_target {
+                init_from_target_layers(&config, &params, self.target)?;
+            }
             (config, vocab, params, 0, Vec::new(), 0.0, None)
         };
         let mut drafter = drafter_from_params(&config, &params, &device)?;

@@ -561,3 +561,25 @@ fn a_run_starts_from_an_exported_drafter() {
         assert!(diff <= 1e-6, "{name} moved by {diff}");
     }
 }
+
+/// `--init-from-target`: drafter layer i starts with target layer i's weights.
+#[test]
+fn init_from_target_copies_the_target_layers() {
+    let target = tiny_target();
+    let settings = TrainSettings { layers: 2, taps: Some(vec![1, 2]), ..Default::default() };
+    let config = td::drafter_config(&target.model, &settings, 255).unwrap();
+    let params = init_params(&config, 1, &Device::Cpu).unwrap();
+    td::init_from_target_layers(&config, &params, &target.model).unwrap();
+    let get = |n: &str| params.iter().find(|(name, _)| name == n).unwrap().1.as_tensor().clone();
+    for (drafter, gguf) in [
+        ("layers.1.self_attn.q_proj.weight", "blk.1.attn_q.weight"),
+        ("layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+        ("layers.1.input_layernorm.weight", "blk.1.attn_norm.weight"),
+    ] {
+        let want = target.model.read_dense(gguf).unwrap();
+        let diff = (get(drafter) - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff, 0.0, "{drafter}");
+    }
+    let fc: Vec<Vec<f32>> = get("fc.weight").to_vec2().unwrap();
+    assert!(fc[3][3] == 1.0 && fc[3][4] == 0.0 && fc[3][64 + 3] == 0.0, "fc passes the first tap through");
+}

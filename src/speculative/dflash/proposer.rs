@@ -156,6 +156,10 @@ pub struct DflashProposer {
     /// [`super::ContextStore`] yet.
     prompt: Vec<u32>,
     prompt_stored: bool,
+    /// Committed rows whose target taps arrived but are not projected into the context yet
+    /// (contiguous from `cache.end`): projecting waits until a draft is asked for, so a drafter
+    /// the policy leaves idle costs nothing per token.
+    pending: Vec<(usize, Vec<Tensor>)>,
 }
 
 impl DflashProposer {
@@ -173,7 +177,15 @@ impl DflashProposer {
         if settings.context_window == Some(0) {
             bail!("DFlash context window must be at least 1 row");
         }
-        Ok(Self { drafter, head, settings, cache: ContextCache::default(), prompt: Vec::new(), prompt_stored: false })
+        Ok(Self {
+            drafter,
+            head,
+            settings,
+            cache: ContextCache::default(),
+            prompt: Vec::new(),
+            prompt_stored: false,
+            pending: Vec::new(),
+        })
     }
 
     pub fn drafter(&self) -> &DflashDrafter {
@@ -187,7 +199,35 @@ impl DflashProposer {
 
     /// Context rows whose K/V the drafter holds, as absolute positions `start..end`.
     pub fn context_rows(&self) -> Range<usize> {
-        self.cache.end - self.cache.kept..self.cache.end
+        self.cache.end - self.cache.kept..self.pending_end()
+    }
+
+    /// One past the last row handed over (projected or pending).
+    fn pending_end(&self) -> usize {
+        self.pending.last().map_or(self.cache.end, |(start, taps)| start + taps[0].dim(0).unwrap_or(0))
+    }
+
+    /// Projects the pending rows into the context cache, all in one pass.
+    fn flush(&mut self) -> Result<usize> {
+        if self.pending.is_empty() {
+            return Ok(0);
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let start = pending[0].0;
+        let taps: Vec<Tensor> = (0..pending[0].1.len())
+            .map(|i| {
+                let parts: Vec<&Tensor> = pending.iter().map(|(_, t)| &t[i]).collect();
+                let layer = self.drafter.config.target_layer_ids[i];
+                self.head.hidden_state(layer, &Tensor::cat(&parts, 0)?)
+            })
+            .collect::<Result<_>>()?;
+        let rows = taps[0].dim(0)?;
+        let features = self.drafter.context_features(&taps)?;
+        let positions: Vec<usize> = (start..start + rows).collect();
+        let kv = self.drafter.context_kv(&features, &positions)?;
+        self.cache.append(kv, rows)?;
+        self.store_prompt_rows()?;
+        Ok(rows)
     }
 
     /// The draft logits `[masks, drafter vocab]` of a block `[tokens.last(), MASK × masks]` at positions
@@ -196,6 +236,7 @@ impl DflashProposer {
     pub fn draft_logits(&mut self, tokens: &[u32], masks: usize) -> Result<Tensor> {
         let Some((&anchor, _)) = tokens.split_last() else { bail!("DFlash cannot draft without a committed token") };
         let start = tokens.len() - 1;
+        self.flush()?;
         // The anchor's own row (and anything after it) must not be context: defensive, the
         // engine never hands those over before they are committed and cached.
         self.cache.truncate(start);
@@ -280,21 +321,41 @@ impl Proposer for DflashProposer {
         }
         // The first rows the target computed follow a prefix it restored from its cache: the
         // drafter restores its context rows for that prefix from its own store.
-        if self.cache.end == 0 && cached.start > 0 && self.settings.context_window.is_none() {
+        if self.cache.end == 0 && self.pending.is_empty() && cached.start > 0 && self.settings.context_window.is_none() {
             if let Some(kv) = self.drafter.context_store.take(self.head.embedding(), tokens, cached.start) {
                 self.cache.append(kv, cached.start)?;
             }
         }
         // Rows the engine ran again replace ours; rows that never ran through the target (a
         // restored prefix) have no features, so the context restarts after them (spec §3.7).
+        if cached.start < self.cache.end {
+            self.pending.clear();
+        } else {
+            self.pending.retain(|(start, _)| *start < cached.start);
+            if let Some((start, taps)) = self.pending.last_mut() {
+                let keep = cached.start - *start;
+                if taps[0].dim(0)? > keep {
+                    *taps = taps.iter().map(|t| t.narrow(0, 0, keep)).collect::<candle_core::Result<_>>()?;
+                }
+            }
+        }
         self.cache.truncate(cached.start);
-        if cached.start > self.cache.end {
+        if cached.start > self.pending_end() {
+            self.pending.clear();
             self.cache.clear_at(cached.start);
         }
         for t in taps {
             if t.rank() != 2 || t.dim(0)? != cached.len() {
                 bail!("DFlash: a target tap of shape {:?} for {} cached rows", t.dims(), cached.len());
             }
+        }
+        if taps.len() != self.drafter.config.target_layer_ids.len() {
+            bail!("DFlash needs {} target taps, got {}", self.drafter.config.target_layer_ids.len(), taps.len());
+        }
+        // Without a window, projecting waits for the next draft (see `pending`).
+        if self.settings.context_window.is_none() {
+            self.pending.push((cached.start, taps.to_vec()));
+            return Ok(());
         }
         // Rows that would fall out of the window right away are not projected at all.
         let skip = self.settings.context_window.map_or(0, |w| cached.len().saturating_sub(w));
@@ -318,6 +379,14 @@ impl Proposer for DflashProposer {
         }
         self.store_prompt_rows()?;
         Ok(())
+    }
+
+    fn pending_catch_up(&self, _tokens: &[u32]) -> usize {
+        self.pending_end() - self.cache.end
+    }
+
+    fn catch_up(&mut self, _tokens: &[u32]) -> Result<usize> {
+        self.flush()
     }
 
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {

@@ -58,8 +58,7 @@ struct FixtureBatch {
 }
 
 fn fixture_batch() -> FixtureBatch {
-    let b: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("dflash-train/batch.json")).unwrap()).unwrap();
+    let b: Value = serde_json::from_str(&std::fs::read_to_string(fixture("dflash-train/batch.json")).unwrap()).unwrap();
     let sequences = b["sequences"]
         .as_array()
         .unwrap()
@@ -158,7 +157,8 @@ fn training_and_serving_forwards_agree() {
         let train_loss = l.weighted_ce.to_scalar::<f32>().unwrap() as f64;
 
         // Serving: the proposer fed the target's taps of rows ..anchor, drafting at `anchor`.
-        let mut p = DflashProposer::new(serving.clone(), TargetHead::of(&target.model), DflashSettings::default()).unwrap();
+        let mut p =
+            DflashProposer::new(serving.clone(), TargetHead::of(&target.model), DflashSettings::default()).unwrap();
         p.begin(&tokens[..anchor]).unwrap();
         let pool = target.model.new_kv_pool_typed(64, KvDtype::F32);
         let mut cache = pool.new_sequence();
@@ -229,7 +229,8 @@ fn gradients_agree_with_finite_differences() {
             })
             .collect();
         // A unit direction: a step of `eps` moves the parameters by `eps` in L2 norm.
-        let norm: f32 = dirs.iter().map(|d| d.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()).sum::<f32>().sqrt();
+        let norm: f32 =
+            dirs.iter().map(|d| d.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()).sum::<f32>().sqrt();
         let dirs: Vec<Tensor> = dirs.iter().map(|d| (d / norm as f64).unwrap()).collect();
         let analytic: f64 = params
             .iter()
@@ -356,7 +357,8 @@ fn a_small_run_trains_a_drafter_that_reaches_tau_2() {
         adam: td::optim::AdamWSettings { lr: 3e-3, weight_decay: 0.0, ..Default::default() },
         ..tiny_settings(400)
     };
-    let key = FeatureKey { target: "fitted".into(), layer_ids: vec![1, 2], hidden: 64, max_tokens: settings.max_tokens };
+    let key =
+        FeatureKey { target: "fitted".into(), layer_ids: vec![1, 2], hidden: 64, max_tokens: settings.max_tokens };
     let mut cache = FeatureCache::open(&out.path().join("features"), key.clone()).unwrap();
     let all: Vec<&TrainExample> = examples.iter().collect();
     td::fill_feature_cache(&mut cache, &key, &target.model, &all, |_, _| {}).unwrap();
@@ -383,7 +385,8 @@ fn a_small_run_trains_a_drafter_that_reaches_tau_2() {
         let prompt = &e.tokens[..12];
         let plain = greedy(&target.model, prompt, 40, None);
         assert_eq!(plain, e.tokens[12..], "the target's greedy output is the training response");
-        let mut p = DflashProposer::new(drafter.clone(), TargetHead::of(&target.model), DflashSettings::default()).unwrap();
+        let mut p =
+            DflashProposer::new(drafter.clone(), TargetHead::of(&target.model), DflashSettings::default()).unwrap();
         let spec = greedy_run(&target.model, prompt, 40, Some(&mut p));
         assert_eq!(spec.tokens, plain, "speculative output differs from plain greedy for {prompt:?}");
         accepted += spec.metrics.accepted as usize;
@@ -457,8 +460,6 @@ fn frequent_tokens_and_validation_split_are_deterministic() {
     assert_eq!(top.len(), 5);
     assert!(top.windows(2).all(|w| w[0] < w[1]));
 }
-
-
 
 /// The fixture of `export_loads_in_the_reference_package`: a drafter for the tiny target,
 /// briefly trained and exported in f16 to `tests/fixtures/dflash-export/drafter`. Run by hand
@@ -538,7 +539,14 @@ fn a_run_starts_from_an_exported_drafter() {
     let target = tiny_target();
     let examples = tiny_examples(&target, 12, 8, 16, 21);
     let first = tempfile::tempdir().unwrap();
-    run_training(&target, &examples, TrainSettings { draft_vocab: Some(30), ..tiny_settings(5) }, first.path(), false, None);
+    run_training(
+        &target,
+        &examples,
+        TrainSettings { draft_vocab: Some(30), ..tiny_settings(5) },
+        first.path(),
+        false,
+        None,
+    );
     let second = tempfile::tempdir().unwrap();
     let settings = TrainSettings {
         init_from: Some(first.path().join("drafter")),

@@ -173,7 +173,10 @@ impl Transformer {
         if self.config.tied_head {
             return Ok(self.embedding.clone());
         }
-        let path = self.source_path.as_ref().context("the model was not loaded from a path; its LM head cannot be read again")?;
+        let path = self
+            .source_path
+            .as_ref()
+            .context("the model was not loaded from a path; its LM head cannot be read again")?;
         let q = if super::hf::HfModelDir::is_model_dir(path) {
             super::hf::HfModelDir::open(path)?.qtensor("output.weight", &self.device)?
         } else {

@@ -32,12 +32,8 @@ pub fn target_features(target: &Transformer, layer_ids: &[usize], tokens: &[u32]
     batch.tap_layers = layer_ids.to_vec();
     batch.push(tokens, &mut cache, LogitsRows::None);
     let out = target.forward(&mut batch)?;
-    let taps: Vec<Tensor> = out
-        .taps
-        .iter()
-        .zip(layer_ids)
-        .map(|(t, &layer)| head.hidden_state(layer, t))
-        .collect::<Result<_>>()?;
+    let taps: Vec<Tensor> =
+        out.taps.iter().zip(layer_ids).map(|(t, &layer)| head.hidden_state(layer, t)).collect::<Result<_>>()?;
     Ok(Tensor::cat(&taps, 1)?)
 }
 

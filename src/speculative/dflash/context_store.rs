@@ -91,9 +91,15 @@ impl ContextStore {
         // Dead targets' entries, and entries this one covers, go.
         inner.entries.retain(|e| {
             e.target.strong_count() > 0
-                && !(e.target.ptr_eq(&weak) && e.tokens.len() <= tokens.len() && tokens[..e.tokens.len()] == e.tokens[..])
+                && !(e.target.ptr_eq(&weak)
+                    && e.tokens.len() <= tokens.len()
+                    && tokens[..e.tokens.len()] == e.tokens[..])
         });
-        if inner.entries.iter().any(|e| e.target.ptr_eq(&weak) && e.tokens.len() >= tokens.len() && e.tokens[..tokens.len()] == *tokens) {
+        if inner
+            .entries
+            .iter()
+            .any(|e| e.target.ptr_eq(&weak) && e.tokens.len() >= tokens.len() && e.tokens[..tokens.len()] == *tokens)
+        {
             return;
         }
         inner.entries.push(Entry { target: weak, tokens: tokens.to_vec(), layers, last_used: now });

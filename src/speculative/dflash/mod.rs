@@ -18,8 +18,8 @@ pub mod proposer;
 #[cfg(test)]
 mod tests;
 
-pub use context_store::ContextStore;
 pub use config::{default_target_layer_ids, DflashConfig, LayerAttention};
+pub use context_store::ContextStore;
 pub use model::{expected_tensors, DflashDrafter, LayerKv, TargetHead};
 pub use proposer::{DflashProposer, DflashSettings};
 

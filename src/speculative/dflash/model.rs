@@ -502,7 +502,9 @@ impl DflashDrafter {
     /// ([`Self::target_token`] maps them back).
     pub fn logits(&self, head: &TargetHead, hidden: &Tensor) -> Result<Tensor> {
         let logits = match &self.draft_vocab {
-            Some(v) => v.head.as_ref().context("the drafter's reduced head was not built for a target")?.forward(hidden)?,
+            Some(v) => {
+                v.head.as_ref().context("the drafter's reduced head was not built for a target")?.forward(hidden)?
+            }
             None => head.logits(hidden)?,
         };
         self.finish_logits(logits.to_dtype(DType::F32)?)
@@ -528,13 +530,8 @@ impl DflashDrafter {
         let Some(vocab) = &mut self.draft_vocab else { return Ok(()) };
         let weights = target.lm_head_weights()?;
         let rows = select_rows(&weights, &vocab.draft_to_target, target.device())?;
-        vocab.head = Some(TargetLinear::from_qtensor(
-            Arc::new(rows),
-            None,
-            target.weight_format,
-            kernels,
-            target.device(),
-        )?);
+        vocab.head =
+            Some(TargetLinear::from_qtensor(Arc::new(rows), None, target.weight_format, kernels, target.device())?);
         Ok(())
     }
 

@@ -321,7 +321,8 @@ impl Proposer for DflashProposer {
         }
         // The first rows the target computed follow a prefix it restored from its cache: the
         // drafter restores its context rows for that prefix from its own store.
-        if self.cache.end == 0 && self.pending.is_empty() && cached.start > 0 && self.settings.context_window.is_none() {
+        if self.cache.end == 0 && self.pending.is_empty() && cached.start > 0 && self.settings.context_window.is_none()
+        {
             if let Some(kv) = self.drafter.context_store.take(self.head.embedding(), tokens, cached.start) {
                 self.cache.append(kv, cached.start)?;
             }

@@ -181,7 +181,11 @@ pub struct TrainExample {
 impl TrainExample {
     pub fn from_example(e: &Example, max_tokens: usize) -> Self {
         let n = e.tokens.len().min(max_tokens);
-        Self { key: format!("{}/{}", e.set, e.id), tokens: e.tokens[..n].to_vec(), loss_mask: e.loss_mask[..n].to_vec() }
+        Self {
+            key: format!("{}/{}", e.set, e.id),
+            tokens: e.tokens[..n].to_vec(),
+            loss_mask: e.loss_mask[..n].to_vec(),
+        }
     }
 
     /// Positions that can anchor a block: response tokens with at least one token after them.
@@ -281,7 +285,12 @@ pub fn drafter_config(target: &Transformer, settings: &TrainSettings, mask_token
     config.draft_vocab_size = settings.draft_vocab;
     config.check_target(t)?;
     if !config.n_heads.is_multiple_of(config.n_kv_heads) || !config.head_dim.is_multiple_of(2) {
-        bail!("drafter heads: {} query heads, {} KV heads, head_dim {}", config.n_heads, config.n_kv_heads, config.head_dim);
+        bail!(
+            "drafter heads: {} query heads, {} KV heads, head_dim {}",
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim
+        );
     }
     Ok(config)
 }
@@ -320,7 +329,8 @@ fn standard_normal(rng: &mut StdRng) -> f32 {
 pub fn init_from_target_layers(config: &DflashConfig, params: &[(String, Var)], target: &Transformer) -> Result<()> {
     let t = &target.config;
     if config.n_layers > t.n_layers
-        || (config.n_heads, config.n_kv_heads, config.head_dim, config.ffn) != (t.n_heads, t.n_kv_heads, t.head_dim, t.ffn)
+        || (config.n_heads, config.n_kv_heads, config.head_dim, config.ffn)
+            != (t.n_heads, t.n_kv_heads, t.head_dim, t.ffn)
     {
         bail!(
             "--init-from-target needs the target's heads, KV heads, head width and MLP width ({}, {}, {}, {})",
@@ -586,7 +596,9 @@ impl TrainRun<'_> {
     pub fn total_steps(&self) -> usize {
         self.settings
             .steps
-            .unwrap_or_else(|| ((self.settings.epochs * self.train.len() as f64) / self.settings.batch as f64).ceil() as usize)
+            .unwrap_or_else(|| {
+                ((self.settings.epochs * self.train.len() as f64) / self.settings.batch as f64).ceil() as usize
+            })
             .max(1)
     }
 
@@ -613,7 +625,11 @@ impl TrainRun<'_> {
                 bail!("--resume with other settings than the checkpoint's: {:?}", meta.settings);
             }
             if meta.data_examples != self.train.len() + self.val.len() {
-                bail!("--resume: the checkpoint saw {} examples, the data has {}", meta.data_examples, self.train.len() + self.val.len());
+                bail!(
+                    "--resume: the checkpoint saw {} examples, the data has {}",
+                    meta.data_examples,
+                    self.train.len() + self.val.len()
+                );
             }
             let config = DflashConfig::from_json(&meta.config)?;
             let tensors = candle_core::safetensors::load(ckpt_dir.join("state.safetensors"), &device)?;
@@ -679,7 +695,8 @@ impl TrainRun<'_> {
             let lr = scheduled_lr(s.adam.lr, step, total, warmup);
             let batch = self.batch_indices(step);
             let mut rng = step_rng(s.seed, 1, step as u64);
-            let anchors: Vec<Vec<usize>> = batch.iter().map(|&i| draw_anchors(&self.train[i], s.anchors, &mut rng)).collect();
+            let anchors: Vec<Vec<usize>> =
+                batch.iter().map(|&i| draw_anchors(&self.train[i], s.anchors, &mut rng)).collect();
             // The batch's total weight first, so each sequence's backward is already scaled.
             let weight: f64 = batch
                 .iter()
@@ -729,7 +746,11 @@ impl TrainRun<'_> {
             let ckpt_now = done % s.checkpoint_every == 0 || done == end;
             if log_now || ckpt_now {
                 let secs = since.elapsed().as_secs_f64().max(1e-9);
-                let val = if ckpt_now || done == end { Some(self.validate(&drafter, &frozen, features, objective)?) } else { None };
+                let val = if ckpt_now || done == end {
+                    Some(self.validate(&drafter, &frozen, features, objective)?)
+                } else {
+                    None
+                };
                 let line = LogLine {
                     step: done,
                     lr,
@@ -758,7 +779,15 @@ impl TrainRun<'_> {
                     history: history.clone(),
                 };
                 save_checkpoint(&ckpt_dir, &opt, &meta)?;
-                export(&self.out.join("drafter"), &config, opt.params(), draft_vocab.as_deref(), self.target.config.vocab, self.target.config.context_len, self.export_dtype)?;
+                export(
+                    &self.out.join("drafter"),
+                    &config,
+                    opt.params(),
+                    draft_vocab.as_deref(),
+                    self.target.config.vocab,
+                    self.target.config.context_len,
+                    self.export_dtype,
+                )?;
             }
         }
         let secs = t0.elapsed().as_secs_f64();

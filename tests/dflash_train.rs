@@ -134,6 +134,26 @@ fn loss_and_gradients_match_the_reference_package() {
     }
 }
 
+/// What the serving proposer drafts at `anchor`: the target's taps of `tokens[..anchor]` handed
+/// over as the engine does, then the draft logits of the block at `anchor` (B − 1 rows).
+fn serving_draft_logits(
+    target: &Transformer,
+    drafter: &Arc<dflash::DflashDrafter>,
+    tokens: &[u32],
+    anchor: usize,
+) -> Tensor {
+    let mut p = DflashProposer::new(drafter.clone(), TargetHead::of(target), DflashSettings::default()).unwrap();
+    p.begin(&tokens[..anchor]).unwrap();
+    let pool = target.new_kv_pool_typed(anchor.next_multiple_of(16).max(16), KvDtype::F32);
+    let mut cache = pool.new_sequence();
+    let mut fb = specula::model::ForwardBatch::new();
+    fb.tap_layers = drafter.config.target_layer_ids.clone();
+    fb.push(&tokens[..anchor], &mut cache, specula::model::LogitsRows::None);
+    let out = target.forward(&mut fb).unwrap();
+    p.observe(&tokens[..anchor], 0..anchor, &out.taps).unwrap();
+    p.draft_logits(&tokens[..=anchor], drafter.config.block_size - 1).unwrap()
+}
+
 /// The training forward of one anchor equals what the serving proposer drafts at that point:
 /// the same hidden states, so the same logits, through `DflashProposer::draft_logits`.
 #[test]
@@ -157,17 +177,7 @@ fn training_and_serving_forwards_agree() {
         let train_loss = l.weighted_ce.to_scalar::<f32>().unwrap() as f64;
 
         // Serving: the proposer fed the target's taps of rows ..anchor, drafting at `anchor`.
-        let mut p =
-            DflashProposer::new(serving.clone(), TargetHead::of(&target.model), DflashSettings::default()).unwrap();
-        p.begin(&tokens[..anchor]).unwrap();
-        let pool = target.model.new_kv_pool_typed(64, KvDtype::F32);
-        let mut cache = pool.new_sequence();
-        let mut fb = specula::model::ForwardBatch::new();
-        fb.tap_layers = config.target_layer_ids.clone();
-        fb.push(&tokens[..anchor], &mut cache, specula::model::LogitsRows::None);
-        let out = target.model.forward(&mut fb).unwrap();
-        p.observe(&tokens[..anchor], 0..anchor, &out.taps).unwrap();
-        let logits = p.draft_logits(&tokens[..=anchor], block - 1).unwrap();
+        let logits = serving_draft_logits(&target.model, &serving, tokens, anchor);
         let lp = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
         let mut serve_loss = 0.0;
         for k in 1..block {
@@ -504,17 +514,7 @@ fn export_loads_in_the_reference_package() {
     let tokens = ids(&expected["tokens"]);
     let anchor = expected["anchor"].as_u64().unwrap() as usize;
     let drafter = Arc::new(dflash::load_for_target(&dir.join("drafter"), &target.model, &Device::Cpu).unwrap());
-    let block = drafter.config.block_size;
-    let mut p = DflashProposer::new(drafter.clone(), TargetHead::of(&target.model), DflashSettings::default()).unwrap();
-    p.begin(&tokens[..anchor]).unwrap();
-    let pool = target.model.new_kv_pool_typed(64, KvDtype::F32);
-    let mut cache = pool.new_sequence();
-    let mut fb = specula::model::ForwardBatch::new();
-    fb.tap_layers = drafter.config.target_layer_ids.clone();
-    fb.push(&tokens[..anchor], &mut cache, specula::model::LogitsRows::None);
-    let out = target.model.forward(&mut fb).unwrap();
-    p.observe(&tokens[..anchor], 0..anchor, &out.taps).unwrap();
-    let ours = p.draft_logits(&tokens[..=anchor], block - 1).unwrap().to_vec2::<f32>().unwrap();
+    let ours = serving_draft_logits(&target.model, &drafter, &tokens, anchor).to_vec2::<f32>().unwrap();
     let theirs: Vec<Vec<f32>> = expected["logits"]
         .as_array()
         .unwrap()

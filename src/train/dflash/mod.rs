@@ -810,12 +810,17 @@ impl TrainRun<'_> {
     fn batch_indices(&self, step: usize) -> Vec<usize> {
         let n = self.train.len();
         let b = self.settings.batch;
+        // A step spans at most a few epochs' shuffles; each is made once.
+        let mut shuffled: Option<(usize, Vec<usize>)> = None;
         (step * b..(step + 1) * b)
             .map(|global| {
                 let (epoch, at) = (global / n, global % n);
-                let mut order: Vec<usize> = (0..n).collect();
-                order.shuffle(&mut step_rng(self.settings.seed, 2, epoch as u64));
-                order[at]
+                if shuffled.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    let mut order: Vec<usize> = (0..n).collect();
+                    order.shuffle(&mut step_rng(self.settings.seed, 2, epoch as u64));
+                    shuffled = Some((epoch, order));
+                }
+                shuffled.as_ref().expect("set above").1[at]
             })
             .collect()
     }

@@ -6,7 +6,8 @@
 //!   SmolLM2-135M, and exhaustively on a tiny random model written as a GGUF fixture.
 //! - T > 0: the joint distribution of the first three sampled tokens under speculation
 //!   (draft length 2: accept/accept, accept/reject and reject paths) matches the target's exact
-//!   distribution (chi-square at a fixed seed set, thousands of samples), on the tiny model.
+//!   distribution (chi-square at a fixed seed set, thousands of samples), on the tiny model,
+//!   with draft models, a stochastic drafter and an EAGLE-3 drafter.
 //! - a draft model with another vocabulary is refused with a clear error.
 
 mod common;
@@ -546,7 +547,22 @@ fn tiny_model_sampling_distribution_is_the_targets() {
     let total: f64 = exact.values().sum();
     assert!((total - 1.0).abs() < 1e-4);
 
-    let arms: [&str; 4] = ["plain", "self draft model", "perturbed draft model", "stochastic drafter"];
+    let arms: [&str; 5] =
+        ["plain", "self draft model", "perturbed draft model", "stochastic drafter", "eagle3 drafter"];
+    // A random EAGLE-3 drafter that reads the target's hidden states; its vocabulary is the
+    // target's two likeliest first tokens, so it is right part of the time.
+    let eagle_dir = tempfile::tempdir().unwrap();
+    let hidden = target.config.hidden;
+    let mut first: HashMap<u32, f64> = HashMap::new();
+    for (seq, p) in &exact {
+        *first.entry(seq[0]).or_default() += p;
+    }
+    let mut likeliest: Vec<(u32, f64)> = first.into_iter().collect();
+    likeliest.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let mut vocab: Vec<u32> = likeliest.iter().take(2).map(|&(t, _)| t).collect();
+    vocab.sort();
+    common::write_eagle3_drafter(eagle_dir.path(), hidden, hidden, TINY_VOCAB, [0, 1, 1], false, Some(&vocab), 5);
+    let eagle_settings = specula::speculative::eagle3::Eagle3Settings::default();
     for (arm_index, arm) in arms.iter().enumerate() {
         let mut counts: HashMap<Vec<u32>, usize> = HashMap::new();
         let mut metrics = specula::speculative::SpecMetrics::default();
@@ -556,6 +572,9 @@ fn tiny_model_sampling_distribution_is_the_targets() {
                 0 => None,
                 1 => Some(Box::new(DraftModelProposer::new(target.clone(), 64, vec![]))),
                 2 => Some(Box::new(DraftModelProposer::new(other.clone(), 64, vec![]))),
+                4 => Some(Box::new(
+                    specula::speculative::eagle3::build_proposer(eagle_dir.path(), &eagle_settings, target).unwrap(),
+                )),
                 _ => {
                     // q(t) ∝ t + 1 on ids 0..8 (a distribution: it sums to 1).
                     let q = (0..TINY_VOCAB).map(|t| if t < 8 { (1 + t) as f32 / 36.0 } else { 0.0 }).collect();

@@ -47,8 +47,9 @@ pub struct GenerateArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Speculative decoding drafter: `ngram[:N]` (prompt lookup over the prompt and output,
-    /// n-grams of N tokens (default 3) down to 2) or `draft-model:MODEL` (a smaller model with
-    /// the same tokenizer). Output is what decoding without one gives; only the speed changes.
+    /// n-grams of N tokens (default 3) down to 2), `draft-model:MODEL` (a smaller model with
+    /// the same tokenizer), `dflash:DIR` or `eagle3:DIR` (learned drafters that read the target's
+    /// hidden states). Output is what decoding without one gives; only the speed changes.
     #[arg(long)]
     drafter: Option<String>,
     /// Draft tokens per step with --drafter: a number, or `auto` (measure this model's verify

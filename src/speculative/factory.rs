@@ -25,6 +25,8 @@ pub enum DrafterSpec {
     DraftModel { model: String },
     /// `dflash:PATH[,block=N][,max=N][,window=N]`: a z-lab DFlash drafter directory (docs/dflash.md).
     Dflash { path: PathBuf, settings: super::dflash::DflashSettings },
+    /// `eagle3:PATH[,max=N]`: an EAGLE-3 drafter directory in the published layout (docs/eagle3.md).
+    Eagle3 { path: PathBuf, settings: super::eagle3::Eagle3Settings },
 }
 
 impl DrafterSpec {
@@ -50,7 +52,13 @@ impl DrafterSpec {
                 let (path, settings) = super::dflash::parse_drafter_arg(arg.unwrap_or(""))?;
                 DrafterSpec::Dflash { path, settings }
             }
-            other => bail!("unknown drafter `{other}` (available: ngram[:N], draft-model:MODEL, dflash:PATH)"),
+            "eagle3" => {
+                let (path, settings) = super::eagle3::parse_drafter_arg(arg.unwrap_or(""))?;
+                DrafterSpec::Eagle3 { path, settings }
+            }
+            other => {
+                bail!("unknown drafter `{other}` (available: ngram[:N], draft-model:MODEL, dflash:PATH, eagle3:PATH)")
+            }
         })
     }
 
@@ -60,6 +68,7 @@ impl DrafterSpec {
             DrafterSpec::Ngram { max_ngram } => format!("ngram:{max_ngram}"),
             DrafterSpec::DraftModel { model } => format!("draft-model:{model}"),
             DrafterSpec::Dflash { path, settings } => super::dflash::drafter_label(path, settings),
+            DrafterSpec::Eagle3 { path, settings } => super::eagle3::drafter_label(path, settings),
         }
     }
 }
@@ -85,6 +94,9 @@ pub fn build_proposer(spec: &DrafterSpec, target: Target<'_>) -> Result<Box<dyn 
         }
         DrafterSpec::Dflash { path, settings } => {
             Ok(Box::new(super::dflash::build_proposer(path, settings, target.model)?))
+        }
+        DrafterSpec::Eagle3 { path, settings } => {
+            Ok(Box::new(super::eagle3::build_proposer(path, settings, target.model)?))
         }
     }
 }

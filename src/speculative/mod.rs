@@ -1,12 +1,14 @@
-//! Speculative decoding: the `Proposer` trait (one file per drafter), one pure verifier, the
+//! Speculative decoding: the `Proposer` trait (one file or folder per drafter), one pure verifier, the
 //! step-cost model and draft-length policy, and a factory that builds a drafter from a
 //! `--drafter` string. Depends on `model`, `kv`, `tokenize` and `sample`, never on `engine`.
 
 pub mod dflash;
 pub mod draft_model;
+pub mod eagle3;
 pub mod factory;
 pub mod metrics;
 pub mod ngram;
+pub mod nn;
 pub mod policy;
 pub mod proposer;
 pub mod step_cost;

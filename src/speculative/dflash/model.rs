@@ -9,10 +9,12 @@
 
 use super::config::{DflashConfig, LayerAttention};
 use crate::model::{Linear as TargetLinear, Transformer};
+pub use crate::speculative::nn::LayerKv;
+use crate::speculative::nn::{attention, rms_norm, rope, RopeTable};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::safetensors::MmapedSafetensors;
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -85,14 +87,6 @@ impl TargetHead {
     }
 }
 
-/// One drafter layer's K and V for a run of context rows: `[n_kv_heads, rows, head_dim]` each,
-/// K already k-normed and rotated at the rows' absolute positions.
-#[derive(Clone, Debug)]
-pub struct LayerKv {
-    pub k: Tensor,
-    pub v: Tensor,
-}
-
 struct DflashLayer {
     input_norm: Tensor,
     post_norm: Tensor,
@@ -145,8 +139,7 @@ pub struct DflashDrafter {
     hidden_norm: Tensor,
     norm: Tensor,
     layers: Vec<DflashLayer>,
-    /// RoPE inverse frequencies, computed in f32 as Hugging Face's `Qwen3RotaryEmbedding` does.
-    inv_freq: Vec<f32>,
+    rope: RopeTable,
     device: Device,
     draft_vocab: Option<DraftVocab>,
     /// Context K/V of recent prompts, shared by every proposer of this drafter.
@@ -186,21 +179,6 @@ pub fn expected_tensors(c: &DflashConfig) -> Vec<(String, Vec<usize>)> {
         add("mlp.down_proj.weight", vec![h, c.ffn]);
     }
     t
-}
-
-/// `x * rsqrt(mean(x²) + eps) * w` over the last dimension (Qwen3RMSNorm, f32).
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
-}
-
-/// NeoX RoPE on `[heads, rows, head_dim]`: `x·cos + rotate_half(x)·sin`, tables `[rows, head_dim]`.
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
 }
 
 impl DflashDrafter {
@@ -293,15 +271,12 @@ impl DflashDrafter {
                 attention: config.layer_attention[i],
             });
         }
-        let d = config.head_dim;
-        let inv_freq =
-            (0..d / 2).map(|j| 1.0f32 / (config.rope_theta as f32).powf((2 * j) as f32 / d as f32)).collect();
         Ok(Self {
             fc: linear("fc", h, config.target_layer_ids.len() * h, false)?,
             hidden_norm: get("hidden_norm.weight", &[h])?,
             norm: get("norm.weight", &[h])?,
             layers,
-            inv_freq,
+            rope: RopeTable::new(config.head_dim, config.rope_theta),
             device,
             path: PathBuf::new(),
             draft_vocab: None,
@@ -328,19 +303,9 @@ impl DflashDrafter {
         Ok(())
     }
 
-    /// cos and sin tables `[rows, head_dim]` for absolute positions (f32 angles, as HF).
+    /// cos and sin tables `[rows, head_dim]` for absolute positions.
     fn rope_tables(&self, positions: &[usize]) -> Result<(Tensor, Tensor)> {
-        let d = self.config.head_dim;
-        let (mut cos, mut sin) = (Vec::with_capacity(positions.len() * d), Vec::with_capacity(positions.len() * d));
-        for &p in positions {
-            let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
-            for _ in 0..2 {
-                cos.extend(angles.iter().map(|a| (*a as f64).cos() as f32));
-                sin.extend(angles.iter().map(|a| (*a as f64).sin() as f32));
-            }
-        }
-        let shape = (positions.len(), d);
-        Ok((Tensor::from_vec(cos, shape, &self.device)?, Tensor::from_vec(sin, shape, &self.device)?))
+        self.rope.tables(positions, &self.device)
     }
 
     /// Context features `hidden_norm(fc(concat(taps)))` `[rows, hidden]`: `taps[i]` is Hugging
@@ -424,7 +389,7 @@ impl DflashDrafter {
                 (Some(a), None) => Some(a.clone()),
                 (None, b) => b,
             };
-            let attn = self.attention(&q, ctx, &own, mask.as_ref())?;
+            let attn = attention(&q, ctx, &own, mask.as_ref())?;
             h = (h + layer.o_proj.forward(&attn)?)?;
             let u = rms_norm(&h, &layer.post_norm, c.rms_eps)?;
             let mlp = layer.down_proj.forward(&(layer.gate_proj.forward(&u)?.silu()? * layer.up_proj.forward(&u)?)?)?;
@@ -459,41 +424,6 @@ impl DflashDrafter {
             .flat_map(|&q| keys.iter().map(move |&k| if attention.visible(q, k) { 0.0 } else { f32::NEG_INFINITY }))
             .collect();
         Ok(Some(Tensor::from_vec(values, (queries.len(), keys.len()), &self.device)?))
-    }
-
-    /// Non-causal GQA attention of block queries `q` `[n_heads, n, d]` over the context K/V
-    /// followed by the block's own K/V. The two key runs are scored separately and share one
-    /// softmax, so the (possibly long) context cache is never copied. Query head j uses KV head
-    /// j / (n_heads / n_kv_heads), as Hugging Face's `repeat_kv`. Returns `[n, n_heads·d]`.
-    fn attention(&self, q: &Tensor, ctx: &LayerKv, own: &LayerKv, mask: Option<&Tensor>) -> Result<Tensor> {
-        let c = &self.config;
-        let n = q.dim(1)?;
-        let groups = c.n_heads / c.n_kv_heads;
-        let scale = 1.0 / (c.head_dim as f64).sqrt();
-        // Heads kv·groups .. kv·groups+groups−1 share KV head kv: fold them into the rows.
-        let q = q.reshape((c.n_kv_heads, groups * n, c.head_dim))?;
-        let ctx_len = ctx.k.dim(1)?;
-        let own_scores = (q.matmul(&own.k.t()?)? * scale)?;
-        let scores = if ctx_len > 0 {
-            Tensor::cat(&[&(q.matmul(&ctx.k.t()?)? * scale)?, &own_scores], D::Minus1)?
-        } else {
-            own_scores
-        };
-        let scores = match mask {
-            Some(m) => scores.reshape((c.n_kv_heads, groups, n, ctx_len + n))?.broadcast_add(m)?.reshape((
-                c.n_kv_heads,
-                groups * n,
-                ctx_len + n,
-            ))?,
-            None => scores,
-        };
-        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
-        let mut out = probs.narrow(D::Minus1, ctx_len, n)?.matmul(&own.v)?;
-        if ctx_len > 0 {
-            out = (probs.narrow(D::Minus1, 0, ctx_len)?.matmul(&ctx.v)? + out)?;
-        }
-        // [n_kv, groups·n, d] → [n_heads, n, d] → [n, n_heads·d]
-        Ok(out.reshape((c.n_heads, n, c.head_dim))?.transpose(0, 1)?.reshape((n, c.n_heads * c.head_dim))?)
     }
 
     /// Draft logits `[rows, vocab]` for final-normed hidden states: the target's LM head, then

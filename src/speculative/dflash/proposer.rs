@@ -9,6 +9,7 @@
 //! ever sees committed rows, so no rejected token can leave a trace (spec §3.4).
 
 use super::model::{DflashDrafter, LayerKv, TargetHead};
+use crate::speculative::nn::RowBuffer;
 use crate::speculative::proposer::Proposer;
 use crate::speculative::verify::Draft;
 use anyhow::{bail, Result};
@@ -27,64 +28,6 @@ pub struct DflashSettings {
     /// per-step cost on long contexts, at the price of drafts that no longer see older context
     /// (they then differ from the reference, which attends to everything). None: unbounded.
     pub context_window: Option<usize>,
-}
-
-/// A growable `[n_kv, capacity, head_dim]` buffer holding a window of rows `start..start+len`,
-/// appended to in place; rows dropped at the front are reclaimed when it next grows.
-#[derive(Default)]
-struct RowBuffer {
-    data: Option<Tensor>,
-    start: usize,
-    len: usize,
-}
-
-impl RowBuffer {
-    fn capacity(&self) -> usize {
-        self.data.as_ref().map_or(0, |t| t.dims()[1])
-    }
-
-    fn append(&mut self, rows: &Tensor) -> Result<()> {
-        let n = rows.dim(1)?;
-        if n == 0 {
-            return Ok(());
-        }
-        if self.start + self.len + n > self.capacity() {
-            let (heads, _, d) = rows.dims3()?;
-            let cap = (2 * (self.len + n)).max(64);
-            let fresh = Tensor::zeros((heads, cap, d), rows.dtype(), rows.device())?;
-            if self.len > 0 {
-                fresh.slice_set(&self.view(rows)?.contiguous()?, 1, 0)?;
-            }
-            self.data = Some(fresh);
-            self.start = 0;
-        }
-        let data = self.data.as_ref().expect("allocated above");
-        data.slice_set(&rows.contiguous()?, 1, self.start + self.len)?;
-        self.len += n;
-        Ok(())
-    }
-
-    /// The live rows; `like` gives shape and type when nothing was ever stored.
-    fn view(&self, like: &Tensor) -> Result<Tensor> {
-        Ok(match &self.data {
-            Some(t) => t.narrow(1, self.start, self.len)?,
-            None => {
-                let (heads, _, d) = like.dims3()?;
-                Tensor::zeros((heads, 0, d), like.dtype(), like.device())?
-            }
-        })
-    }
-
-    fn keep_last(&mut self, n: usize) {
-        if self.len > n {
-            self.start += self.len - n;
-            self.len = n;
-        }
-    }
-
-    fn truncate(&mut self, n: usize) {
-        self.len = self.len.min(n);
-    }
 }
 
 /// The drafter's per-layer context K/V for rows `end − kept .. end` (absolute positions).
@@ -281,7 +224,7 @@ impl DflashProposer {
             .layers
             .iter()
             .map(|(k, v)| {
-                let like = k.data.as_ref().expect("rows were appended");
+                let like = k.data().expect("rows were appended");
                 Ok(LayerKv { k: k.view(like)?.narrow(1, 0, n)?.copy()?, v: v.view(like)?.narrow(1, 0, n)?.copy()? })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -1,0 +1,263 @@
+//! The EAGLE-3 drafter `config.json` in the layout vLLM, SGLang and SpecForge share
+//! (`architectures: ["LlamaForCausalLMEagle3"]`): a Llama config with one decoder layer plus
+//! `draft_vocab_size`, `target_hidden_size`, `norm_before_residual` and
+//! `eagle_config.eagle_aux_hidden_state_layer_ids`.
+
+use crate::model::ModelConfig;
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// Architecture names that mean this layout.
+pub const ARCHITECTURES: &[&str] = &["LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"];
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Eagle3Config {
+    /// The drafter's width H (its embedding and layer width).
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+    /// The target's vocabulary (rows of `embed_tokens` and of `t2d`).
+    pub vocab: usize,
+    /// Rows of the drafter's own LM head; `d2t` maps them to target ids.
+    pub draft_vocab: usize,
+    /// The width of the target's hidden states (`fc` takes three of them).
+    pub target_hidden: usize,
+    /// The target layers whose outputs are fused, as SGLang and SpecForge number them: id k is
+    /// the residual stream after decoder layer k (Hugging Face's `hidden_states[k + 1]`).
+    /// None: the default for the target's depth N, `[1, N/2 − 1, N − 4]`.
+    pub aux_layer_ids: Option<Vec<usize>>,
+    /// The residual around attention starts from the normed feature instead of the raw one.
+    pub norm_before_residual: bool,
+}
+
+/// How many target features EAGLE-3 fuses.
+pub const N_TAPS: usize = 3;
+
+/// SpecForge's and SGLang's default taps for an `n`-layer target: the outputs of layers 1,
+/// n/2 − 1 and n − 4 (Hugging Face's `hidden_states[2, n/2, n − 3]`, vLLM's default too).
+pub fn default_aux_layer_ids(n: usize) -> Vec<usize> {
+    vec![1.min(n.saturating_sub(1)), (n / 2).saturating_sub(1), n.saturating_sub(4)]
+}
+
+fn as_usize(v: &Value, key: &str) -> Result<usize> {
+    v.as_u64().map(|n| n as usize).with_context(|| format!("`{key}` should be a non-negative integer, found {v}"))
+}
+
+/// Bounds every size a config may ask for, so no allocation is sized by an unchecked field.
+const MAX_DIM: usize = 1 << 20;
+
+impl Eagle3Config {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let json: Value =
+            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+        Self::from_json(&json).with_context(|| format!("{}", path.display()))
+    }
+
+    pub fn from_json(c: &Value) -> Result<Self> {
+        let arches: Vec<&str> = c
+            .get("architectures")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        if !arches.iter().any(|a| ARCHITECTURES.contains(a)) {
+            bail!("not an EAGLE-3 drafter: `architectures` is {arches:?} (expected \"LlamaForCausalLMEagle3\")");
+        }
+        let top = |name: &str| c.get(name).filter(|v| !v.is_null());
+        let req = |name: &str| -> Result<usize> {
+            let n = as_usize(top(name).with_context(|| format!("config.json is missing `{name}`"))?, name)?;
+            if n == 0 || n > MAX_DIM {
+                bail!("`{name}` is {n}, expected 1..={MAX_DIM}");
+            }
+            Ok(n)
+        };
+        let opt = |name: &str| -> Result<Option<usize>> {
+            top(name)
+                .map(|v| {
+                    let n = as_usize(v, name)?;
+                    if n == 0 || n > MAX_DIM {
+                        bail!("`{name}` is {n}, expected 1..={MAX_DIM}");
+                    }
+                    Ok(n)
+                })
+                .transpose()
+        };
+        let layers = req("num_hidden_layers")?;
+        if layers != 1 {
+            bail!("an EAGLE-3 drafter has one decoder layer, this config says {layers}");
+        }
+        let hidden = req("hidden_size")?;
+        let n_heads = req("num_attention_heads")?;
+        let n_kv_heads = opt("num_key_value_heads")?.unwrap_or(n_heads);
+        let head_dim = opt("head_dim")?.unwrap_or(hidden / n_heads);
+        if n_heads % n_kv_heads != 0 || head_dim == 0 || head_dim % 2 != 0 || n_heads * head_dim > MAX_DIM {
+            bail!("invalid attention shape: {n_heads} query heads, {n_kv_heads} key/value heads, head_dim {head_dim}");
+        }
+        let vocab = req("vocab_size")?;
+        let draft_vocab = opt("draft_vocab_size")?.unwrap_or(vocab);
+        if draft_vocab > vocab {
+            bail!("`draft_vocab_size` {draft_vocab} is larger than `vocab_size` {vocab}");
+        }
+        if let Some(act) = top("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                bail!("`hidden_act` {act:?} is not supported (EAGLE-3 drafters use silu)");
+            }
+        }
+        if top("attention_bias").and_then(Value::as_bool) == Some(true)
+            || top("mlp_bias").and_then(Value::as_bool) == Some(true)
+        {
+            bail!("biased projections (`attention_bias`/`mlp_bias`) are not supported");
+        }
+        if top("fc_norm").and_then(Value::as_bool) == Some(true) {
+            bail!("`fc_norm` (per-tap norms before `fc`) is not supported");
+        }
+        if let Some(s) = top("rope_scaling") {
+            let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+            if kind != "default" {
+                bail!("`rope_scaling` of type {kind:?} is not supported");
+            }
+        }
+        let aux_layer_ids = match c.get("eagle_config").and_then(|e| e.get("eagle_aux_hidden_state_layer_ids")) {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) => {
+                let ids =
+                    a.iter().map(|v| as_usize(v, "eagle_aux_hidden_state_layer_ids")).collect::<Result<Vec<_>>>()?;
+                if ids.len() != N_TAPS {
+                    bail!("`eagle_aux_hidden_state_layer_ids` has {} entries, EAGLE-3 fuses {N_TAPS}", ids.len());
+                }
+                Some(ids)
+            }
+            Some(v) => bail!("`eagle_aux_hidden_state_layer_ids` should be a list, found {v}"),
+        };
+        let rms_eps = top("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6);
+        let rope_theta = top("rope_theta").and_then(Value::as_f64).unwrap_or(10_000.0);
+        if !(rms_eps.is_finite() && rms_eps > 0.0 && rope_theta.is_finite() && rope_theta > 0.0) {
+            bail!("`rms_norm_eps` ({rms_eps}) and `rope_theta` ({rope_theta}) must be positive");
+        }
+        Ok(Self {
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn: req("intermediate_size")?,
+            rms_eps,
+            rope_theta,
+            vocab,
+            draft_vocab,
+            target_hidden: opt("target_hidden_size")?.unwrap_or(hidden),
+            aux_layer_ids,
+            norm_before_residual: top("norm_before_residual").and_then(Value::as_bool).unwrap_or(false),
+        })
+    }
+
+    /// The config as the published layout writes it.
+    pub fn to_json(&self) -> Value {
+        let mut c = json!({
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.ffn,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": 32768,
+            "vocab_size": self.vocab,
+            "draft_vocab_size": self.draft_vocab,
+            "target_hidden_size": self.target_hidden,
+            "norm_before_residual": self.norm_before_residual,
+            "tie_word_embeddings": false,
+            "torch_dtype": "float16",
+        });
+        if let Some(ids) = &self.aux_layer_ids {
+            c["eagle_config"] = json!({ "use_aux_hidden_state": true, "eagle_aux_hidden_state_layer_ids": ids });
+        }
+        c
+    }
+
+    /// The target layers tapped for an `n_layers`-deep target.
+    pub fn tap_layers(&self, n_layers: usize) -> Vec<usize> {
+        self.aux_layer_ids.clone().unwrap_or_else(|| default_aux_layer_ids(n_layers))
+    }
+
+    /// Refuses a target this drafter cannot draft for, naming the mismatch.
+    pub fn check_target(&self, target: &ModelConfig) -> Result<()> {
+        if self.target_hidden != target.hidden {
+            bail!(
+                "hidden size mismatch: the drafter fuses target states of width {}, the target's is {}",
+                self.target_hidden,
+                target.hidden
+            );
+        }
+        if self.vocab != target.vocab {
+            bail!(
+                "vocabulary mismatch: the drafter's vocab_size is {}, the target has {} tokens",
+                self.vocab,
+                target.vocab
+            );
+        }
+        let taps = self.tap_layers(target.n_layers);
+        if let Some(&bad) = taps.iter().find(|&&l| l >= target.n_layers) {
+            bail!(
+                "eagle_aux_hidden_state_layer_ids {taps:?}: layer {bad} is beyond the target's {} decoder layers",
+                target.n_layers
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+            "vocab_size": 300, "draft_vocab_size": 100, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}
+        })
+    }
+
+    #[test]
+    fn reads_the_published_layout_and_writes_it_back() {
+        let c = Eagle3Config::from_json(&base()).unwrap();
+        assert_eq!((c.hidden, c.head_dim, c.draft_vocab, c.target_hidden), (64, 16, 100, 64));
+        assert_eq!(c.aux_layer_ids, Some(vec![0, 2, 3]));
+        assert!(!c.norm_before_residual);
+        assert_eq!(Eagle3Config::from_json(&c.to_json()).unwrap(), c);
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_run() {
+        for (key, value, why) in [
+            ("num_hidden_layers", json!(2), "one decoder layer"),
+            ("draft_vocab_size", json!(400), "larger than"),
+            ("hidden_act", json!("gelu"), "hidden_act"),
+            ("architectures", json!(["LlamaForCausalLM"]), "not an EAGLE-3"),
+            ("hidden_size", json!(1u64 << 40), "hidden_size"),
+            ("eagle_config", json!({"eagle_aux_hidden_state_layer_ids": [1, 2]}), "fuses 3"),
+            ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}), "yarn"),
+        ] {
+            let mut c = base();
+            c[key] = value;
+            let err = format!("{:#}", Eagle3Config::from_json(&c).unwrap_err());
+            assert!(err.contains(why), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn default_taps_follow_specforge() {
+        assert_eq!(default_aux_layer_ids(30), vec![1, 14, 26]);
+        assert_eq!(default_aux_layer_ids(28), vec![1, 13, 24]);
+    }
+}

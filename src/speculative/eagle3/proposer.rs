@@ -1,0 +1,222 @@
+//! The EAGLE-3 proposer: a chain drafter. It keeps the drafter's K/V for every committed row
+//! (row t pairs token t + 1 with the target's fused states at t), and drafts by running the
+//! layer one row at a time on its own outputs.
+//!
+//! Invariant (the engine's): when `propose(tokens, ..)` runs, the target's cache holds
+//! `tokens[..e]` with `e = tokens.len() − 1`, and `observe` has handed over the target's states
+//! for exactly those rows. The drafter then holds rows `..e`; the output of row e − 1 (token e
+//! with the target's states at e − 1) scores the first draft. Draft rows are appended for the
+//! draft only and cut off before `propose` returns, so no rejected token leaves a trace.
+
+use super::model::Eagle3Drafter;
+use crate::speculative::dflash::TargetHead;
+use crate::speculative::nn::{LayerKv, RowBuffer};
+use crate::speculative::proposer::Proposer;
+use crate::speculative::verify::Draft;
+use anyhow::{bail, Result};
+use candle_core::{Tensor, D};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// User-settable knobs of an EAGLE-3 proposer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Eagle3Settings {
+    /// Draft at most this many tokens per step. None: as many as the engine asks for.
+    pub max_draft: Option<usize>,
+}
+
+pub struct Eagle3Proposer {
+    drafter: Arc<Eagle3Drafter>,
+    head: TargetHead,
+    taps: Vec<usize>,
+    settings: Eagle3Settings,
+    k: RowBuffer,
+    v: RowBuffer,
+    /// The drafter holds rows `base..end` (base > 0 only after rows it never saw).
+    base: usize,
+    end: usize,
+    /// The pre-norm output of row `end − 1`.
+    last: Option<Tensor>,
+    /// Committed rows whose target states arrived but were not run yet (contiguous from `end`):
+    /// running them waits for the next draft, so a drafter the policy leaves idle costs nothing.
+    pending: Vec<(usize, Vec<Tensor>)>,
+}
+
+impl Eagle3Proposer {
+    /// A proposer for one sequence; `head` is the target the drafter was checked against, and
+    /// `taps` the target layers it fuses.
+    pub fn new(
+        drafter: Arc<Eagle3Drafter>,
+        head: TargetHead,
+        taps: Vec<usize>,
+        settings: Eagle3Settings,
+    ) -> Result<Self> {
+        if settings.max_draft == Some(0) {
+            bail!("eagle3 max must be at least 1");
+        }
+        Ok(Self {
+            drafter,
+            head,
+            taps,
+            settings,
+            k: RowBuffer::default(),
+            v: RowBuffer::default(),
+            base: 0,
+            end: 0,
+            last: None,
+            pending: Vec::new(),
+        })
+    }
+
+    pub fn drafter(&self) -> &Eagle3Drafter {
+        &self.drafter
+    }
+
+    /// The committed rows whose K/V the drafter holds, as positions.
+    pub fn rows(&self) -> Range<usize> {
+        self.base..self.end
+    }
+
+    fn pending_end(&self) -> usize {
+        self.pending.last().map_or(self.end, |(start, taps)| start + taps[0].dim(0).unwrap_or(0))
+    }
+
+    fn reset_at(&mut self, at: usize) {
+        self.k = RowBuffer::default();
+        self.v = RowBuffer::default();
+        self.base = at;
+        self.end = at;
+        self.last = None;
+        self.pending.clear();
+    }
+
+    fn past(&self) -> Result<LayerKv> {
+        let empty = self.drafter.empty_kv()?;
+        Ok(LayerKv { k: self.k.view(&empty.k)?, v: self.v.view(&empty.v)? })
+    }
+
+    /// Runs the pending rows through the drafter in one pass (they need `tokens[end + 1..]`).
+    fn flush(&mut self, tokens: &[u32]) -> Result<usize> {
+        if self.pending.is_empty() {
+            return Ok(0);
+        }
+        let start = self.pending[0].0;
+        let end = self.pending_end();
+        if tokens.len() < end + 1 {
+            bail!("EAGLE-3: rows up to {end} were cached but only {} tokens are committed", tokens.len());
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let fused: Vec<Tensor> = (0..self.taps.len())
+            .map(|i| {
+                let parts: Vec<&Tensor> = pending.iter().map(|(_, t)| &t[i]).collect();
+                self.head.hidden_state(self.taps[i], &Tensor::cat(&parts, 0)?)
+            })
+            .collect::<Result<_>>()?;
+        let features = self.drafter.fuse(&Tensor::cat(&fused, 1)?)?;
+        let embeds = self.drafter.embed(&tokens[start + 1..end + 1], Some(&self.head))?;
+        let positions: Vec<usize> = (start..end).collect();
+        let (out, kv) = self.drafter.forward(&embeds, &features, &positions, &self.past()?, None)?;
+        self.k.append(&kv.k)?;
+        self.v.append(&kv.v)?;
+        self.end = end;
+        self.last = Some(out.narrow(0, end - start - 1, 1)?);
+        Ok(end - start)
+    }
+}
+
+impl Proposer for Eagle3Proposer {
+    fn name(&self) -> &str {
+        "eagle3"
+    }
+
+    fn tap_layers(&self) -> &[usize] {
+        &self.taps
+    }
+
+    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
+        self.reset_at(0);
+        Ok(())
+    }
+
+    fn observe(&mut self, _tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()> {
+        if cached.is_empty() {
+            return Ok(());
+        }
+        if taps.len() != self.taps.len() {
+            bail!("EAGLE-3 needs {} target taps, got {}", self.taps.len(), taps.len());
+        }
+        for t in taps {
+            if t.rank() != 2 || t.dim(0)? != cached.len() {
+                bail!("EAGLE-3: a target tap of shape {:?} for {} cached rows", t.dims(), cached.len());
+            }
+        }
+        // Rows the engine ran again replace ours.
+        if cached.start < self.end {
+            if cached.start <= self.base {
+                self.reset_at(cached.start);
+            } else {
+                self.k.truncate(cached.start - self.base);
+                self.v.truncate(cached.start - self.base);
+                self.end = cached.start;
+                self.last = None;
+                self.pending.clear();
+            }
+        } else {
+            self.pending.retain(|(start, _)| *start < cached.start);
+            if let Some((start, rows)) = self.pending.last_mut() {
+                let keep = cached.start - *start;
+                if rows[0].dim(0)? > keep {
+                    *rows = rows.iter().map(|t| t.narrow(0, 0, keep)).collect::<candle_core::Result<_>>()?;
+                }
+            }
+        }
+        // Rows that never ran through the target (a restored prefix) have no states: the
+        // drafter's context restarts after them.
+        if cached.start > self.pending_end() {
+            self.reset_at(cached.start);
+        }
+        self.pending.push((cached.start, taps.to_vec()));
+        Ok(())
+    }
+
+    fn pending_catch_up(&self, _tokens: &[u32]) -> usize {
+        self.pending_end() - self.end
+    }
+
+    fn catch_up(&mut self, tokens: &[u32]) -> Result<usize> {
+        self.flush(tokens)
+    }
+
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
+        let k = max_len.min(self.settings.max_draft.unwrap_or(usize::MAX));
+        if k == 0 || tokens.is_empty() {
+            return Ok(Draft::default());
+        }
+        self.flush(tokens)?;
+        let e = tokens.len() - 1;
+        let Some(mut h) = self.last.clone().filter(|_| self.end == e) else { return Ok(Draft::default()) };
+        let held = self.end - self.base;
+        let mut draft = Vec::with_capacity(k);
+        let result = (|| -> Result<()> {
+            for j in 0..k {
+                let id = self.drafter.logits(&h)?.argmax(D::Minus1)?.to_vec1::<u32>()?[0];
+                let token = self.drafter.target_token(id);
+                draft.push(token);
+                if j + 1 == k {
+                    break;
+                }
+                let embeds = self.drafter.embed(&[token], Some(&self.head))?;
+                let (out, kv) = self.drafter.forward(&embeds, &h, &[e + j], &self.past()?, None)?;
+                self.k.append(&kv.k)?;
+                self.v.append(&kv.v)?;
+                h = out;
+            }
+            Ok(())
+        })();
+        // Draft rows never outlive the draft.
+        self.k.truncate(held);
+        self.v.truncate(held);
+        result?;
+        Ok(Draft::deterministic(draft))
+    }
+}

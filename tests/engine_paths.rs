@@ -125,6 +125,20 @@ fn dflash_runs_the_same_loop_in_generate_and_the_server() {
     assert_same(&loaded, &spec, &prompt, params(0.0, 24), 7);
 }
 
+#[test]
+fn eagle3_runs_the_same_loop_in_generate_and_the_server() {
+    let loaded = Arc::new(LoadedModel::load(&common::smollm2_path(), None, &candle_core::Device::Cpu).unwrap());
+    let c = &loaded.model.config;
+    let prompt = loaded.encode_prompt("1, 2, 3, 4, 5, 6, 7, 8,").unwrap();
+    // A random drafter over a handful of digit-like tokens, so that some drafts are accepted.
+    let vocab: Vec<u32> = (0..64).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    common::write_eagle3_drafter(tmp.path(), c.hidden, c.hidden, c.vocab, [1, 14, 26], false, Some(&vocab), 9);
+    let spec = DrafterSpec::parse(&format!("eagle3:{}", tmp.path().display())).unwrap();
+    assert_same(&loaded, &spec, &prompt, params(0.0, 24), 3);
+    assert_same(&loaded, &spec, &prompt, params(0.8, 24), 3);
+}
+
 /// DFlash with prefix caching: a request whose prompt shares a prefix with an earlier one
 /// restores the target's K/V and the drafter's context rows for it, and then drafts exactly as
 /// it would have with the whole prompt computed (same tokens and speculation counters as

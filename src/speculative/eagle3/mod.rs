@@ -23,13 +23,14 @@ use crate::model::Transformer;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
-/// Loads a drafter directory and checks it against `target` (widths, vocabulary, taps).
+/// Loads a drafter directory for drafting: checked against `target` (widths, vocabulary,
+/// taps), its projections on the engine's 8-bit kernels.
 pub fn load_for_target(dir: &Path, target: &Transformer) -> Result<Eagle3Drafter> {
     let config = Eagle3Config::from_file(&dir.join("config.json"))?;
     config
         .check_target(&target.config)
         .with_context(|| format!("EAGLE-3 drafter {} cannot draft for this target", dir.display()))?;
-    let drafter = Eagle3Drafter::load(dir, target.device())?;
+    let mut drafter = Eagle3Drafter::load(dir, target.device())?;
     if !drafter.has_embedding() && drafter.config.hidden != target.config.hidden {
         anyhow::bail!(
             "EAGLE-3 drafter {}: it has no `embed_tokens` and its width {} is not the target's {}",
@@ -38,6 +39,7 @@ pub fn load_for_target(dir: &Path, target: &Transformer) -> Result<Eagle3Drafter
             target.config.hidden
         );
     }
+    drafter.prepare_for_serving(&crate::model::KernelSettings::from_env())?;
     Ok(drafter)
 }
 

@@ -9,13 +9,16 @@
 //! serves drafting and training (training-time test unrolls it).
 
 use super::config::{Eagle3Config, N_TAPS};
+use crate::model::{KernelSettings, Linear as TargetLinear, WeightFormat};
 use crate::speculative::dflash::TargetHead;
 use crate::speculative::nn::{attention, rms_norm, rope, LayerKv, RopeTable};
 use anyhow::{bail, Context, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Every weight a checkpoint must hold, by its SpecForge name, with its `[out, in]` shape.
 /// `embed_tokens.weight` (`[vocab, hidden]`) is optional and `d2t` is read separately.
@@ -43,22 +46,47 @@ pub fn expected_tensors(c: &Eagle3Config) -> Vec<(String, Vec<usize>)> {
     t
 }
 
+/// A projection: exact f32 (loading, training, the reference checks), or converted to 8-bit
+/// weights on the engine's own kernels for drafting, where every draft token is a single-row
+/// pass and f32 matrix-vector products would cost as much as the target's step.
+enum Proj {
+    Exact(Linear),
+    Served(TargetLinear),
+}
+
+impl Proj {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Proj::Exact(l) => Ok(l.forward(x)?),
+            Proj::Served(l) => l.forward(x),
+        }
+    }
+
+    fn serve(&mut self, kernels: &KernelSettings, device: &Device) -> Result<()> {
+        if let Proj::Exact(l) = self {
+            let q = QTensor::quantize(l.weight(), GgmlDType::F32)?;
+            *self = Proj::Served(TargetLinear::from_qtensor(Arc::new(q), None, WeightFormat::Q8_0, kernels, device)?);
+        }
+        Ok(())
+    }
+}
+
 pub struct Eagle3Drafter {
     pub config: Eagle3Config,
     pub path: PathBuf,
-    fc: Linear,
+    fc: Proj,
     input_norm: Tensor,
     hidden_norm: Tensor,
     post_norm: Tensor,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    q_proj: Proj,
+    k_proj: Proj,
+    v_proj: Proj,
+    o_proj: Proj,
+    gate_proj: Proj,
+    up_proj: Proj,
+    down_proj: Proj,
     norm: Tensor,
-    lm_head: Linear,
+    lm_head: Proj,
     /// The drafter's own token embedding; None: it uses its target's.
     embed: Option<Tensor>,
     /// Target id of each draft-vocabulary entry.
@@ -160,7 +188,7 @@ impl Eagle3Drafter {
             }
             Ok(t)
         };
-        let linear = |name: &str| -> Result<Linear> { Ok(Linear::new(w(name)?, None)) };
+        let linear = |name: &str| -> Result<Proj> { Ok(Proj::Exact(Linear::new(w(name)?, None))) };
         let m = |s: &str| format!("midlayer.{s}");
         Ok(Self {
             fc: linear("fc.weight")?,
@@ -187,6 +215,26 @@ impl Eagle3Drafter {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Converts every projection to 8-bit weights on the engine's kernels, for drafting (the
+    /// draft changes slightly; verification keeps the output exact). Exact f32 otherwise.
+    pub fn prepare_for_serving(&mut self, kernels: &KernelSettings) -> Result<()> {
+        let device = self.device.clone();
+        for p in [
+            &mut self.fc,
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+            &mut self.lm_head,
+        ] {
+            p.serve(kernels, &device)?;
+        }
+        Ok(())
     }
 
     /// Whether the drafter carries its own token embedding.
@@ -226,7 +274,7 @@ impl Eagle3Drafter {
         if taps.rank() != 2 || taps.dim(1)? != want {
             bail!("EAGLE-3 fuses target states of shape [rows, {want}], got {:?}", taps.dims());
         }
-        Ok(self.fc.forward(&taps.to_dtype(DType::F32)?)?)
+        self.fc.forward(&taps.to_dtype(DType::F32)?)
     }
 
     /// One pass of the decoder layer over `n` rows at `positions`: `embeds` and `features`
@@ -279,7 +327,7 @@ impl Eagle3Drafter {
 
     /// Draft logits `[rows, draft_vocab]` of pre-norm outputs (final norm, then the head).
     pub fn logits(&self, prenorm: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(&rms_norm(prenorm, &self.norm, self.config.rms_eps)?)?)
+        self.lm_head.forward(&rms_norm(prenorm, &self.norm, self.config.rms_eps)?)
     }
 
     /// Empty K/V, for a first pass with no earlier rows.

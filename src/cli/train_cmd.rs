@@ -1,5 +1,5 @@
-//! `specula train …`: training DFlash drafters. `train data` makes the training data,
-//! `train dflash` trains a drafter on it.
+//! `specula train …`: training drafters. `train data` makes the training data, `train dflash`
+//! and `train eagle3` train a drafter on it.
 
 use crate::train::data::{self, DataSettings, GenSettings, PromptSource};
 use anyhow::Result;
@@ -20,6 +20,84 @@ enum TrainCommand {
     /// Train a DFlash drafter for a target on data from `train data`; checkpoints, resumes and
     /// exports a `--drafter dflash:DIR` directory (OUT/drafter).
     Dflash(Box<DflashArgs>),
+    /// Train an EAGLE-3 drafter (training-time test) on data from `train data`; checkpoints,
+    /// resumes and exports a `--drafter eagle3:DIR` directory (OUT/drafter) in the layout vLLM,
+    /// SGLang and SpecForge load.
+    Eagle3(Box<Eagle3Args>),
+}
+
+#[derive(clap::Args)]
+pub struct Eagle3Args {
+    /// Target model: key or path (the one the data was made with).
+    #[arg(long)]
+    target: String,
+    /// Training data directories (from `specula train data`), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    data: Vec<PathBuf>,
+    /// Output directory: OUT/drafter (the exported drafter), OUT/checkpoint, OUT/train-log.jsonl.
+    #[arg(long)]
+    out: PathBuf,
+    /// Unrolled training-time-test steps (step j weighs 0.8^j).
+    #[arg(long, default_value_t = 7)]
+    ttt_steps: usize,
+    /// The three fused target layers: 0-based ids of the layers whose outputs are read
+    /// (default: 1, N/2 − 1, N − 4).
+    #[arg(long, value_delimiter = ',')]
+    taps: Option<Vec<usize>>,
+    /// Draft vocabulary: the N most frequent response tokens (default: the target's).
+    #[arg(long)]
+    draft_vocab: Option<usize>,
+    /// Peak learning rate (AdamW, β 0.9/0.999).
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Fraction of steps warming up.
+    #[arg(long, default_value_t = 0.04)]
+    warmup: f64,
+    /// Gradient clipping (global norm).
+    #[arg(long, default_value_t = 0.5)]
+    clip: f64,
+    /// Optimiser steps (default: --epochs over the training split).
+    #[arg(long)]
+    steps: Option<usize>,
+    #[arg(long, default_value_t = 1.0)]
+    epochs: f64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Examples are cut to this many tokens.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+    /// Examples held out for validation.
+    #[arg(long, default_value_t = 32)]
+    val_examples: usize,
+    /// Checkpoint, validate and export every N steps.
+    #[arg(long, default_value_t = 200)]
+    checkpoint_every: usize,
+    /// Log training metrics every N steps.
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
+    /// Target features: `online` (recomputed each use) or `offline` (cached once in f16).
+    #[arg(long, default_value = "offline")]
+    features: String,
+    /// Where offline features are cached (default: OUT/features).
+    #[arg(long)]
+    features_dir: Option<PathBuf>,
+    /// Continue from OUT/checkpoint (same settings and data).
+    #[arg(long)]
+    resume: bool,
+    /// Stop after this many steps in this run (the schedule still spans every step).
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Exported weight type: f32, f16 or bf16.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Target weight format in memory (default: measured best).
+    #[arg(long)]
+    weights: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -177,6 +255,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     match args.command {
         TrainCommand::Data(a) => run_data(a),
         TrainCommand::Dflash(a) => run_dflash(*a),
+        TrainCommand::Eagle3(a) => run_eagle3(*a),
     }
 }
 
@@ -234,8 +313,7 @@ fn run_data(args: DataArgs) -> Result<()> {
 }
 
 fn run_dflash(args: DflashArgs) -> Result<()> {
-    use crate::train::dflash::{self as td, Features, TrainRun, TrainSettings};
-    use anyhow::{bail, Context};
+    use crate::train::dflash::{self as td, TrainRun, TrainSettings};
     let settings = TrainSettings {
         layers: args.layers,
         heads: args.heads,
@@ -263,30 +341,9 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         init_from_target: args.init_from_target,
     };
     settings.validate()?;
-    let export_dtype = match args.dtype.as_str() {
-        "f32" => candle_core::DType::F32,
-        "f16" => candle_core::DType::F16,
-        "bf16" => candle_core::DType::BF16,
-        other => bail!("--dtype {other}: expected f32, f16 or bf16"),
-    };
-    let path = crate::fetch::resolve_model(&args.target, true)?;
-    let weights = args.weights.as_deref().map(crate::model::WeightFormat::parse).transpose()?;
-    let target = crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)?;
-    let id = data::TargetId::of(&target);
-    let mut examples = Vec::new();
-    for dir in &args.data {
-        let meta: data::Meta = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("meta.json"))
-                .with_context(|| format!("{} is not a training data directory (no meta.json)", dir.display()))?,
-        )
-        .with_context(|| format!("{}/meta.json", dir.display()))?;
-        if !meta.target.same_model(&id) {
-            bail!("{} was made with {} , not {}", dir.display(), meta.target.file_name, id.file_name);
-        }
-        // Refuses a directory holding any evaluation prompt.
-        data::check_no_eval_prompts(dir)?;
-        examples.extend(td::load_examples(dir, settings.max_tokens)?);
-    }
+    let export_dtype = export_dtype(&args.dtype)?;
+    let target = load_target(&args.target, args.weights.as_deref())?;
+    let examples = load_examples(&target, &args.data, settings.max_tokens)?;
     let (train, val) = td::split_validation(examples, settings.val_examples);
     eprintln!("{} training examples, {} held out", train.len(), val.len());
     let run = TrainRun {
@@ -306,30 +363,16 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         Some(t) => t.clone(),
         None => crate::speculative::dflash::default_target_layer_ids(target.model.config.n_layers, run.settings.n_taps),
     };
-    let mut features = match args.features.as_str() {
-        "online" => Features::Online { target: &target.model, layer_ids },
-        "offline" => {
-            let dir = args.features_dir.clone().unwrap_or_else(|| args.out.join("features"));
-            let key = crate::train::features::FeatureKey {
-                target: id.file_name.clone(),
-                layer_ids: layer_ids.clone(),
-                hidden: target.model.config.hidden,
-                max_tokens: run.settings.max_tokens,
-            };
-            let mut cache = crate::train::features::FeatureCache::open(&dir, key.clone())?;
-            let all: Vec<&td::TrainExample> = run.train.iter().chain(&run.val).collect();
-            let t0 = Instant::now();
-            let mut last = Instant::now();
-            td::fill_feature_cache(&mut cache, &key, &target.model, &all, |done, total| {
-                if done == total || last.elapsed().as_secs_f64() >= 5.0 {
-                    last = Instant::now();
-                    eprintln!("features {done}/{total} examples, {:.0}s", t0.elapsed().as_secs_f64());
-                }
-            })?;
-            Features::Offline(cache)
-        }
-        other => bail!("--features {other}: expected online or offline"),
-    };
+    let all: Vec<&td::TrainExample> = run.train.iter().chain(&run.val).collect();
+    let mut features = open_features(
+        &args.features,
+        args.features_dir.as_deref(),
+        &args.out,
+        &target,
+        layer_ids,
+        run.settings.max_tokens,
+        &all,
+    )?;
     run.settings.validate()?;
     let mut observer = ProgressObserver::new();
     let report = run.run(&mut features, &mut observer)?;
@@ -337,6 +380,151 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
     let val = report.final_val.as_ref();
     println!(
         "{} of {} steps ({} train / {} validation examples) in {:.0}s, {:.0} scored block rows/s, peak memory {:.0} MB; validation loss {}, τ ≈ {}; drafter in {}",
+        report.steps,
+        report.total_steps,
+        report.train_examples,
+        report.val_examples,
+        report.secs,
+        report.rows_per_sec,
+        report.peak_rss_mb.unwrap_or(f64::NAN),
+        val.map_or("-".into(), |v| format!("{:.4}", v.loss)),
+        val.map_or("-".into(), |v| format!("{:.2}", v.tau)),
+        report.drafter_dir.display()
+    );
+    Ok(())
+}
+
+/// The target model a trainer runs against.
+fn load_target(key: &str, weights: Option<&str>) -> Result<crate::engine::LoadedModel> {
+    let path = crate::fetch::resolve_model(key, true)?;
+    let weights = weights.map(crate::model::WeightFormat::parse).transpose()?;
+    crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)
+}
+
+/// The examples of every data directory, after checking each was made with `target` and holds
+/// no evaluation prompt.
+fn load_examples(
+    target: &crate::engine::LoadedModel,
+    dirs: &[PathBuf],
+    max_tokens: usize,
+) -> Result<Vec<crate::train::dflash::TrainExample>> {
+    use anyhow::{bail, Context};
+    let id = data::TargetId::of(target);
+    let mut examples = Vec::new();
+    for dir in dirs {
+        let meta: data::Meta = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("meta.json"))
+                .with_context(|| format!("{} is not a training data directory (no meta.json)", dir.display()))?,
+        )
+        .with_context(|| format!("{}/meta.json", dir.display()))?;
+        if !meta.target.same_model(&id) {
+            bail!("{} was made with {} , not {}", dir.display(), meta.target.file_name, id.file_name);
+        }
+        // Refuses a directory holding any evaluation prompt.
+        data::check_no_eval_prompts(dir)?;
+        examples.extend(crate::train::dflash::load_examples(dir, max_tokens)?);
+    }
+    Ok(examples)
+}
+
+/// Target features of `layer_ids` for the examples: recomputed on use (`online`), or cached
+/// once in f16 (`offline`, in `dir` or OUT/features), the disk size printed first.
+fn open_features<'a>(
+    mode: &str,
+    dir: Option<&std::path::Path>,
+    out: &std::path::Path,
+    target: &'a crate::engine::LoadedModel,
+    layer_ids: Vec<usize>,
+    max_tokens: usize,
+    examples: &[&crate::train::dflash::TrainExample],
+) -> Result<crate::train::dflash::Features<'a>> {
+    use crate::train::dflash::{self as td, Features};
+    Ok(match mode {
+        "online" => Features::Online { target: &target.model, layer_ids },
+        "offline" => {
+            let dir = dir.map(|d| d.to_path_buf()).unwrap_or_else(|| out.join("features"));
+            let key = crate::train::features::FeatureKey {
+                target: data::TargetId::of(target).file_name.clone(),
+                layer_ids: layer_ids.clone(),
+                hidden: target.model.config.hidden,
+                max_tokens,
+            };
+            let mut cache = crate::train::features::FeatureCache::open(&dir, key.clone())?;
+            let t0 = Instant::now();
+            let mut last = Instant::now();
+            td::fill_feature_cache(&mut cache, &key, &target.model, examples, |done, total| {
+                if done == total || last.elapsed().as_secs_f64() >= 5.0 {
+                    last = Instant::now();
+                    eprintln!("features {done}/{total} examples, {:.0}s", t0.elapsed().as_secs_f64());
+                }
+            })?;
+            Features::Offline(cache)
+        }
+        other => anyhow::bail!("--features {other}: expected online or offline"),
+    })
+}
+
+fn export_dtype(name: &str) -> Result<candle_core::DType> {
+    Ok(match name {
+        "f32" => candle_core::DType::F32,
+        "f16" => candle_core::DType::F16,
+        "bf16" => candle_core::DType::BF16,
+        other => anyhow::bail!("--dtype {other}: expected f32, f16 or bf16"),
+    })
+}
+
+fn run_eagle3(args: Eagle3Args) -> Result<()> {
+    use crate::train::dflash::{self as td, optim::AdamWSettings};
+    use crate::train::eagle3::{Eagle3Run, Eagle3TrainSettings};
+    let settings = Eagle3TrainSettings {
+        ttt_steps: args.ttt_steps,
+        taps: args.taps.clone(),
+        draft_vocab: args.draft_vocab,
+        adam: AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
+        warmup: args.warmup,
+        clip: args.clip,
+        steps: args.steps,
+        epochs: args.epochs,
+        batch: args.batch,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        val_examples: args.val_examples,
+        checkpoint_every: args.checkpoint_every,
+    };
+    settings.validate()?;
+    let dtype = export_dtype(&args.dtype)?;
+    let target = load_target(&args.target, args.weights.as_deref())?;
+    let examples = load_examples(&target, &args.data, settings.max_tokens)?;
+    let (train, val) = td::split_validation(examples, settings.val_examples);
+    eprintln!("{} training examples, {} held out", train.len(), val.len());
+    let layer_ids = settings.feature_layers(&target.model);
+    let run = Eagle3Run {
+        target: &target.model,
+        train,
+        val,
+        settings,
+        out: args.out.clone(),
+        resume: args.resume,
+        stop_after: args.stop_after,
+        export_dtype: dtype,
+        log_every: args.log_every,
+    };
+    let all: Vec<&td::TrainExample> = run.train.iter().chain(&run.val).collect();
+    let mut features = open_features(
+        &args.features,
+        args.features_dir.as_deref(),
+        &args.out,
+        &target,
+        layer_ids,
+        run.settings.max_tokens,
+        &all,
+    )?;
+    let mut observer = ProgressObserver::new();
+    let report = run.run(&mut features, &mut observer)?;
+    observer.bar.finish_and_clear();
+    let val = report.final_val.as_ref();
+    println!(
+        "{} of {} steps ({} train / {} validation examples) in {:.0}s, {:.0} scored rows/s, peak memory {:.0} MB; validation loss {}, τ ≈ {}; drafter in {}",
         report.steps,
         report.total_steps,
         report.train_examples,

@@ -1,4 +1,4 @@
-//! Training DFlash drafters: the data they learn from, made by the target itself, the
+//! Training drafters (DFlash, EAGLE-3): the data they learn from, made by the target itself, the
 //! target's features, and the trainer.
 //!
 //! - [`data`]: `specula train data`: the target answers prompts on the batching engine and the
@@ -7,7 +7,10 @@
 //! - [`features`]: the target's tapped hidden states per token, computed on the fly or cached
 //!   once in f16.
 //! - [`dflash`]: `specula train dflash`: the objective, the optimiser, checkpoints and export.
+//! - [`eagle3`]: `specula train eagle3`: training-time test on the same data, features and
+//!   optimiser; export in the published EAGLE-3 layout.
 
 pub mod data;
 pub mod dflash;
+pub mod eagle3;
 pub mod features;

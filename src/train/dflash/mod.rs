@@ -316,7 +316,7 @@ pub fn init_params(config: &DflashConfig, seed: u64, device: &Device) -> Result<
     Ok(params)
 }
 
-fn standard_normal(rng: &mut StdRng) -> f32 {
+pub(crate) fn standard_normal(rng: &mut StdRng) -> f32 {
     // Box–Muller: two uniforms in (0, 1].
     let u1: f64 = 1.0 - rng.random::<f64>();
     let u2: f64 = rng.random::<f64>();
@@ -412,7 +412,7 @@ pub enum Features<'a> {
 }
 
 impl Features<'_> {
-    fn get(&mut self, e: &TrainExample, device: &Device) -> Result<Tensor> {
+    pub fn get(&mut self, e: &TrainExample, device: &Device) -> Result<Tensor> {
         match self {
             Features::Online { target, layer_ids } => target_features(target, layer_ids, &e.tokens, KvDtype::F16),
             Features::Offline(cache) => cache.read(&e.key, device),
@@ -509,7 +509,7 @@ fn draw_anchors(e: &TrainExample, n: usize, rng: &mut StdRng) -> Vec<usize> {
     c
 }
 
-fn step_rng(seed: u64, stream: u64, index: u64) -> StdRng {
+pub(crate) fn step_rng(seed: u64, stream: u64, index: u64) -> StdRng {
     StdRng::seed_from_u64(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03))
 }
 
@@ -806,23 +806,8 @@ impl TrainRun<'_> {
         })
     }
 
-    /// Example indices of step `step`: consecutive slices of per-epoch shuffles.
     fn batch_indices(&self, step: usize) -> Vec<usize> {
-        let n = self.train.len();
-        let b = self.settings.batch;
-        // A step spans at most a few epochs' shuffles; each is made once.
-        let mut shuffled: Option<(usize, Vec<usize>)> = None;
-        (step * b..(step + 1) * b)
-            .map(|global| {
-                let (epoch, at) = (global / n, global % n);
-                if shuffled.as_ref().is_none_or(|(e, _)| *e != epoch) {
-                    let mut order: Vec<usize> = (0..n).collect();
-                    order.shuffle(&mut step_rng(self.settings.seed, 2, epoch as u64));
-                    shuffled = Some((epoch, order));
-                }
-                shuffled.as_ref().expect("set above").1[at]
-            })
-            .collect()
+        batch_indices(self.train.len(), self.settings.batch, self.settings.seed, step)
     }
 
     /// Metrics on the validation examples with fixed anchors (the same every time).
@@ -847,7 +832,25 @@ impl TrainRun<'_> {
     }
 }
 
-fn append_log(out: &Path, line: &LogLine) -> Result<()> {
+/// Example indices of step `step` (of `n` examples, `b` per step): consecutive slices of
+/// per-epoch shuffles.
+pub(crate) fn batch_indices(n: usize, b: usize, seed: u64, step: usize) -> Vec<usize> {
+    // A step spans at most a few epochs' shuffles; each is made once.
+    let mut shuffled: Option<(usize, Vec<usize>)> = None;
+    (step * b..(step + 1) * b)
+        .map(|global| {
+            let (epoch, at) = (global / n, global % n);
+            if shuffled.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                let mut order: Vec<usize> = (0..n).collect();
+                order.shuffle(&mut step_rng(seed, 2, epoch as u64));
+                shuffled = Some((epoch, order));
+            }
+            shuffled.as_ref().expect("set above").1[at]
+        })
+        .collect()
+}
+
+pub(crate) fn append_log(out: &Path, line: &LogLine) -> Result<()> {
     use std::io::Write;
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out.join("train-log.jsonl"))?;
     writeln!(f, "{}", serde_json::to_string(line)?)?;

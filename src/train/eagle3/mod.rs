@@ -1,0 +1,496 @@
+//! `specula train eagle3`: trains an EAGLE-3 drafter on the same data directories and feature
+//! cache as the DFlash trainer, with training-time test ([`objective`]), AdamW with warm-up and
+//! cosine decay, clipping, validation, checkpoints with exact resume, and export in the layout
+//! vLLM, SGLang and SpecForge load.
+
+pub mod objective;
+
+use super::dflash::optim::{scheduled_lr, AdamW, AdamWSettings};
+use super::dflash::{
+    append_log, batch_indices, frequent_tokens, peak_rss_mb, standard_normal, step_rng, Features, LogLine, Metrics,
+    TrainExample, TrainObserver, TrainReport,
+};
+use crate::model::Transformer;
+use crate::speculative::dflash::{model::select_rows, TargetHead};
+use crate::speculative::eagle3::{model, Eagle3Config, Eagle3Drafter};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use objective::{scored, sequence_loss, FrozenTarget, SequenceInput};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Everything that shapes an EAGLE-3 run (saved in checkpoints; `--resume` needs the same).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Eagle3TrainSettings {
+    /// Unrolled training-time-test steps.
+    pub ttt_steps: usize,
+    /// The three fused target layers (default: SpecForge's `[1, N/2 − 1, N − 4]`).
+    pub taps: Option<Vec<usize>>,
+    /// Draft vocabulary: the N most frequent response tokens (default: the target's).
+    pub draft_vocab: Option<usize>,
+    pub adam: AdamWSettings,
+    pub warmup: f64,
+    pub clip: f64,
+    pub steps: Option<usize>,
+    pub epochs: f64,
+    pub batch: usize,
+    pub seed: u64,
+    pub max_tokens: usize,
+    pub val_examples: usize,
+    pub checkpoint_every: usize,
+}
+
+impl Default for Eagle3TrainSettings {
+    fn default() -> Self {
+        Self {
+            ttt_steps: 7,
+            taps: None,
+            draft_vocab: None,
+            adam: AdamWSettings { lr: 1e-4, ..Default::default() },
+            warmup: 0.04,
+            clip: 0.5,
+            steps: None,
+            epochs: 1.0,
+            batch: 8,
+            seed: 0,
+            max_tokens: 1024,
+            val_examples: 32,
+            checkpoint_every: 200,
+        }
+    }
+}
+
+impl Eagle3TrainSettings {
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=32).contains(&self.ttt_steps) {
+            bail!("--ttt-steps must be 1..=32, got {}", self.ttt_steps);
+        }
+        if self.batch == 0 || self.checkpoint_every == 0 || self.max_tokens < 4 {
+            bail!("--batch and --checkpoint-every must be positive and --max-tokens at least 4");
+        }
+        if !(self.adam.lr > 0.0 && self.clip > 0.0 && (0.0..1.0).contains(&self.warmup) && self.epochs > 0.0) {
+            bail!("--lr, --clip and --epochs must be positive and --warmup in [0, 1)");
+        }
+        if let Some(t) = &self.taps {
+            if t.len() != 3 {
+                bail!("EAGLE-3 fuses three target layers, --taps gives {}", t.len());
+            }
+        }
+        if self.draft_vocab == Some(0) {
+            bail!("--draft-vocab must be positive");
+        }
+        Ok(())
+    }
+
+    /// The fused target layers for `target`.
+    pub fn tap_layers(&self, target: &Transformer) -> Vec<usize> {
+        self.taps.clone().unwrap_or_else(|| crate::speculative::eagle3::default_aux_layer_ids(target.config.n_layers))
+    }
+
+    /// The layers the feature cache must hold: the fused three, then the target's last layer
+    /// (the soft targets).
+    pub fn feature_layers(&self, target: &Transformer) -> Vec<usize> {
+        let mut l = self.tap_layers(target);
+        l.push(target.config.n_layers - 1);
+        l
+    }
+}
+
+/// The drafter's shape for `target`: the target's width, heads and MLP, one layer.
+pub fn drafter_config(target: &Transformer, settings: &Eagle3TrainSettings, draft_vocab: usize) -> Eagle3Config {
+    let c = &target.config;
+    Eagle3Config {
+        hidden: c.hidden,
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        ffn: c.ffn,
+        rms_eps: c.rms_eps,
+        rope_theta: c.rope_theta as f64,
+        vocab: c.vocab,
+        draft_vocab,
+        target_hidden: c.hidden,
+        aux_layer_ids: Some(settings.tap_layers(target)),
+        norm_before_residual: false,
+    }
+}
+
+/// Fresh trainable weights, as SpecForge starts them: matrices N(0, 0.02), norms 1.
+pub fn init_params(config: &Eagle3Config, seed: u64, device: &Device) -> Result<Vec<(String, Var)>> {
+    let mut rng = step_rng(seed, 4, 0);
+    let mut params = Vec::new();
+    let mut names = model::expected_tensors(config);
+    names.sort();
+    for (name, shape) in names {
+        let t = if shape.len() == 1 {
+            Tensor::ones(shape, DType::F32, device)?
+        } else {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n).map(|_| 0.02 * standard_normal(&mut rng)).collect();
+            Tensor::from_vec(v, shape, device)?
+        };
+        params.push((name, Var::from_tensor(&t)?));
+    }
+    Ok(params)
+}
+
+/// A drafter whose weights are the trainable variables.
+pub fn drafter_from_params(
+    config: &Eagle3Config,
+    params: &[(String, Var)],
+    draft_vocab: &[u32],
+    device: &Device,
+) -> Result<Eagle3Drafter> {
+    let map: HashMap<&str, &Var> = params.iter().map(|(n, v)| (n.as_str(), v)).collect();
+    Eagle3Drafter::from_tensors(
+        config.clone(),
+        draft_vocab.to_vec(),
+        |name, _| Ok(map.get(name).with_context(|| format!("no parameter `{name}`"))?.as_tensor().clone()),
+        device,
+    )
+}
+
+/// The frozen parts of the target the objective needs.
+pub fn frozen_target(target: &Transformer, draft_vocab: &[u32], taps: &[usize]) -> Result<FrozenTarget> {
+    let device = target.device();
+    let rows = select_rows(&*target.lm_head_weights()?, draft_vocab, device)?;
+    let mut map = vec![u32::MAX; target.config.vocab];
+    for (d, &t) in draft_vocab.iter().enumerate() {
+        map[t as usize] = d as u32;
+    }
+    Ok(FrozenTarget {
+        head: TargetHead::of(target),
+        lm_head: rows.dequantize(device)?.to_dtype(DType::F32)?,
+        target_to_draft: map,
+        taps: taps.to_vec(),
+        last_layer: target.config.n_layers - 1,
+    })
+}
+
+/// Writes a drafter in the published layout: `config.json` and `model.safetensors` (weights in
+/// `dtype`, `d2t` offsets as i64 and the `t2d` membership mask as bool, no embedding: it uses
+/// the target's).
+pub fn export(
+    dir: &Path,
+    config: &Eagle3Config,
+    params: &[(String, Var)],
+    draft_vocab: &[u32],
+    dtype: DType,
+) -> Result<()> {
+    use safetensors::tensor::{Dtype, TensorView};
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut blobs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, p) in params {
+        let t = p.as_tensor().to_dtype(dtype)?;
+        let (st_dtype, bytes) = match dtype {
+            DType::F16 => {
+                (Dtype::F16, t.flatten_all()?.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            DType::BF16 => {
+                (Dtype::BF16, t.flatten_all()?.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+            }
+            _ => (Dtype::F32, t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        };
+        blobs.push((name.clone(), st_dtype, t.dims().to_vec(), bytes));
+    }
+    let d2t: Vec<u8> = model::d2t_offsets(draft_vocab).iter().flat_map(|x| x.to_le_bytes()).collect();
+    blobs.push(("d2t".into(), Dtype::I64, vec![draft_vocab.len()], d2t));
+    let mut t2d = vec![0u8; config.vocab];
+    for &t in draft_vocab {
+        t2d[t as usize] = 1;
+    }
+    blobs.push(("t2d".into(), Dtype::BOOL, vec![config.vocab], t2d));
+    let views: Vec<(String, TensorView)> = blobs
+        .iter()
+        .map(|(n, d, s, b)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    let tmp = dir.join("model.safetensors.tmp");
+    safetensors::serialize_to_file(views, None, &tmp)?;
+    // The writer creates owner-only files; an exported drafter is meant to be shared.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+    }
+    std::fs::rename(&tmp, dir.join("model.safetensors"))?;
+    let mut json = config.to_json();
+    json["torch_dtype"] = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+    .into();
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&json)? + "\n")?;
+    Ok(())
+}
+
+/// The state a checkpoint holds besides tensors.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    pub step: usize,
+    pub total_steps: usize,
+    pub settings: Eagle3TrainSettings,
+    pub config: serde_json::Value,
+    pub draft_vocab: Vec<u32>,
+    pub data_examples: usize,
+    pub train_secs: f64,
+    pub history: Vec<LogLine>,
+}
+
+/// A training run.
+pub struct Eagle3Run<'a> {
+    pub target: &'a Transformer,
+    pub train: Vec<TrainExample>,
+    pub val: Vec<TrainExample>,
+    pub settings: Eagle3TrainSettings,
+    pub out: PathBuf,
+    pub resume: bool,
+    /// Stop after this many steps in this process (the schedule still spans all steps).
+    pub stop_after: Option<usize>,
+    pub export_dtype: DType,
+    pub log_every: usize,
+}
+
+#[derive(Default)]
+struct Tally {
+    ce: f64,
+    terms: usize,
+    scored: Vec<usize>,
+    hits: Vec<usize>,
+    accepted: usize,
+    chains: usize,
+}
+
+impl Tally {
+    fn add(&mut self, l: &objective::SequenceLoss) {
+        if self.scored.is_empty() {
+            self.scored = vec![0; l.scored.len()];
+            self.hits = vec![0; l.hits.len()];
+        }
+        self.ce += l.ce_sum;
+        self.terms += l.ce_terms;
+        for j in 0..l.scored.len() {
+            self.scored[j] += l.scored[j];
+            self.hits[j] += l.hits[j];
+        }
+        self.accepted += l.accepted.iter().sum::<usize>();
+        self.chains += l.accepted.len();
+    }
+
+    fn metrics(&self) -> Metrics {
+        Metrics {
+            loss: self.ce / self.terms.max(1) as f64,
+            accuracy: self.scored.iter().zip(&self.hits).map(|(&s, &h)| (s > 0).then(|| h as f64 / s as f64)).collect(),
+            tau: 1.0 + self.accepted as f64 / self.chains.max(1) as f64,
+            blocks: self.chains,
+            scored_rows: self.scored.iter().sum(),
+        }
+    }
+}
+
+const CHECKPOINT: &str = "checkpoint";
+
+impl Eagle3Run<'_> {
+    pub fn total_steps(&self) -> usize {
+        let s = &self.settings;
+        s.steps.unwrap_or_else(|| ((s.epochs * self.train.len() as f64) / s.batch as f64).ceil() as usize).max(1)
+    }
+
+    pub fn run(&self, features: &mut Features, observer: &mut dyn TrainObserver) -> Result<TrainReport> {
+        let s = &self.settings;
+        s.validate()?;
+        if self.train.is_empty() {
+            bail!("no training examples");
+        }
+        let device = self.target.device().clone();
+        let total = self.total_steps();
+        std::fs::create_dir_all(&self.out).with_context(|| format!("cannot create {}", self.out.display()))?;
+        let ckpt = self.out.join(CHECKPOINT);
+        let taps = s.tap_layers(self.target);
+        let (config, draft_vocab, params, start, mut history, secs_before, moments) = if self.resume {
+            let meta: CheckpointMeta = serde_json::from_str(
+                &std::fs::read_to_string(ckpt.join("state.json"))
+                    .with_context(|| format!("--resume: no checkpoint in {}", ckpt.display()))?,
+            )?;
+            if meta.settings != *s {
+                bail!("--resume with other settings than the checkpoint's: {:?}", meta.settings);
+            }
+            if meta.data_examples != self.train.len() + self.val.len() {
+                bail!(
+                    "--resume: the checkpoint saw {} examples, the data has {}",
+                    meta.data_examples,
+                    self.train.len() + self.val.len()
+                );
+            }
+            let config = Eagle3Config::from_json(&meta.config)?;
+            let tensors = candle_core::safetensors::load(ckpt.join("state.safetensors"), &device)?;
+            let mut names: Vec<String> = model::expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
+            names.sort();
+            let params = names
+                .into_iter()
+                .map(|n| {
+                    let t = tensors.get(&n).with_context(|| format!("checkpoint has no `{n}`"))?;
+                    Ok((n, Var::from_tensor(t)?))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            (config, meta.draft_vocab, params, meta.step, meta.history, meta.train_secs, Some(tensors))
+        } else {
+            let n = s.draft_vocab.unwrap_or(self.target.config.vocab).min(self.target.config.vocab);
+            let vocab = frequent_tokens(&self.train, self.target.config.vocab, n);
+            let config = drafter_config(self.target, s, vocab.len());
+            let params = init_params(&config, s.seed, &device)?;
+            (config, vocab, params, 0, Vec::new(), 0.0, None)
+        };
+        config.check_target(&self.target.config)?;
+        let frozen = frozen_target(self.target, &draft_vocab, &taps)?;
+        let mut opt = AdamW::new(params, s.adam)?;
+        if let Some(t) = &moments {
+            opt.load_state(t, start)?;
+        }
+        let warmup = ((s.warmup * total as f64).ceil() as usize).max(1);
+        let end = self.stop_after.map_or(total, |n| (start + n).min(total));
+        let t0 = Instant::now();
+        let (mut rows_since, mut tokens_since, mut since) = (0usize, 0usize, Instant::now());
+        let (mut rows_all, mut last) = (0usize, None);
+        let mut tally = Tally::default();
+        for step in start..end {
+            let lr = scheduled_lr(s.adam.lr, step, total, warmup);
+            let batch = batch_indices(self.train.len(), s.batch, s.seed, step);
+            // Each step's loss is a mean over its scored rows in the batch.
+            let mut norms = vec![0.0f64; s.ttt_steps];
+            for &i in &batch {
+                let e = &self.train[i];
+                for (j, v) in scored(&e.tokens, &e.loss_mask, &frozen, s.ttt_steps).iter().enumerate() {
+                    norms[j] += v.iter().filter(|&&x| x).count() as f64;
+                }
+            }
+            let drafter = drafter_from_params(&config, opt.params(), &draft_vocab, &device)?;
+            let mut grads: Vec<Option<Tensor>> = vec![None; opt.params().len()];
+            for &i in &batch {
+                let e = &self.train[i];
+                let f = features.get(e, &device)?;
+                let l = sequence_loss(
+                    &drafter,
+                    &frozen,
+                    &SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f },
+                    &norms,
+                )?;
+                tally.add(&l);
+                rows_since += l.ce_terms;
+                rows_all += l.ce_terms;
+                tokens_since += e.tokens.len();
+                if l.ce_terms > 0 {
+                    let g = l.weighted_ce.backward()?;
+                    for (slot, (_, p)) in grads.iter_mut().zip(opt.params()) {
+                        if let Some(gp) = g.get(p.as_tensor()) {
+                            *slot = Some(match slot.take() {
+                                Some(acc) => (acc + gp)?,
+                                None => gp.clone(),
+                            });
+                        }
+                    }
+                }
+            }
+            let grads: Vec<Tensor> = grads
+                .into_iter()
+                .zip(opt.params())
+                .map(|(g, (_, p))| g.map_or_else(|| p.zeros_like(), Ok))
+                .collect::<candle_core::Result<_>>()?;
+            let grad_norm = opt.step(&grads, lr, s.clip)?;
+            let m = tally.metrics();
+            observer.step(step + 1, total, m.loss, m.tau);
+            let done = step + 1;
+            let ckpt_now = done % s.checkpoint_every == 0 || done == end;
+            if done % self.log_every.max(1) == 0 || ckpt_now {
+                let secs = since.elapsed().as_secs_f64().max(1e-9);
+                let val =
+                    if ckpt_now { Some(self.validate(&config, &opt, &draft_vocab, &frozen, features)?) } else { None };
+                let line = LogLine {
+                    step: done,
+                    lr,
+                    grad_norm,
+                    train: std::mem::take(&mut tally).metrics(),
+                    val,
+                    rows_per_sec: rows_since as f64 / secs,
+                    tokens_per_sec: tokens_since as f64 / secs,
+                    peak_rss_mb: peak_rss_mb(),
+                };
+                observer.log(&line);
+                append_log(&self.out, &line)?;
+                history.push(line.clone());
+                last = Some(line);
+                (rows_since, tokens_since, since) = (0, 0, Instant::now());
+            }
+            if ckpt_now {
+                let meta = CheckpointMeta {
+                    step: done,
+                    total_steps: total,
+                    settings: s.clone(),
+                    config: config.to_json(),
+                    draft_vocab: draft_vocab.clone(),
+                    data_examples: self.train.len() + self.val.len(),
+                    train_secs: secs_before + t0.elapsed().as_secs_f64(),
+                    history: history.clone(),
+                };
+                save_checkpoint(&ckpt, &opt, &meta)?;
+                export(&self.out.join("drafter"), &config, opt.params(), &draft_vocab, self.export_dtype)?;
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        Ok(TrainReport {
+            steps: end,
+            total_steps: total,
+            train_examples: self.train.len(),
+            val_examples: self.val.len(),
+            final_val: last.as_ref().and_then(|l| l.val.clone()),
+            last,
+            drafter_dir: self.out.join("drafter"),
+            secs,
+            rows_per_sec: rows_all as f64 / secs.max(1e-9),
+            peak_rss_mb: peak_rss_mb(),
+        })
+    }
+
+    /// Metrics on the validation examples (no randomness: the same every time).
+    fn validate(
+        &self,
+        config: &Eagle3Config,
+        opt: &AdamW,
+        draft_vocab: &[u32],
+        frozen: &FrozenTarget,
+        features: &mut Features,
+    ) -> Result<Metrics> {
+        let drafter = drafter_from_params(config, opt.params(), draft_vocab, self.target.device())?;
+        let steps = self.settings.ttt_steps;
+        let mut norms = vec![0.0f64; steps];
+        for e in &self.val {
+            for (j, v) in scored(&e.tokens, &e.loss_mask, frozen, steps).iter().enumerate() {
+                norms[j] += v.iter().filter(|&&x| x).count() as f64;
+            }
+        }
+        let mut tally = Tally::default();
+        for e in &self.val {
+            let f = features.get(e, drafter.device())?;
+            let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f };
+            tally.add(&sequence_loss(&drafter, frozen, &input, &norms)?);
+        }
+        Ok(tally.metrics())
+    }
+}
+
+fn save_checkpoint(dir: &Path, opt: &AdamW, meta: &CheckpointMeta) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut tensors = opt.state();
+    for (name, p) in opt.params() {
+        tensors.insert(name.clone(), p.as_tensor().clone());
+    }
+    // Written to temporary names and renamed: a run killed mid-write keeps the previous one.
+    let (st_tmp, json_tmp) = (dir.join("state.safetensors.tmp"), dir.join("state.json.tmp"));
+    candle_core::safetensors::save(&tensors, &st_tmp)?;
+    std::fs::write(&json_tmp, serde_json::to_string_pretty(meta)?)?;
+    std::fs::rename(&st_tmp, dir.join("state.safetensors"))?;
+    std::fs::rename(&json_tmp, dir.join("state.json"))?;
+    Ok(())
+}

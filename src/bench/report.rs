@@ -33,7 +33,7 @@ fn table_row(c: &CellSummary) -> String {
         None => dash(),
     };
     format!(
-        "| {} | {} | {} | {:.2} | {:.2}× | {:.2} | {:.2}× | {} | {} | {} | {} | {} | {} | {} |",
+        "| {} | {} | {} | {:.2} | {:.2}× | {:.2} | {:.2}× | {} | {} | {} | {} | {} | {} | {} | {} |",
         c.dataset,
         fmt_temp(c.temperature),
         c.mode,
@@ -44,6 +44,7 @@ fn table_row(c: &CellSummary) -> String {
         if spec { format!("{:.2}", c.tau) } else { dash() },
         if spec { format!("{:.1}%", c.acceptance_rate * 100.0) } else { dash() },
         if spec { format!("{:.2}", c.mean_draft_len) } else { dash() },
+        if spec { format!("{:.2}", 1000.0 * c.draft_secs / c.steps.max(1) as f64) } else { dash() },
         if spec { format!("{:.2}", c.mean_verify_cost) } else { dash() },
         if spec { format!("{:.2}×", c.bound) } else { dash() },
         if spec { format!("{:.0}%", c.of_bound * 100.0) } else { dash() },
@@ -65,9 +66,9 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
         let _ = writeln!(s, "Verify-cost curve cost(m)/cost(1): {}\n", curve_line(&m.verify_curve));
         let _ = writeln!(
             s,
-            "| data set | T | mode | tok/s | speedup | decode tok/s | decode speedup | τ | acceptance | mean k | verify cost | bound | of bound | greedy mismatches |"
+            "| data set | T | mode | tok/s | speedup | decode tok/s | decode speedup | τ | acceptance | mean k | draft ms/step | verify cost | bound | of bound | greedy mismatches |"
         );
-        let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for c in &m.cells {
             let _ = writeln!(s, "{}", table_row(c));
         }
@@ -76,7 +77,8 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
     let _ = writeln!(
         s,
         "tok/s = generated tokens / (prefill + decode) seconds; decode tok/s excludes prefill and the first token. \
-         τ = tokens committed per target verify step; mean k = drafted tokens per step; verify cost = mean \
+         τ = tokens committed per target verify step; mean k = drafted tokens per step; draft ms/step = time \
+         spent drafting per verify step (catching up excluded); verify cost = mean \
          cost(k+1)/cost(1) of the steps run; bound = τ / verify cost, the decode speedup if drafting were free; \
          of bound = decode speedup / bound. Greedy mismatches: prompts at T=0 whose speculative output differs \
          from plain decoding (must be 0)."

@@ -1,7 +1,8 @@
 //! `specula train eagle3`: gradients of the training-time-test loss against finite differences,
 //! the objective's chain counts = the proposer's drafts, a small run that makes a drafter whose
 //! chains are accepted (measured by real speculative decoding, lossless), resume =
-//! uninterrupted, and export → load (same logits as training).
+//! uninterrupted, and export → load (same logits as training, and as SpecForge's own class
+//! computes on the export: `tests/fixtures/eagle3-export/`).
 //!
 //! Targets: the tiny Hugging Face Qwen3s of `tests/fixtures/dflash/` (vocab 256, hidden 64, 4
 //! layers), and their own greedy outputs as data.
@@ -302,4 +303,86 @@ fn the_objective_counts_what_the_proposer_drafts() {
         total += served.iter().sum::<usize>();
     }
     assert!(total > 0, "the drafter never got a token right; the comparison would be empty");
+}
+
+/// Writes `tests/fixtures/eagle3-export/`: a drafter exported by the trainer (f16, published
+/// layout) and the inputs `tools/eagle3_reference/check_export.py` runs it on with SpecForge.
+#[test]
+#[ignore]
+fn write_export_fixture() {
+    let target = load("random");
+    let data = examples(&target, 12, 8, 16, 13);
+    let out = tempfile::tempdir().unwrap();
+    let s = Eagle3TrainSettings { draft_vocab: Some(60), val_examples: 0, ..settings(20) };
+    let layer_ids = s.feature_layers(&target.model);
+    let run = Eagle3Run {
+        target: &target.model,
+        train: data.clone(),
+        val: Vec::new(),
+        settings: s,
+        out: out.path().to_path_buf(),
+        resume: false,
+        stop_after: None,
+        export_dtype: DType::F16,
+        log_every: 50,
+    };
+    run.run(&mut Features::Online { target: &target.model, layer_ids }, &mut ()).unwrap();
+    let dir = fixture("eagle3-export");
+    std::fs::create_dir_all(dir.join("drafter")).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(out.path().join("drafter").join(f), dir.join("drafter").join(f)).unwrap();
+    }
+    let tokens = &data[0].tokens;
+    let taps = target_features(&target.model, &[0, 1, 2], tokens, KvDtype::F32).unwrap();
+    let inputs = serde_json::json!({ "tokens": tokens, "taps": taps.to_vec2::<f32>().unwrap() });
+    std::fs::write(dir.join("inputs.json"), inputs.to_string()).unwrap();
+}
+
+/// The trainer's export loads in SpecForge's own `LlamaForCausalLMEagle3` (strictly: every
+/// name, shape and type, `d2t` and `t2d` included; the embedding is the target's), and
+/// SpecForge computes the logits we compute: every row of a first pass and a 3-token chain
+/// (`tests/fixtures/eagle3-export/expected.json`, written by `check_export.py`).
+#[test]
+fn export_loads_in_specforge() {
+    let target = load("random");
+    let dir = fixture("eagle3-export");
+    let read = |f: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(f)).unwrap()).unwrap()
+    };
+    let (inputs, expected) = (read("inputs.json"), read("expected.json"));
+    let tokens: Vec<u32> = inputs["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let rows: Vec<Vec<f32>> = serde_json::from_value(inputs["taps"].clone()).unwrap();
+    let drafter = Eagle3Drafter::load(&dir.join("drafter"), &Device::Cpu).unwrap();
+    let head = specula::speculative::dflash::TargetHead::of(&target.model);
+    let n = tokens.len() - 1;
+    let taps = Tensor::from_vec(rows[..n].concat(), (n, rows[0].len()), &Device::Cpu).unwrap();
+    let features = drafter.fuse(&taps).unwrap();
+    let embeds = drafter.embed(&tokens[1..], Some(&head)).unwrap();
+    let positions: Vec<usize> = (0..n).collect();
+    let (out, kv) = drafter.forward(&embeds, &features, &positions, &drafter.empty_kv().unwrap(), None).unwrap();
+    let theirs: Vec<Vec<f32>> = serde_json::from_value(expected["first_pass_logits"].clone()).unwrap();
+    let ours = drafter.logits(&out).unwrap().to_vec2::<f32>().unwrap();
+    let worst = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0f32, f32::max)
+    };
+    assert_eq!(ours.len(), theirs.len());
+    let d = worst(&ours, &theirs);
+    assert!(d <= 1e-4, "first pass: max |Δ logit| {d} against SpecForge");
+    let (mut h, mut past) = (out.narrow(0, n - 1, 1).unwrap(), kv);
+    let chain: Vec<Vec<f32>> = serde_json::from_value(expected["chain_logits"].clone()).unwrap();
+    let drafted: Vec<u32> = serde_json::from_value(expected["drafted"].clone()).unwrap();
+    for (step, theirs) in chain.iter().enumerate() {
+        let logits = drafter.logits(&h).unwrap();
+        let d = worst(&logits.to_vec2::<f32>().unwrap(), std::slice::from_ref(theirs));
+        assert!(d <= 1e-4, "chain step {step}: max |Δ logit| {d} against SpecForge");
+        let token = drafter.target_token(logits.flatten_all().unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap());
+        assert_eq!(token, drafted[step], "chain step {step}");
+        let (next, kv) =
+            drafter.forward(&drafter.embed(&[token], Some(&head)).unwrap(), &h, &[n + step], &past, None).unwrap();
+        past = specula::speculative::nn::LayerKv {
+            k: Tensor::cat(&[&past.k, &kv.k], 1).unwrap(),
+            v: Tensor::cat(&[&past.v, &kv.v], 1).unwrap(),
+        };
+        h = next;
+    }
 }

@@ -377,9 +377,15 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
     let mut observer = ProgressObserver::new();
     let report = run.run(&mut features, &mut observer)?;
     observer.bar.finish_and_clear();
+    print_report(&report, "scored block rows");
+    Ok(())
+}
+
+/// The one-line summary of a finished (or stopped) training run.
+fn print_report(report: &crate::train::dflash::TrainReport, rows: &str) {
     let val = report.final_val.as_ref();
     println!(
-        "{} of {} steps ({} train / {} validation examples) in {:.0}s, {:.0} scored block rows/s, peak memory {:.0} MB; validation loss {}, τ ≈ {}; drafter in {}",
+        "{} of {} steps ({} train / {} validation examples) in {:.0}s, {:.0} {rows}/s, peak memory {:.0} MB; validation loss {}, τ ≈ {}; drafter in {}",
         report.steps,
         report.total_steps,
         report.train_examples,
@@ -391,7 +397,6 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         val.map_or("-".into(), |v| format!("{:.2}", v.tau)),
         report.drafter_dir.display()
     );
-    Ok(())
 }
 
 /// The target model a trainer runs against.
@@ -522,20 +527,7 @@ fn run_eagle3(args: Eagle3Args) -> Result<()> {
     let mut observer = ProgressObserver::new();
     let report = run.run(&mut features, &mut observer)?;
     observer.bar.finish_and_clear();
-    let val = report.final_val.as_ref();
-    println!(
-        "{} of {} steps ({} train / {} validation examples) in {:.0}s, {:.0} scored rows/s, peak memory {:.0} MB; validation loss {}, τ ≈ {}; drafter in {}",
-        report.steps,
-        report.total_steps,
-        report.train_examples,
-        report.val_examples,
-        report.secs,
-        report.rows_per_sec,
-        report.peak_rss_mb.unwrap_or(f64::NAN),
-        val.map_or("-".into(), |v| format!("{:.4}", v.loss)),
-        val.map_or("-".into(), |v| format!("{:.2}", v.tau)),
-        report.drafter_dir.display()
-    );
+    print_report(&report, "scored rows");
     Ok(())
 }
 

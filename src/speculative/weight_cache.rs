@@ -35,3 +35,19 @@ impl<T> WeightCache<T> {
         Ok(guard.get_or_insert_with(HashMap::new).entry(key).or_insert(weights).clone())
     }
 }
+
+/// The `*.safetensors` files of a drafter directory, sorted (one file or shards).
+pub fn safetensors_shards(dir: &Path) -> Result<Vec<PathBuf>> {
+    use anyhow::Context;
+    let origin = dir.display();
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot read the drafter directory {origin}"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    shards.sort();
+    if shards.is_empty() {
+        anyhow::bail!("{origin}: no *.safetensors files");
+    }
+    Ok(shards)
+}

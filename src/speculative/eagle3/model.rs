@@ -102,15 +102,7 @@ impl Eagle3Drafter {
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
         let origin = dir.display();
         let config = Eagle3Config::from_file(&dir.join("config.json"))?;
-        let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
-            .with_context(|| format!("cannot read the drafter directory {origin}"))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        shards.sort();
-        if shards.is_empty() {
-            bail!("{origin}: no *.safetensors files");
-        }
+        let shards = crate::speculative::weight_cache::safetensors_shards(dir)?;
         // SAFETY: mapped read-only; like every mmap loader we assume nobody truncates the files
         // while they are loaded.
         let st = unsafe { MmapedSafetensors::multi(&shards) }

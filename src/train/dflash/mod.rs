@@ -721,22 +721,10 @@ impl TrainRun<'_> {
                 rows_all += l.scored.iter().sum::<usize>();
                 tokens_since += e.tokens.len();
                 if weight > 0.0 && l.weight_sum > 0.0 {
-                    let g = (l.weighted_ce / weight)?.backward()?;
-                    for (slot, (_, p)) in grads.iter_mut().zip(opt.params()) {
-                        if let Some(gp) = g.get(p.as_tensor()) {
-                            *slot = Some(match slot.take() {
-                                Some(acc) => (acc + gp)?,
-                                None => gp.clone(),
-                            });
-                        }
-                    }
+                    accumulate_grads(&mut grads, &(l.weighted_ce / weight)?.backward()?, opt.params())?;
                 }
             }
-            let grads: Vec<Tensor> = grads
-                .into_iter()
-                .zip(opt.params())
-                .map(|(g, (_, p))| g.map_or_else(|| p.zeros_like(), Ok))
-                .collect::<candle_core::Result<_>>()?;
+            let grads = finish_grads(grads, opt.params())?;
             let grad_norm = opt.step(&grads, lr, s.clip)?;
             let m = tally.metrics();
             observer.step(step + 1, total, m.loss, m.tau);
@@ -857,7 +845,34 @@ pub(crate) fn append_log(out: &Path, line: &LogLine) -> Result<()> {
     Ok(())
 }
 
-fn save_checkpoint(dir: &Path, opt: &AdamW, meta: &CheckpointMeta) -> Result<()> {
+/// Adds one sequence's gradients into the step's per-parameter sums.
+pub(crate) fn accumulate_grads(
+    sums: &mut [Option<Tensor>],
+    g: &candle_core::backprop::GradStore,
+    params: &[(String, Var)],
+) -> Result<()> {
+    for (slot, (_, p)) in sums.iter_mut().zip(params) {
+        if let Some(gp) = g.get(p.as_tensor()) {
+            *slot = Some(match slot.take() {
+                Some(acc) => (acc + gp)?,
+                None => gp.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The step's gradients, zero for parameters no sequence reached.
+pub(crate) fn finish_grads(sums: Vec<Option<Tensor>>, params: &[(String, Var)]) -> Result<Vec<Tensor>> {
+    Ok(sums
+        .into_iter()
+        .zip(params)
+        .map(|(g, (_, p))| g.map_or_else(|| p.zeros_like(), Ok))
+        .collect::<candle_core::Result<_>>()?)
+}
+
+/// Writes the optimiser's parameters and moments and `meta` (the trainer's own record).
+pub(crate) fn save_checkpoint<M: Serialize>(dir: &Path, opt: &AdamW, meta: &M) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut tensors = opt.state();
     for (name, p) in opt.params() {

@@ -7,8 +7,8 @@ pub mod objective;
 
 use super::dflash::optim::{scheduled_lr, AdamW, AdamWSettings};
 use super::dflash::{
-    append_log, batch_indices, frequent_tokens, peak_rss_mb, standard_normal, step_rng, Features, LogLine, Metrics,
-    TrainExample, TrainObserver, TrainReport,
+    accumulate_grads, append_log, batch_indices, finish_grads, frequent_tokens, peak_rss_mb, save_checkpoint,
+    standard_normal, step_rng, Features, LogLine, Metrics, TrainExample, TrainObserver, TrainReport,
 };
 use crate::model::Transformer;
 use crate::speculative::dflash::{model::select_rows, TargetHead};
@@ -382,22 +382,10 @@ impl Eagle3Run<'_> {
                 rows_all += l.ce_terms;
                 tokens_since += e.tokens.len();
                 if l.ce_terms > 0 {
-                    let g = l.weighted_ce.backward()?;
-                    for (slot, (_, p)) in grads.iter_mut().zip(opt.params()) {
-                        if let Some(gp) = g.get(p.as_tensor()) {
-                            *slot = Some(match slot.take() {
-                                Some(acc) => (acc + gp)?,
-                                None => gp.clone(),
-                            });
-                        }
-                    }
+                    accumulate_grads(&mut grads, &l.weighted_ce.backward()?, opt.params())?;
                 }
             }
-            let grads: Vec<Tensor> = grads
-                .into_iter()
-                .zip(opt.params())
-                .map(|(g, (_, p))| g.map_or_else(|| p.zeros_like(), Ok))
-                .collect::<candle_core::Result<_>>()?;
+            let grads = finish_grads(grads, opt.params())?;
             let grad_norm = opt.step(&grads, lr, s.clip)?;
             let m = tally.metrics();
             observer.step(step + 1, total, m.loss, m.tau);
@@ -478,19 +466,4 @@ impl Eagle3Run<'_> {
         }
         Ok(tally.metrics())
     }
-}
-
-fn save_checkpoint(dir: &Path, opt: &AdamW, meta: &CheckpointMeta) -> Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let mut tensors = opt.state();
-    for (name, p) in opt.params() {
-        tensors.insert(name.clone(), p.as_tensor().clone());
-    }
-    // Written to temporary names and renamed: a run killed mid-write keeps the previous one.
-    let (st_tmp, json_tmp) = (dir.join("state.safetensors.tmp"), dir.join("state.json.tmp"));
-    candle_core::safetensors::save(&tensors, &st_tmp)?;
-    std::fs::write(&json_tmp, serde_json::to_string_pretty(meta)?)?;
-    std::fs::rename(&st_tmp, dir.join("state.safetensors"))?;
-    std::fs::rename(&json_tmp, dir.join("state.json"))?;
-    Ok(())
 }

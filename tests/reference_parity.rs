@@ -14,6 +14,8 @@ struct Step {
 
 struct Case {
     prompt: String,
+    /// llama.cpp's prompt length in tokens, where the file records it.
+    prompt_tokens: Option<usize>,
     steps: Vec<Step>,
 }
 
@@ -27,6 +29,7 @@ fn reference_cases(file: &str) -> Vec<Case> {
         .filter(|r| r["mode"] == "completion")
         .map(|r| Case {
             prompt: r["prompt"].as_str().unwrap().to_string(),
+            prompt_tokens: r["prompt_tokens"].as_u64().map(|n| n as usize),
             steps: r["token_ids"]
                 .as_array()
                 .unwrap()
@@ -58,12 +61,20 @@ const NEAR_TIE_NATS: f32 = 0.25;
 /// row. At each step our argmax must be llama.cpp's token unless the two were within
 /// [`NEAR_TIE_NATS`]; the log-prob differences are bounded on average and per step below.
 fn check_model(key_or_path: &str, reference_file: &str, weights: WeightFormat) {
+    check_model_within(key_or_path, reference_file, weights, 0.25)
+}
+
+/// [`check_model`] with a per-step cap on |Δ log-prob| other than 0.25.
+fn check_model_within(key_or_path: &str, reference_file: &str, weights: WeightFormat, max_diff: f32) {
     let path = specula::fetch::resolve_model(key_or_path, false).unwrap();
     let loaded = LoadedModel::load(&path, Some(weights), &candle_core::Device::Cpu).unwrap();
     let pool = loaded.model.new_kv_pool(1024);
     let (mut worst, mut sum, mut n, mut within) = (0f32, 0f32, 0usize, 0usize);
     for case in reference_cases(reference_file) {
         let prompt = loaded.encode_prompt(&case.prompt).unwrap();
+        if let Some(n) = case.prompt_tokens {
+            assert_eq!(prompt.len(), n, "{key_or_path} {:?}: prompt length in tokens", case.prompt);
+        }
         let mut input = prompt.clone();
         input.extend(case.steps.iter().map(|s| s.token));
         let mut cache = pool.new_sequence();
@@ -105,7 +116,7 @@ fn check_model(key_or_path: &str, reference_file: &str, weights: WeightFormat) {
     // accumulation), and a 30-layer model turns 1e-3 relative noise into ~0.03 nats; so the bound
     // is on the mean, with a looser cap per step. docs/performance.md reports the numbers.
     assert!(mean < 0.05, "{key_or_path}: mean log-prob difference {mean}");
-    assert!(worst < 0.25, "{key_or_path}: max log-prob difference {worst}");
+    assert!(worst < max_diff, "{key_or_path}: max log-prob difference {worst}");
 }
 
 #[test]
@@ -115,6 +126,26 @@ fn smollm2_matches_llamacpp_teacher_forced() {
         .map(|w| WeightFormat::parse(&w).unwrap())
         .unwrap_or(WeightFormat::Native);
     check_model("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.json", w);
+}
+
+/// Gemma 3 (sliding-window layers, post-norms, GELU, SentencePiece vocabulary) on 8 prompts
+/// of our own (`tests/fixtures/llamacpp-greedy/gemma3-prompts.txt`, 32 greedy tokens each from
+/// llama.cpp, `tools/llamacpp_reference/greedy.py`). Prompt token counts must match too.
+///
+/// The per-step cap is wider than for the other models: against exact f32 arithmetic on the
+/// same file, llama.cpp is off by up to 0.19 nats on these prompts and our default path by up
+/// to 0.23 (its Q4_K/Q6_K matrices run on candle's kernels with one-level 8-bit activations;
+/// docs/kernels.md), so the two differ by up to their sum.
+#[test]
+fn gemma3_matches_llamacpp_teacher_forced() {
+    check_model_within("gemma3-270m", "gemma-3-270m-q4_k_m.json", WeightFormat::Native, 0.42);
+}
+
+/// A 781-token prompt: the windowed layers (512 positions) must forget its start exactly as
+/// llama.cpp's do.
+#[test]
+fn gemma3_long_prompt_matches_llamacpp_past_the_window() {
+    check_model_within("gemma3-270m", "gemma-3-270m-q4_k_m-long.json", WeightFormat::Native, 0.42);
 }
 
 #[test]

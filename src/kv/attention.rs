@@ -21,20 +21,23 @@ pub struct AttentionSeq<'a> {
 }
 
 /// `q`: `[rows, n_heads, head_dim]` (already rotated); `out`: same shape. The K/V of every
-/// row must already be in the pool at its position.
+/// row must already be in the pool at its position. Scores are `q·k · scale`; with a
+/// `window`, a row at position p attends to positions `p+1−window ..= p` only.
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     storage: &PoolStorage,
     layer: usize,
     q: &[f32],
     n_heads: usize,
     seqs: &[AttentionSeq<'_>],
+    scale: f32,
+    window: Option<usize>,
     out: &mut [f32],
 ) {
     let layout = storage.layout;
     let hd = layout.head_dim;
     let group = n_heads / layout.n_kv_heads;
     let bs = layout.block_size;
-    let scale = 1.0 / (hd as f32).sqrt();
     let keys = &storage.k[layer];
     let values = &storage.v[layer];
 
@@ -66,6 +69,10 @@ pub fn paged_attention(
             let blocks = seqs[si].blocks;
             let n_keys = pos + 1;
             let n_blocks = n_keys.div_ceil(bs);
+            // A sliding window sees keys `first..n_keys`; blocks before `first`'s are skipped,
+            // and its own block's keys before `first` are masked out.
+            let first = window.map_or(0, |w| n_keys.saturating_sub(w.max(1)));
+            let b0 = first / bs;
             let q_heads = &q[item * item_len..(item + 1) * item_len];
             // SAFETY: items are disjoint, and item `i` writes only `out[i*item_len..(i+1)*item_len]`,
             // which is in bounds by the assert above; `out` outlives this call.
@@ -81,24 +88,29 @@ pub fn paged_attention(
             let n_at = |bi: usize| (n_keys - bi * bs).min(bs);
             let key_block = |bi: usize| keys.view(storage.head_offset(blocks[bi], kv_head), n_at(bi) * hd);
             let value_block = |bi: usize| values.view(storage.head_offset(blocks[bi], kv_head), n_at(bi) * hd);
-            for bi in 0..n_blocks {
+            for bi in b0..n_blocks {
                 let n = n_at(bi);
                 if bi + 1 < n_blocks {
                     key_block(bi + 1).prefetch();
                 } else {
-                    value_block(0).prefetch();
+                    value_block(b0).prefetch();
                 }
                 kernels::group_scores(q_heads, hd, key_block(bi), n, scale, &mut scores[bi * bs..], n_keys);
+                if bi == b0 && first > b0 * bs {
+                    for g in 0..group {
+                        scores[g * n_keys + b0 * bs..g * n_keys + first].fill(f32::NEG_INFINITY);
+                    }
+                }
                 for (g, max) in max.iter_mut().enumerate() {
                     let block_scores = &scores[g * n_keys + bi * bs..g * n_keys + bi * bs + n];
                     *max = block_scores.iter().fold(*max, |m, &s| m.max(s));
                 }
             }
             for g in 0..group {
-                inv[g] = 1.0 / kernels::exp_shifted_sum(&mut scores[g * n_keys..(g + 1) * n_keys], max[g]);
+                inv[g] = 1.0 / kernels::exp_shifted_sum(&mut scores[g * n_keys + b0 * bs..(g + 1) * n_keys], max[g]);
             }
             out_heads.fill(0.0);
-            for bi in 0..n_blocks {
+            for bi in b0..n_blocks {
                 if bi + 1 < n_blocks {
                     value_block(bi + 1).prefetch();
                 }
@@ -106,4 +118,68 @@ pub fn paged_attention(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{KvDtype, KvLayout, KvPool};
+
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// Softmax attention of one query head over keys `first..=pos`, in f64.
+    fn reference(q: &[f32], keys: &[Vec<f32>], vals: &[Vec<f32>], first: usize, pos: usize, scale: f32) -> Vec<f32> {
+        let scores: Vec<f64> = (first..=pos)
+            .map(|j| q.iter().zip(&keys[j]).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * scale as f64)
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = w.iter().sum();
+        (0..q.len())
+            .map(|d| (first..=pos).zip(&w).map(|(j, w)| w * vals[j][d] as f64).sum::<f64>() / total)
+            .map(|x| x as f32)
+            .collect()
+    }
+
+    #[test]
+    fn windowed_rows_attend_to_their_last_positions_only() {
+        let (hd, n_heads, bs, len) = (16, 2, 4, 11);
+        let layout = KvLayout { dtype: KvDtype::F32, n_layers: 1, n_kv_heads: 1, head_dim: hd, block_size: bs };
+        let pool = KvPool::new(layout, 64);
+        let mut cache = pool.new_sequence();
+        let mut storage = pool.lock();
+        cache.reserve_locked(&mut storage, len).unwrap();
+        let keys: Vec<Vec<f32>> = (0..len).map(|p| values(p as u64, hd)).collect();
+        let vals: Vec<Vec<f32>> = (0..len).map(|p| values(100 + p as u64, hd)).collect();
+        for p in 0..len {
+            storage.write(0, cache.blocks(), p, &keys[p], &vals[p]);
+        }
+        // The last 3 positions as new rows; windows that start mid-block, at a block edge,
+        // cover everything, and a window of one.
+        let q = values(7, 3 * n_heads * hd);
+        let seq = AttentionSeq { row_start: 0, n_rows: 3, cached: len - 3, blocks: cache.blocks() };
+        for window in [None, Some(5), Some(4), Some(100), Some(1)] {
+            let mut out = vec![0f32; q.len()];
+            paged_attention(&storage, 0, &q, n_heads, std::slice::from_ref(&seq), 0.3, window, &mut out);
+            for row in 0..3 {
+                let pos = len - 3 + row;
+                let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for h in 0..n_heads {
+                    let at = (row * n_heads + h) * hd;
+                    let want = reference(&q[at..at + hd], &keys, &vals, first, pos, 0.3);
+                    for (got, want) in out[at..at + hd].iter().zip(&want) {
+                        assert!((got - want).abs() < 1e-5, "window {window:?} row {row} head {h}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
 }

@@ -3,14 +3,17 @@
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 
-/// Supported architectures. Llama and Qwen2 share one decoder; they differ in biases,
-/// RoPE pairing and head tying, which the config records.
+/// Supported architectures. All share one decoder; they differ in biases, norms, RoPE
+/// pairing, activation, attention windows and head tying, which the config records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Qwen2,
     /// Qwen2 without q/k/v biases, with per-head RMSNorm on queries and keys.
     Qwen3,
+    /// Gemma 3: Qwen3's q/k norms plus scaled embeddings, norms after attention and MLP,
+    /// a GELU-gated MLP and sliding-window attention in most layers.
+    Gemma3,
 }
 
 impl Arch {
@@ -19,6 +22,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 }
@@ -29,6 +33,79 @@ impl Arch {
 pub enum RopeStyle {
     Interleaved,
     Halves,
+}
+
+/// The MLP's gate activation: `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    #[default]
+    Silu,
+    /// GELU, tanh approximation (Gemma).
+    GeluTanh,
+}
+
+/// Layers that attend only to the most recent `window` positions (their own included).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    /// Every `pattern`-th layer (layers `pattern−1`, `2·pattern−1`, …) attends globally; the
+    /// others use the window. 0: every layer uses the window.
+    pub pattern: usize,
+    /// RoPE base of the windowed layers (the global ones use `rope_theta`).
+    pub rope_theta: f32,
+}
+
+/// What sets one architecture's decoder apart from Llama's; all off for Llama and Qwen.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DecoderExtras {
+    /// Token embeddings are multiplied by this (Gemma: √hidden).
+    pub embed_scale: Option<f32>,
+    /// RMSNorm on the attention and MLP outputs before each residual add (Gemma 3).
+    pub post_norms: bool,
+    pub activation: Activation,
+    pub sliding_window: Option<SlidingWindow>,
+    /// Attention score scale; `None` is 1/√head_dim.
+    pub attn_scale: Option<f32>,
+    /// Llama 3 RoPE scaling from a Hugging Face config (a GGUF stores the resulting
+    /// per-frequency divisors as the tensor `rope_freqs.weight` instead).
+    pub llama3_rope: Option<Llama3Rope>,
+    /// Linear RoPE scaling (`rope.scaling.type` linear): positions divided by this factor,
+    /// in the layers with global attention only (as llama.cpp does for Gemma 3).
+    pub rope_linear_factor: Option<f32>,
+}
+
+/// `rope_scaling` of type `llama3`: low frequencies slowed by `factor`, high ones kept, a
+/// smooth blend between (Hugging Face's `_compute_llama3_parameters`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Rope {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_context: f32,
+}
+
+impl Llama3Rope {
+    /// The divisor of each pair's frequency for a head of `rope_dim` with base `theta`, as
+    /// llama.cpp's converter writes them into `rope_freqs.weight`.
+    pub fn freq_divisors(&self, theta: f32, rope_dim: usize) -> Vec<f32> {
+        let low_wavelen = self.original_context / self.low_freq_factor;
+        let high_wavelen = self.original_context / self.high_freq_factor;
+        (0..rope_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / (theta as f64).powf(2.0 * i as f64 / rope_dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                if wavelen < high_wavelen as f64 {
+                    1.0
+                } else if wavelen > low_wavelen as f64 {
+                    self.factor
+                } else {
+                    let smooth = (self.original_context as f64 / wavelen - self.low_freq_factor as f64)
+                        / (self.high_freq_factor - self.low_freq_factor) as f64;
+                    (1.0 / ((1.0 - smooth) / self.factor as f64 + smooth)) as f32
+                }
+            })
+            .collect()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -49,8 +126,26 @@ pub struct ModelConfig {
     /// The LM head reuses the token embedding.
     pub tied_head: bool,
     pub qkv_bias: bool,
-    /// Per-head RMSNorm on queries and keys before RoPE (Qwen3).
+    /// Per-head RMSNorm on queries and keys before RoPE (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    pub extras: DecoderExtras,
+}
+
+impl ModelConfig {
+    /// The attention window of layer `layer`, `None` for global attention.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let sw = self.extras.sliding_window?;
+        let global = sw.pattern > 0 && (layer + 1) % sw.pattern == 0;
+        (!global).then_some(sw.window)
+    }
+
+    /// The RoPE base of layer `layer`.
+    pub fn layer_rope_theta(&self, layer: usize) -> f32 {
+        match (self.layer_window(layer), self.extras.sliding_window) {
+            (Some(_), Some(sw)) => sw.rope_theta,
+            _ => self.rope_theta,
+        }
+    }
 }
 
 fn get<'a>(content: &'a Content, key: &str) -> Result<&'a Value> {
@@ -89,7 +184,8 @@ impl ModelConfig {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
-            other => bail!("unsupported architecture `{other}` (supported: llama, qwen2, qwen3)"),
+            "gemma3" => Arch::Gemma3,
+            other => bail!("unsupported architecture `{other}` (supported: llama, qwen2, qwen3, gemma3)"),
         };
         let a = arch.name();
         let hidden = get_usize(content, &format!("{a}.embedding_length"))?;
@@ -115,6 +211,27 @@ impl ModelConfig {
         if n_layers == 0 {
             bail!("model has no layers");
         }
+        let extras: DecoderExtras = match arch {
+            Arch::Gemma3 => gemma3_extras(content, hidden, n_heads, head_dim, n_layers)?,
+            _ => DecoderExtras::default(),
+        };
+        let mut extras = extras;
+        if let Some(Value::String(kind)) = content.metadata.get(&format!("{a}.rope.scaling.type")) {
+            match kind.as_str() {
+                "none" => {}
+                "linear" => {
+                    let factor = get_f32(content, &format!("{a}.rope.scaling.factor"))?;
+                    if !(factor.is_finite() && factor > 0.0) {
+                        bail!("invalid {a}.rope.scaling.factor {factor}");
+                    }
+                    extras.rope_linear_factor = Some(factor).filter(|&f| f != 1.0);
+                }
+                other => bail!(
+                    "unsupported RoPE scaling `{other}` ({a}.rope.scaling.type); supported: none, linear, and \
+                     llama3 (as the rope_freqs tensor)"
+                ),
+            }
+        }
         Ok(Self {
             arch,
             n_layers,
@@ -129,12 +246,45 @@ impl ModelConfig {
             rope_dim,
             rope_style: match arch {
                 Arch::Llama => RopeStyle::Interleaved,
-                Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Halves,
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeStyle::Halves,
             },
             rms_eps: get_f32(content, &format!("{a}.attention.layer_norm_rms_epsilon"))? as f64,
             tied_head: !content.tensor_infos.contains_key("output.weight"),
             qkv_bias: content.tensor_infos.contains_key("blk.0.attn_q.bias"),
             qk_norm: content.tensor_infos.contains_key("blk.0.attn_q_norm.weight"),
+            extras,
         })
     }
+}
+
+/// Gemma 3's settings. The window and global RoPE base are in the file; the rest is fixed
+/// by the architecture, as llama.cpp fixes it: every 6th layer global, local layers at RoPE
+/// base 10 000, queries scaled by 1/√head_dim except in the 27B (62 layers), which uses
+/// 1/√(hidden/heads).
+fn gemma3_extras(
+    content: &Content,
+    hidden: usize,
+    n_heads: usize,
+    head_dim: usize,
+    n_layers: usize,
+) -> Result<DecoderExtras> {
+    let window = get_usize(content, "gemma3.attention.sliding_window")?;
+    if window == 0 {
+        bail!("gemma3.attention.sliding_window is 0");
+    }
+    for t in ["attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"] {
+        if !content.tensor_infos.contains_key(&format!("blk.0.{t}.weight")) {
+            bail!("gemma3 GGUF has no `blk.0.{t}.weight`");
+        }
+    }
+    let scale_dim = if n_layers == 62 { hidden / n_heads } else { head_dim };
+    Ok(DecoderExtras {
+        embed_scale: Some((hidden as f32).sqrt()),
+        post_norms: true,
+        activation: Activation::GeluTanh,
+        sliding_window: Some(SlidingWindow { window, pattern: 6, rope_theta: 10_000.0 }),
+        attn_scale: Some(1.0 / (scale_dim as f32).sqrt()),
+        llama3_rope: None,
+        rope_linear_factor: None,
+    })
 }

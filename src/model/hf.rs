@@ -2,7 +2,7 @@
 //! + `tokenizer.json`, in f32/bf16/f16. Qwen3 (and Qwen2/Llama) checkpoints run on the same
 //! forward as GGUF models: tensor names are mapped to GGUF names here.
 
-use super::config::{Arch, ModelConfig, RopeStyle};
+use super::config::{Arch, DecoderExtras, Llama3Rope, ModelConfig, RopeStyle};
 use super::source::TensorSource;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -118,6 +118,35 @@ impl HfModelDir {
         let vocab = usize_of("vocab_size")?;
         let tied = c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false)
             || !self.has_hf_tensor("lm_head.weight");
+        let mut extras = DecoderExtras::default();
+        if let Some(scaling) = c.get("rope_scaling").filter(|v| !v.is_null()) {
+            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("");
+            let num = |k: &str| -> Result<f32> {
+                scaling
+                    .get(k)
+                    .and_then(Value::as_f64)
+                    .map(|v| v as f32)
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .with_context(|| format!("config.json: rope_scaling needs a positive `{k}`"))
+            };
+            match kind {
+                "default" => {}
+                "linear" => extras.rope_linear_factor = Some(num("factor")?),
+                "llama3" => {
+                    let r = Llama3Rope {
+                        factor: num("factor")?,
+                        low_freq_factor: num("low_freq_factor")?,
+                        high_freq_factor: num("high_freq_factor")?,
+                        original_context: num("original_max_position_embeddings")?,
+                    };
+                    if r.high_freq_factor <= r.low_freq_factor {
+                        bail!("config.json: rope_scaling high_freq_factor must exceed low_freq_factor");
+                    }
+                    extras.llama3_rope = Some(r);
+                }
+                other => bail!("config.json: unsupported rope_scaling type `{other}` (supported: linear, llama3)"),
+            }
+        }
         Ok(ModelConfig {
             arch,
             n_layers: usize_of("num_hidden_layers")?,
@@ -135,6 +164,7 @@ impl HfModelDir {
             tied_head: tied,
             qkv_bias: self.has_hf_tensor("model.layers.0.self_attn.q_proj.bias"),
             qk_norm: self.has_hf_tensor("model.layers.0.self_attn.q_norm.weight"),
+            extras,
         })
     }
 }

@@ -15,7 +15,7 @@ mod transformer;
 mod vnni_matmul;
 
 pub use batch::{ForwardBatch, ForwardOutput, LogitsRows, SeqInput};
-pub use config::{Arch, ModelConfig, RopeStyle};
+pub use config::{Activation, Arch, DecoderExtras, Llama3Rope, ModelConfig, RopeStyle, SlidingWindow};
 pub use gguf::{GgufFile, WeightFormat};
 pub use hf::HfModelDir;
 pub use kernels::{env_flag, KernelSettings};

@@ -24,6 +24,25 @@ impl Rope {
         Self { style, rope_dim, head_dim, inv_freq }
     }
 
+    /// Each pair's frequency divided by its divisor (Llama 3's `rope_freqs`, linear scaling);
+    /// `divisors` has one entry per rotated pair.
+    pub fn with_divisors(mut self, divisors: &[f32]) -> anyhow::Result<Self> {
+        if divisors.len() != self.inv_freq.len() {
+            anyhow::bail!(
+                "RoPE frequency divisors: {} values for {} rotated pairs",
+                divisors.len(),
+                self.inv_freq.len()
+            );
+        }
+        if let Some(bad) = divisors.iter().find(|d| !(d.is_finite() && **d > 0.0)) {
+            anyhow::bail!("RoPE frequency divisor {bad} is not a positive number");
+        }
+        for (f, d) in self.inv_freq.iter_mut().zip(divisors) {
+            *f /= d;
+        }
+        Ok(self)
+    }
+
     pub fn tables(&self, positions: &[usize]) -> RopeTables {
         let half = self.rope_dim / 2;
         let mut cos = Vec::with_capacity(positions.len() * half);

@@ -1,8 +1,9 @@
-//! The decoder shared by Llama and Qwen2: pre-norm attention with GQA over the paged KV
-//! cache and a SwiGLU MLP, run over a packed batch of sequences.
+//! The decoder shared by Llama, Qwen2/3 and Gemma 3: pre-norm attention with GQA over the
+//! paged KV cache and a gated MLP, run over a packed batch of sequences. What differs per
+//! architecture (q/k norms, post-norms, activation, windows, RoPE per layer) is in the config.
 
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
-use super::config::ModelConfig;
+use super::config::{Activation, ModelConfig};
 use super::gguf::{GgufFile, WeightFormat};
 use super::kernels::KernelSettings;
 use super::linear::{FusedLinear, Linear};
@@ -24,6 +25,12 @@ struct Layer {
     /// gate and up projections as one matmul.
     gate_up: FusedLinear,
     down: Linear,
+    /// RMSNorm weights on the attention and MLP outputs before the residual adds (Gemma 3).
+    post_norms: Option<(Tensor, Tensor)>,
+    /// Sliding attention window (positions), `None` for global attention.
+    window: Option<usize>,
+    /// Index of this layer's RoPE in `Transformer::ropes`.
+    rope: usize,
 }
 
 pub struct Transformer {
@@ -35,7 +42,8 @@ pub struct Transformer {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
-    rope: Rope,
+    /// The distinct RoPEs of the layers (Gemma 3: one for windowed layers, one for global).
+    ropes: Vec<Rope>,
     /// The file or directory the weights came from, when loaded from a path: an untied LM
     /// head's weights are read again from there when asked for ([`Self::lm_head_weights`]).
     source_path: Option<std::path::PathBuf>,
@@ -63,8 +71,33 @@ impl Transformer {
         } else {
             Linear::load(file, "output", false, format, kernels, device)?
         };
+        let mut ropes: Vec<(f32, bool, Rope)> = Vec::new();
+        // Llama 3 frequency divisors: the GGUF's tensor, else computed from the HF config.
+        let llama3_divisors = if file.has_tensor("rope_freqs.weight") {
+            Some(file.dense("rope_freqs.weight", device)?.flatten_all()?.to_vec1::<f32>()?)
+        } else {
+            config.extras.llama3_rope.map(|r| r.freq_divisors(config.rope_theta, config.rope_dim))
+        };
         let mut layers = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
+            let window = config.layer_window(i);
+            let theta = config.layer_rope_theta(i);
+            let linear = config.extras.rope_linear_factor.filter(|_| window.is_none());
+            let rope = match ropes.iter().position(|(t, g, _)| *t == theta && *g == linear.is_some()) {
+                Some(r) => r,
+                None => {
+                    let mut divisors = llama3_divisors.clone().unwrap_or_else(|| vec![1.0; config.rope_dim / 2]);
+                    if let Some(f) = linear {
+                        divisors.iter_mut().for_each(|d| *d *= f);
+                    }
+                    let mut rope = Rope::new(config.rope_style, theta, config.rope_dim, config.head_dim);
+                    if llama3_divisors.is_some() || linear.is_some() {
+                        rope = rope.with_divisors(&divisors).context("rope_freqs.weight")?;
+                    }
+                    ropes.push((theta, linear.is_some(), rope));
+                    ropes.len() - 1
+                }
+            };
             let names = |parts: &[&str]| parts.iter().map(|p| format!("blk.{i}.{p}")).collect::<Vec<_>>();
             let layer = Layer {
                 qkv: FusedLinear::load(
@@ -90,6 +123,16 @@ impl Transformer {
                 } else {
                     None
                 },
+                post_norms: if config.extras.post_norms {
+                    Some((
+                        file.dense(&format!("blk.{i}.post_attention_norm.weight"), device)?,
+                        file.dense(&format!("blk.{i}.post_ffw_norm.weight"), device)?,
+                    ))
+                } else {
+                    None
+                },
+                window,
+                rope,
             };
             let (q, kv) = (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim);
             check_shape(layer.qkv.widths(), layer.qkv.in_features(), &[q, kv, kv], config.hidden, i, "attn_q/k/v")?;
@@ -113,7 +156,7 @@ impl Transformer {
             layers.push(layer);
         }
         let norm = file.dense("output_norm.weight", device)?;
-        let rope = Rope::new(config.rope_style, config.rope_theta, config.rope_dim, config.head_dim);
+        let ropes = ropes.into_iter().map(|(_, _, r)| r).collect();
         Ok(Self {
             config,
             weight_format: format,
@@ -122,7 +165,7 @@ impl Transformer {
             layers,
             norm,
             lm_head,
-            rope,
+            ropes,
             source_path: None,
         })
     }
@@ -196,10 +239,15 @@ impl Transformer {
         Ok(())
     }
 
-    /// Token embeddings `[ids, hidden]` (drafters such as DFlash share the target's).
+    /// Token embeddings `[ids, hidden]` as the first layer sees them (scaled for Gemma);
+    /// drafters such as DFlash share the target's.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         let ids = Tensor::new(ids, &self.device)?;
-        Ok(self.embedding.embedding(&ids)?)
+        let x = self.embedding.embedding(&ids)?;
+        Ok(match self.config.extras.embed_scale {
+            Some(s) => (x * s as f64)?,
+            None => x,
+        })
     }
 
     /// The LM head alone, on already-normalised hidden states `[rows, hidden]` → logits.
@@ -309,13 +357,13 @@ impl Transformer {
             })
             .collect();
 
-        let ids = Tensor::new(tokens.as_slice(), &self.device)?;
-        let mut x = self.embedding.embedding(&ids)?;
+        let mut x = self.embed(&tokens)?;
         let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let kv_width = nkv * hd;
         let mut taps = vec![None; batch.tap_layers.len()];
         let mut attn_out = vec![0f32; n_rows * nh * hd];
-        let rope = self.rope.tables(&positions);
+        let rope_tables: Vec<_> = self.ropes.iter().map(|r| r.tables(&positions)).collect();
+        let attn_scale = cfg.extras.attn_scale.unwrap_or(1.0 / (hd as f32).sqrt());
 
         for (li, layer) in self.layers.iter().enumerate() {
             let h = super::elementwise::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
@@ -327,9 +375,10 @@ impl Transformer {
                 head_rms_norm(&mut q, qn, cfg.rms_eps as f32);
                 head_rms_norm(&mut k, kn, cfg.rms_eps as f32);
             }
+            let (rope, tables) = (&self.ropes[layer.rope], &rope_tables[layer.rope]);
             for row in 0..n_rows {
-                self.rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], &rope, row);
-                self.rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], &rope, row);
+                rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], tables, row);
+                rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], tables, row);
             }
             // Write this layer's new K/V into each sequence's blocks.
             for sq in &attn_seqs {
@@ -340,14 +389,25 @@ impl Transformer {
                     storage.write(li, sq.blocks, sq.cached + i, k_row, v_row);
                 }
             }
-            paged_attention(&storage, li, &q, nh, &attn_seqs, &mut attn_out);
+            paged_attention(&storage, li, &q, nh, &attn_seqs, attn_scale, layer.window, &mut attn_out);
             let attn = Tensor::from_slice(&attn_out, (n_rows, nh * hd), &self.device)?;
-            x = (x + layer.o.forward(&attn)?)?;
+            let mut attn = layer.o.forward(&attn)?;
+            if let Some((post_attn, _)) = &layer.post_norms {
+                attn = super::elementwise::rms_norm(&attn, post_attn, cfg.rms_eps as f32)?;
+            }
+            x = (x + attn)?;
 
             let h = super::elementwise::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
             let gate_up = layer.gate_up.forward(&h)?;
-            let gated = super::elementwise::silu_mul(&gate_up[0], &gate_up[1])?;
-            x = (x + layer.down.forward(&gated)?)?;
+            let gated = match cfg.extras.activation {
+                Activation::Silu => super::elementwise::silu_mul(&gate_up[0], &gate_up[1])?,
+                Activation::GeluTanh => (gate_up[0].gelu()? * &gate_up[1])?,
+            };
+            let mut mlp = layer.down.forward(&gated)?;
+            if let Some((_, post_ffn)) = &layer.post_norms {
+                mlp = super::elementwise::rms_norm(&mlp, post_ffn, cfg.rms_eps as f32)?;
+            }
+            x = (x + mlp)?;
 
             for (slot, &tl) in taps.iter_mut().zip(&batch.tap_layers) {
                 if tl == li {

@@ -317,9 +317,9 @@ mod tests {
     #[test]
     fn chat_prompt_token_counts_match_llama_cpp() {
         for (key, model, counts) in test_models::all_available() {
-            assert_eq!(model.template.origin(), TemplateOrigin::Gguf, "{key}");
+            assert_eq!(model.template.as_ref().unwrap().origin(), TemplateOrigin::Gguf, "{key}");
             for case in counts.iter().filter(|c| c.chat) {
-                let text = model.template.render(&[ChatMessage::user(case.prompt)], true).unwrap();
+                let text = model.template.as_ref().unwrap().render(&[ChatMessage::user(case.prompt)], true).unwrap();
                 let ids = model.tokenizer.encode(&text, true).unwrap();
                 assert_eq!(ids.len(), case.prompt_tokens, "{key}: {text:?}");
             }
@@ -332,7 +332,7 @@ mod tests {
             return;
         };
         let messages = [ChatMessage::user("What is 12 * 7? Answer briefly.")];
-        let text = model.template.render(&messages, true).unwrap();
+        let text = model.template.as_ref().unwrap().render(&messages, true).unwrap();
         assert_eq!(
             text,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \

@@ -1,10 +1,11 @@
-//! Byte-level BPE tokenizers ("gpt2" model in GGUF terms) built from GGUF metadata.
+//! Tokenizers built from GGUF metadata: byte-level BPE ("gpt2" model in GGUF terms) and
+//! SentencePiece-style ("llama": Llama 2, Gemma; the algorithm is in [`super::gguf_spm`]).
 //!
-//! The vocabulary, merges and token types come from the GGUF header; the pre-tokenizer
-//! (the regexes that cut text into words before BPE) is chosen by `tokenizer.ggml.pre`
-//! and mirrors llama.cpp's `llama-vocab.cpp`, so prompt token counts match llama.cpp.
-//! Encoding runs through the `tokenizers` crate; decoding is done here, byte-exact, so
-//! that streaming detokenisation can reproduce it piece by piece.
+//! The vocabulary, merges or scores and token types come from the GGUF header. For BPE the
+//! pre-tokenizer (the regexes that cut text into words before BPE) is chosen by
+//! `tokenizer.ggml.pre` and mirrors llama.cpp's `llama-vocab.cpp`, so prompt token counts
+//! match llama.cpp; BPE encoding runs through the `tokenizers` crate. Decoding is done
+//! here, byte-exact, so that streaming detokenisation can reproduce it piece by piece.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -17,6 +18,8 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use super::gguf_spm::{SpmEncoder, SPACE_MARK};
 
 /// GPT-2 style word split (llama.cpp's gpt2/smollm expression).
 const GPT2_WORD_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
@@ -119,10 +122,26 @@ impl TokenKind {
     }
 }
 
-/// A byte-level BPE tokenizer read from a GGUF file.
+/// How text becomes ids.
+enum Encoder {
+    Bpe(Box<tokenizers::Tokenizer>),
+    Spm(SpmEncoder),
+}
+
+/// The tokenizer model a GGUF names in `tokenizer.ggml.model`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VocabModel {
+    /// `gpt2`: byte-level BPE.
+    Bpe,
+    /// `llama`: SentencePiece-style merges by score, with byte fallback.
+    Spm,
+}
+
+/// A tokenizer read from a GGUF file.
 pub struct Tokenizer {
-    encoder: tokenizers::Tokenizer,
-    pre: PreTokenizerKind,
+    encoder: Encoder,
+    /// The BPE pre-tokenizer; `None` for SentencePiece vocabularies, which have none.
+    pre: Option<PreTokenizerKind>,
     /// Token texts as stored in the GGUF (byte-level alphabet for normal tokens).
     texts: Vec<String>,
     kinds: Vec<TokenKind>,
@@ -155,7 +174,10 @@ impl std::fmt::Debug for Tokenizer {
 
 /// Vocabulary-level metadata shared by the tokenizer and the chat template.
 pub(crate) struct GgufVocab {
+    pub model: VocabModel,
     pub texts: Vec<String>,
+    /// Merge priorities (SentencePiece vocabularies; empty for BPE).
+    pub scores: Vec<f32>,
     pub kinds: Vec<TokenKind>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
@@ -165,13 +187,14 @@ pub(crate) struct GgufVocab {
 
 impl GgufVocab {
     pub(crate) fn read(content: &Content) -> Result<Self> {
-        let model = metadata_string(content, "tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            bail!(
-                "unsupported tokenizer model `{model}` in tokenizer.ggml.model: only byte-level \
-                 BPE (`gpt2`) is supported"
-            );
-        }
+        let model = match metadata_string(content, "tokenizer.ggml.model")?.as_str() {
+            "gpt2" => VocabModel::Bpe,
+            "llama" => VocabModel::Spm,
+            other => bail!(
+                "unsupported tokenizer model `{other}` in tokenizer.ggml.model: supported are byte-level \
+                 BPE (`gpt2`) and SentencePiece-style (`llama`)"
+            ),
+        };
         let texts = string_array(content, "tokenizer.ggml.tokens")?;
         if texts.is_empty() {
             bail!("tokenizer.ggml.tokens is empty");
@@ -197,6 +220,28 @@ impl GgufVocab {
                     .context("reading tokenizer.ggml.token_type")?
             }
         };
+        let scores = match (model, content.metadata.get("tokenizer.ggml.scores")) {
+            (VocabModel::Bpe, _) => Vec::new(),
+            (VocabModel::Spm, None) => vec![0.0; texts.len()],
+            (VocabModel::Spm, Some(value)) => {
+                let values = value.to_vec().map_err(|e| anyhow!("tokenizer.ggml.scores is not an array: {e}"))?;
+                if values.len() != texts.len() {
+                    bail!(
+                        "tokenizer.ggml.scores has {} entries but tokenizer.ggml.tokens has {}",
+                        values.len(),
+                        texts.len()
+                    );
+                }
+                values
+                    .iter()
+                    .map(|v| match v {
+                        Value::F32(x) => Ok(*x),
+                        Value::F64(x) => Ok(*x as f32),
+                        other => Err(anyhow!("tokenizer.ggml.scores holds {other:?}, not floats")),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
         let n_tokens = texts.len() as u32;
         let token_id = |key: &str, default: Option<u32>| -> Result<Option<u32>> {
             let id = match content.metadata.get(key) {
@@ -213,10 +258,15 @@ impl GgufVocab {
                 other => Ok(other),
             }
         };
-        // llama.cpp's defaults for gpt2 vocabularies when the keys are absent.
-        let bos = token_id("tokenizer.ggml.bos_token_id", Some(11).filter(|&id| id < n_tokens))?;
-        let eos = token_id("tokenizer.ggml.eos_token_id", Some(11).filter(|&id| id < n_tokens))?;
-        let add_bos = metadata_bool(content, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+        // llama.cpp's defaults when the keys are absent: gpt2 vocabularies use id 11 for
+        // both and add no BOS; SentencePiece ones use 1 and 2 and add BOS.
+        let (bos_default, eos_default, add_bos_default) = match model {
+            VocabModel::Bpe => (11, 11, false),
+            VocabModel::Spm => (1, 2, true),
+        };
+        let bos = token_id("tokenizer.ggml.bos_token_id", Some(bos_default).filter(|&id| id < n_tokens))?;
+        let eos = token_id("tokenizer.ggml.eos_token_id", Some(eos_default).filter(|&id| id < n_tokens))?;
+        let add_bos = metadata_bool(content, "tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos_default);
         let add_eos = metadata_bool(content, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         if add_bos && bos.is_none() {
             bail!("tokenizer.ggml.add_bos_token is set but the GGUF has no BOS token");
@@ -224,7 +274,7 @@ impl GgufVocab {
         if add_eos && eos.is_none() {
             bail!("tokenizer.ggml.add_eos_token is set but the GGUF has no EOS token");
         }
-        Ok(Self { texts, kinds, bos, eos, add_bos, add_eos })
+        Ok(Self { model, texts, scores, kinds, bos, eos, add_bos, add_eos })
     }
 
     /// Text → id; a text stored twice maps to its last id, as in llama.cpp.
@@ -234,7 +284,7 @@ impl GgufVocab {
 
     /// The text a token stands for, the way llama.cpp renders it with `special = true`.
     pub(crate) fn rendered_text(&self, id: u32) -> String {
-        let bytes = piece_bytes(&self.texts[id as usize], self.kinds[id as usize]);
+        let bytes = piece_bytes(self.model, &self.texts[id as usize], self.kinds[id as usize]);
         String::from_utf8_lossy(&bytes).into_owned()
     }
 }
@@ -243,6 +293,42 @@ impl Tokenizer {
     /// Builds the tokenizer from a GGUF header.
     pub fn from_gguf(content: &Content) -> Result<Self> {
         let vocab = GgufVocab::read(content)?;
+        let text_to_id = vocab.text_to_id();
+        // llama.cpp forces these to control tokens even if the GGUF says otherwise.
+        let mut kinds = vocab.kinds.clone();
+        for &text in EOG_TOKEN_TEXTS.iter().chain(FIM_EOG_TOKEN_TEXTS) {
+            if let Some(&id) = text_to_id.get(text) {
+                kinds[id as usize] = TokenKind::Control;
+            }
+        }
+        let (encoder, pre) = match vocab.model {
+            VocabModel::Bpe => {
+                let (encoder, pre) = Self::bpe_encoder(content, &vocab, &text_to_id, &kinds)?;
+                (Encoder::Bpe(Box::new(encoder)), Some(pre))
+            }
+            VocabModel::Spm => {
+                let unk = match content.metadata.get("tokenizer.ggml.unknown_token_id") {
+                    Some(v) => u32::try_from(integer(v).context("reading tokenizer.ggml.unknown_token_id")?)
+                        .ok()
+                        .filter(|&id| (id as usize) < vocab.texts.len()),
+                    None => Some(0).filter(|_| !vocab.texts.is_empty()),
+                };
+                let add_space_prefix = metadata_bool(content, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+                let whole = |id: u32| kinds[id as usize].is_matched_whole();
+                (Encoder::Spm(SpmEncoder::new(&vocab.texts, vocab.scores.clone(), whole, unk, add_space_prefix)), None)
+            }
+        };
+        Self::finish(content, vocab, text_to_id, kinds, encoder, pre)
+    }
+
+    /// The byte-level BPE encoder: merges, the pre-tokenizer named by the GGUF, and the
+    /// tokens matched whole.
+    fn bpe_encoder(
+        content: &Content,
+        vocab: &GgufVocab,
+        text_to_id: &HashMap<String, u32>,
+        kinds: &[TokenKind],
+    ) -> Result<(tokenizers::Tokenizer, PreTokenizerKind)> {
         let pre_name = metadata_string(content, "tokenizer.ggml.pre")
             .context("the GGUF names no pre-tokenizer (tokenizer.ggml.pre); refusing to guess one")?;
         let pre = PreTokenizerKind::from_gguf_name(&pre_name).ok_or_else(|| {
@@ -261,7 +347,6 @@ impl Tokenizer {
             })
             .collect::<Result<Vec<_>>>()?;
 
-        let text_to_id = vocab.text_to_id();
         let bpe_vocab: Vocab = text_to_id.iter().map(|(t, &id)| (t.clone(), id)).collect();
         let bpe = BPE::builder()
             .vocab_and_merges(bpe_vocab, merges)
@@ -280,17 +365,10 @@ impl Tokenizer {
         encoder.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(pre_tokenizers))));
 
         // Control / user-defined / unknown tokens are matched whole in text (parse_special).
-        let mut kinds = vocab.kinds.clone();
-        for &text in EOG_TOKEN_TEXTS.iter().chain(FIM_EOG_TOKEN_TEXTS) {
-            // llama.cpp forces these to control tokens even if the GGUF says otherwise.
-            if let Some(&id) = text_to_id.get(text) {
-                kinds[id as usize] = TokenKind::Control;
-            }
-        }
         let whole_tokens: Vec<AddedToken> = vocab
             .texts
             .iter()
-            .zip(&kinds)
+            .zip(kinds)
             .filter(|(text, kind)| kind.is_matched_whole() && !text.is_empty())
             .map(|(text, kind)| AddedToken::from(text.clone(), *kind != TokenKind::UserDefined).normalized(false))
             .collect();
@@ -300,7 +378,18 @@ impl Tokenizer {
         encoder
             .add_tokens(whole_tokens.iter().filter(|t| !t.special).cloned())
             .map_err(|e| anyhow!("registering user-defined tokens: {e}"))?;
+        Ok((encoder, pre))
+    }
 
+    /// The parts every vocabulary shares: end-of-turn and stop ids, decoded pieces.
+    fn finish(
+        content: &Content,
+        vocab: GgufVocab,
+        text_to_id: HashMap<String, u32>,
+        kinds: Vec<TokenKind>,
+        encoder: Encoder,
+        pre: Option<PreTokenizerKind>,
+    ) -> Result<Self> {
         let eot = match content.metadata.get("tokenizer.ggml.eot_token_id") {
             Some(v) => Some(
                 u32::try_from(integer(v).context("reading tokenizer.ggml.eot_token_id")?)
@@ -334,7 +423,7 @@ impl Tokenizer {
         stop_ids.sort_unstable();
         stop_ids.dedup();
 
-        let pieces = vocab.texts.iter().zip(&kinds).map(|(text, &kind)| piece_bytes(text, kind)).collect();
+        let pieces = vocab.texts.iter().zip(&kinds).map(|(text, &kind)| piece_bytes(vocab.model, text, kind)).collect();
         Ok(Self {
             encoder,
             pre,
@@ -360,13 +449,17 @@ impl Tokenizer {
     /// Text → token ids. Special tokens written in the text (`<|im_start|>`) become single
     /// tokens. With `add_special`, BOS/EOS are added when the GGUF asks for them.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let encoding = self.encoder.encode_fast(text, false).map_err(|e| anyhow!("tokenizing text: {e}"))?;
-        let body = encoding.get_ids();
+        let body = match &self.encoder {
+            Encoder::Bpe(bpe) => {
+                bpe.encode_fast(text, false).map_err(|e| anyhow!("tokenizing text: {e}"))?.get_ids().to_vec()
+            }
+            Encoder::Spm(spm) => spm.encode(text),
+        };
         let mut ids = Vec::with_capacity(body.len() + 2);
         if add_special && self.add_bos {
             ids.extend(self.bos);
         }
-        ids.extend_from_slice(body);
+        ids.extend_from_slice(&body);
         if add_special && self.add_eos {
             ids.extend(self.eos);
         }
@@ -443,7 +536,8 @@ impl Tokenizer {
         self.add_eos
     }
 
-    pub fn pre_tokenizer(&self) -> PreTokenizerKind {
+    /// The BPE pre-tokenizer; `None` for SentencePiece vocabularies.
+    pub fn pre_tokenizer(&self) -> Option<PreTokenizerKind> {
         self.pre
     }
 }
@@ -456,7 +550,22 @@ pub fn read_gguf_header(path: &Path) -> Result<Content> {
 
 /// What a token decodes to: the raw text for special tokens, byte-level-decoded bytes for
 /// normal ones, nothing for unused ones (llama.cpp's `token_to_piece` with special = true).
-fn piece_bytes(text: &str, kind: TokenKind) -> Vec<u8> {
+/// SentencePiece vocabularies: `▁` is a space, `<0xXX>` byte tokens their byte, unknown `▅`.
+fn piece_bytes(model: VocabModel, text: &str, kind: TokenKind) -> Vec<u8> {
+    if model == VocabModel::Spm {
+        return match kind {
+            TokenKind::Normal | TokenKind::UserDefined => text.replace(SPACE_MARK, " ").into_bytes(),
+            TokenKind::Byte => text
+                .strip_prefix("<0x")
+                .and_then(|h| h.strip_suffix('>'))
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .map(|b| vec![b])
+                .unwrap_or_default(),
+            TokenKind::Unknown => "\u{2585}".as_bytes().to_vec(),
+            TokenKind::Control => text.as_bytes().to_vec(),
+            TokenKind::Unused => Vec::new(),
+        };
+    }
     match kind {
         TokenKind::Normal => {
             let mut bytes = Vec::with_capacity(text.len());
@@ -611,8 +720,8 @@ pub(crate) mod tests {
         assert!(err.to_string().contains("unsupported pre-tokenizer `llama-bpe`"), "{err}");
         let err = Tokenizer::from_gguf(&toy_content("gpt2", None, None)).unwrap_err();
         assert!(format!("{err:#}").contains("tokenizer.ggml.pre"), "{err:#}");
-        let err = Tokenizer::from_gguf(&toy_content("llama", Some("smollm"), None)).unwrap_err();
-        assert!(err.to_string().contains("unsupported tokenizer model `llama`"), "{err}");
+        let err = Tokenizer::from_gguf(&toy_content("t5", Some("smollm"), None)).unwrap_err();
+        assert!(err.to_string().contains("unsupported tokenizer model `t5`"), "{err}");
     }
 
     #[test]
@@ -695,7 +804,7 @@ pub(crate) mod tests {
         assert_eq!(tok.id_of("<|im_end|>"), Some(2));
         assert_eq!(tok.eot_id(), Some(2));
         assert!(tok.is_stop(2) && tok.is_stop(0), "stop ids {:?}", tok.stop_ids());
-        assert_eq!(tok.pre_tokenizer(), PreTokenizerKind::SmolLm);
+        assert_eq!(tok.pre_tokenizer(), Some(PreTokenizerKind::SmolLm));
     }
 
     #[test]
@@ -710,7 +819,7 @@ pub(crate) mod tests {
                 let expected = result["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
                 let text = if result["mode"] == "chat" {
                     let messages = [crate::tokenize::ChatMessage::user(prompt)];
-                    model.template.render(&messages, true).unwrap()
+                    model.template.as_ref().unwrap().render(&messages, true).unwrap()
                 } else {
                     prompt.to_string()
                 };
@@ -742,5 +851,33 @@ pub(crate) mod tests {
             assert_eq!(*ids.last().unwrap(), model.tokenizer.id_of("<|im_end|>").unwrap(), "{key}");
             assert_eq!(model.tokenizer.decode(&ids, true), "user\nhi", "{key}");
         }
+    }
+}
+
+#[cfg(test)]
+mod spm_tests {
+    use crate::tokenize::test_models::{self, ROUND_TRIP_TEXTS};
+
+    /// Gemma 3's SentencePiece vocabulary: every text comes back byte for byte (byte fallback
+    /// for characters without a token), control tokens in the text are single tokens, and the
+    /// word-boundary mark decodes to a space. Prompt ids are checked against llama.cpp's counts
+    /// in `tests/reference_parity.rs`.
+    #[test]
+    fn gemma3_round_trips_and_parses_control_tokens() {
+        let Some(model) = test_models::gemma3() else { return };
+        let tok = &model.tokenizer;
+        for text in ROUND_TRIP_TEXTS.iter().chain(&["\n\n\tx\n", "💡 ﷽ \u{0}"]) {
+            let ids = tok.encode(text, false).unwrap();
+            assert_eq!(tok.decode(&ids, false), *text, "{ids:?}");
+        }
+        let ids = tok.encode("<start_of_turn>user\nhi<end_of_turn>", true).unwrap();
+        assert_eq!(ids[0], tok.bos_id().unwrap());
+        assert_eq!(ids[1], tok.id_of("<start_of_turn>").unwrap());
+        assert_eq!(*ids.last().unwrap(), tok.id_of("<end_of_turn>").unwrap());
+        assert!(tok.is_stop(tok.id_of("<end_of_turn>").unwrap()));
+        assert_eq!(tok.decode(&ids, true), "user\nhi");
+        // "\n" is a user-defined token in this vocabulary: matched whole, decoded as itself.
+        assert_eq!(tok.encode("a\nb", false).unwrap()[1], tok.id_of("\n").unwrap());
+        assert_eq!(tok.encode(" the", false).unwrap(), vec![tok.id_of("\u{2581}the").unwrap()]);
     }
 }

@@ -1,18 +1,20 @@
 //! Tokenizers and chat templates.
 //!
-//! - [`gguf_bpe`]: byte-level BPE tokenizers built from GGUF metadata, matching llama.cpp's
-//!   pre-tokenizers (`smollm`, `qwen2`) and special-token parsing.
+//! - [`gguf_bpe`]: tokenizers built from GGUF metadata, matching llama.cpp: byte-level BPE
+//!   with its pre-tokenizers (`smollm`, `qwen2`), SentencePiece-style vocabularies
+//!   ([`gguf_spm`]), and special-token parsing.
 //! - [`chat_template`]: the GGUF's Jinja chat template rendered with minijinja.
 //! - [`detok_stream`]: incremental detokenisation that never splits a UTF-8 character.
 
 pub mod chat_template;
 pub mod detok_stream;
 pub mod gguf_bpe;
+pub mod gguf_spm;
 pub mod hf_json;
 
 pub use chat_template::{ChatMessage, ChatTemplate, TemplateOrigin};
 pub use detok_stream::StreamDecoder;
-pub use gguf_bpe::{read_gguf_header, PreTokenizerKind, TokenKind, Tokenizer};
+pub use gguf_bpe::{read_gguf_header, PreTokenizerKind, TokenKind, Tokenizer, VocabModel};
 
 /// Model files and llama.cpp ground truth shared by this module's tests.
 #[cfg(test)]
@@ -66,7 +68,8 @@ pub(crate) mod test_models {
 
     pub struct LoadedModel {
         pub tokenizer: Tokenizer,
-        pub template: ChatTemplate,
+        /// `None` for base models whose GGUF has no chat template (Gemma 3 270M).
+        pub template: Option<ChatTemplate>,
     }
 
     fn skip_model_tests() -> bool {
@@ -97,7 +100,10 @@ pub(crate) mod test_models {
             let content = super::read_gguf_header(&path).expect("reading GGUF header");
             Arc::new(LoadedModel {
                 tokenizer: Tokenizer::from_gguf(&content).expect("building tokenizer"),
-                template: ChatTemplate::from_gguf(&content).expect("reading chat template"),
+                template: content
+                    .metadata
+                    .contains_key("tokenizer.chat_template")
+                    .then(|| ChatTemplate::from_gguf(&content).expect("reading chat template")),
             })
         });
         Some(Arc::clone(loaded))
@@ -106,6 +112,12 @@ pub(crate) mod test_models {
     /// SmolLM2, fetched on first use unless SPECULA_SKIP_MODEL_TESTS=1.
     pub fn smollm2() -> Option<Arc<LoadedModel>> {
         load("smollm2-135m", true)
+    }
+
+    /// Gemma 3 270M (SentencePiece vocabulary), fetched on first use unless
+    /// SPECULA_SKIP_MODEL_TESTS=1.
+    pub fn gemma3() -> Option<Arc<LoadedModel>> {
+        load("gemma3-270m", true)
     }
 
     /// The Qwen2.5-Coder models are optional: only those already fetched.

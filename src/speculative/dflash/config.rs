@@ -481,6 +481,7 @@ mod tests {
             tied_head: false,
             qkv_bias: false,
             qk_norm: true,
+            extras: Default::default(),
         };
         cfg.check_target(&target).unwrap();
         let err = |t: &ModelConfig| cfg.check_target(t).unwrap_err().to_string();

@@ -1,5 +1,5 @@
-//! Q8_0, Q5_0 and Q4_1 weights × two-level 8-bit activations on AVX-512 VNNI CPUs, for any
-//! batch size.
+//! Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights × two-level 8-bit activations on AVX-512 VNNI
+//! CPUs, for any batch size.
 //!
 //! Why not candle's kernels: its repacked Q8_0 kernel needs input widths that are multiples
 //! of 256 (SmolLM2's 576 had to be zero-padded to 768, a third more work), quantises
@@ -9,6 +9,13 @@
 //! are prefetched ahead of use. Q4_1 streams 0.63 bytes per weight and Q5_0 0.69, against
 //! Q8_0's 1.06 (candle runs both 4/5-bit types with scalar code):
 //! small decode batches are bound by reading the weights, so that is what they wait for.
+//!
+//! The k-quants run as blocks of 32 with their scales kept as stored: Q4_K is Q4_1 with the
+//! block's scale `d·sc` and minimum `−dmin·m` (6-bit `sc`, `m` per 32, f16 `d`, `dmin` per
+//! 256); Q6_K is 6-bit `q − 32` with an 8-bit scale per 16 inputs, so its blocks sum their two
+//! halves apart. Each product of an f16 and a small integer is exact in f32, so the kernels
+//! multiply exactly the file's weights, streaming about as many bytes (4.6 and 6.6 bits per
+//! weight) as the file holds. candle's k-quant kernels quantise activations to one 8-bit level.
 //!
 //! Activations are quantised per 32 values in two levels: `x ≈ d·q + d_r·r`, where `q` is
 //! llama.cpp's Q8_0/Q8_1 activation block (`d = max|x|/127`, `q = round(x/d)`) and `r` the same
@@ -59,14 +66,20 @@ pub fn available() -> bool {
 
 /// Whether a `[n, k]` matrix of this type has a kernel here (CPU aside).
 pub fn supports(dtype: GgmlDType, n: usize, k: usize) -> bool {
-    matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_1)
-        && n > 0
-        && k > 0
-        && n.is_multiple_of(TILE_N)
-        && k.is_multiple_of(BLOCK)
+    let k_multiple = match dtype {
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_1 => BLOCK,
+        GgmlDType::Q4K | GgmlDType::Q6K => SUPER_BLOCK,
+        _ => return false,
+    };
+    n > 0 && k > 0 && n.is_multiple_of(TILE_N) && k.is_multiple_of(k_multiple)
 }
 
-/// A Q8_0, Q5_0 or Q4_1 matrix rearranged into tiles of 16 output rows × 32 inputs.
+/// Inputs per k-quant super-block (one f16 scale per row).
+const SUPER_BLOCK: usize = 256;
+/// Blocks of 32 per super-block.
+const BLOCKS_PER_SUPER: usize = SUPER_BLOCK / BLOCK;
+
+/// A Q8_0, Q5_0, Q4_1, Q4_K or Q6_K matrix rearranged into tiles of 16 output rows × 32 inputs.
 pub struct PackedMatrix {
     n: usize,
     k: usize,
@@ -87,6 +100,14 @@ enum Packed {
     /// Weight = d·(q − 16) with q in 0..32: the low four bits as Q4_1's `qs`, the fifth bit
     /// of input j at bit j of the row's `qh` word. `qh`, `d`: `[n/16][k/32][16]`.
     Q5_0 { qs: Vec<u8>, qh: Vec<u32>, d: Vec<f16> },
+    /// Weight = (d·sc)·q − (dmin·m) with q in 0..16: `qs` as Q4_1's; `sc`, `m` (6-bit):
+    /// `[n/16][k/32][16]`; `d` and `dmin_neg` (−dmin): `[n/16][k/256][16]`.
+    Q4K { qs: Vec<u8>, sc: Vec<u8>, m: Vec<u8>, d: Vec<f16>, dmin_neg: Vec<f16> },
+    /// Weight = (d·sc)·(q − 32) with q in 0..64 and one `sc` per 16 inputs: the low four bits
+    /// as Q4_1's `qs`; `qh`: `[n/16][k/32][2][16 rows][4]`, whose byte (h, row, i) holds at bits
+    /// 2j..2j+2 the top two bits of input 4(4h+j)+i; `sc`: `[n/16][k/32][2][16]` (inputs 0..16,
+    /// then 16..32); `d`: `[n/16][k/256][16]`.
+    Q6K { qs: Vec<u8>, qh: Vec<u8>, sc: Vec<i8>, d: Vec<f16> },
 }
 
 /// GGML's Q8_0 block: an f16 scale and 32 signed bytes.
@@ -95,6 +116,56 @@ const Q8_0_BYTES: usize = 2 + BLOCK;
 const Q4_1_BYTES: usize = 4 + BLOCK / 2;
 /// GGML's Q5_0 block: f16 scale, 4 bytes of fifth bits, 16 bytes of nibbles as Q4_1's.
 const Q5_0_BYTES: usize = 6 + BLOCK / 2;
+/// GGML's Q4_K super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes of
+/// nibbles.
+const Q4K_BYTES: usize = 4 + 12 + SUPER_BLOCK / 2;
+/// GGML's Q6_K super-block: 128 bytes of low nibbles, 64 of top bit pairs, 16 i8 scales, f16 d.
+const Q6K_BYTES: usize = SUPER_BLOCK / 2 + SUPER_BLOCK / 4 + 16 + 2;
+
+/// Scale and minimum of block `j` (0..8) of a Q4_K super-block, from its 12 packed bytes.
+fn q4k_scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (packed[j] & 63, packed[j + 4] & 63)
+    } else {
+        ((packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4), (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4))
+    }
+}
+
+/// The 256 quantised values (0..16) and 8 (scale, minimum) pairs of a Q4_K super-block.
+fn q4k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER]) {
+    let qs = &block[16..];
+    let mut values = [0u8; SUPER_BLOCK];
+    for (i, v) in values.iter_mut().enumerate() {
+        // 64 inputs per 32 bytes: the first 32 in the low nibbles, the next 32 in the high.
+        let byte = qs[i / 64 * 32 + i % 32];
+        *v = if i % 64 < 32 { byte & 0x0F } else { byte >> 4 };
+    }
+    (values, std::array::from_fn(|j| q4k_scale_min(j, &block[4..16])))
+}
+
+/// The 256 quantised values (0..64, to be taken − 32) and 16 scales of a Q6_K super-block.
+fn q6k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [i8; 16]) {
+    let (ql, qh) = (&block[..128], &block[128..192]);
+    let mut values = [0u8; SUPER_BLOCK];
+    for (i, v) in values.iter_mut().enumerate() {
+        // Halves of 128; in each, quarter q of 32 inputs takes low nibbles (q even) or high
+        // nibbles (q odd) of ql[32·(q%2)..], and bit pair q of qh[l].
+        let (half, quarter, l) = (i / 128, i % 128 / 32, i % 32);
+        let low = ql[half * 64 + (quarter % 2) * 32 + l];
+        let low = if quarter < 2 { low & 0x0F } else { low >> 4 };
+        let high = (qh[half * 32 + l] >> (2 * quarter)) & 3;
+        *v = low | (high << 4);
+    }
+    (values, std::array::from_fn(|j| block[192 + j] as i8))
+}
+
+/// Puts a block's 32 values (each < 16) into the tile layout Q4_1 stores: byte (g, row, i)
+/// holds input 4g+i in its low nibble and 16+4g+i in its high one.
+fn pack_nibbles(values: &[u8], qs: &mut [u8], tile: usize, lane: usize) {
+    for j in 0..BLOCK / 2 {
+        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = (values[j] & 0x0F) | (values[j + 16] << 4);
+    }
+}
 
 impl PackedMatrix {
     /// Packs a `[n, k]` Q8_0, Q5_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
@@ -106,14 +177,17 @@ impl PackedMatrix {
         }
         let data = q.data()?;
         let kb = k / BLOCK;
-        let block_bytes = match q.dtype() {
-            GgmlDType::Q8_0 => Q8_0_BYTES,
-            GgmlDType::Q5_0 => Q5_0_BYTES,
-            _ => Q4_1_BYTES,
+        let expected = match q.dtype() {
+            GgmlDType::Q8_0 => n * kb * Q8_0_BYTES,
+            GgmlDType::Q5_0 => n * kb * Q5_0_BYTES,
+            GgmlDType::Q4K => n * (k / SUPER_BLOCK) * Q4K_BYTES,
+            GgmlDType::Q6K => n * (k / SUPER_BLOCK) * Q6K_BYTES,
+            _ => n * kb * Q4_1_BYTES,
         };
-        if data.len() != n * kb * block_bytes {
+        if data.len() != expected {
             bail!("{:?} tensor of {n}×{k} has {} bytes", q.dtype(), data.len());
         }
+        let sb_n = k / SUPER_BLOCK;
         let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]);
         let weights = if q.dtype() == GgmlDType::Q8_0 {
             let mut qs = vec![0u8; n * k];
@@ -146,6 +220,54 @@ impl PackedMatrix {
                 }
             }
             Packed::Q5_0 { qs, qh, d }
+        } else if q.dtype() == GgmlDType::Q4K {
+            let mut qs = vec![0u8; n * k / 2];
+            let (mut sc, mut m) = (vec![0u8; n * kb], vec![0u8; n * kb]);
+            let (mut d, mut dmin_neg) = (vec![f16::ZERO; n * sb_n], vec![f16::ZERO; n * sb_n]);
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for s in 0..sb_n {
+                    let block = &data[(row * sb_n + s) * Q4K_BYTES..][..Q4K_BYTES];
+                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
+                    dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
+                    let (values, scales) = q4k_values(block);
+                    for (j, &(scale, min)) in scales.iter().enumerate() {
+                        let b = s * BLOCKS_PER_SUPER + j;
+                        sc[(nt * kb + b) * TILE_N + lane] = scale;
+                        m[(nt * kb + b) * TILE_N + lane] = min;
+                        let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
+                        pack_nibbles(&values[j * BLOCK..(j + 1) * BLOCK], &mut qs, tile, lane);
+                    }
+                }
+            }
+            Packed::Q4K { qs, sc, m, d, dmin_neg }
+        } else if q.dtype() == GgmlDType::Q6K {
+            let mut qs = vec![0u8; n * k / 2];
+            let mut qh = vec![0u8; n * k / 4];
+            let mut sc = vec![0i8; n * kb * 2];
+            let mut d = vec![f16::ZERO; n * sb_n];
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for s in 0..sb_n {
+                    let block = &data[(row * sb_n + s) * Q6K_BYTES..][..Q6K_BYTES];
+                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 208);
+                    let (values, scales) = q6k_values(block);
+                    for j in 0..BLOCKS_PER_SUPER {
+                        let b = s * BLOCKS_PER_SUPER + j;
+                        let vals = &values[j * BLOCK..(j + 1) * BLOCK];
+                        let low: Vec<u8> = vals.iter().map(|v| v & 0x0F).collect();
+                        pack_nibbles(&low, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                        for (input, v) in vals.iter().enumerate() {
+                            let (g, i) = (input / 4, input % 4);
+                            let at = (nt * kb + b) * TILE_N * BLOCK / 4 + ((g / 4) * TILE_N + lane) * 4 + i;
+                            qh[at] |= (v >> 4) << (2 * (g % 4));
+                        }
+                        sc[((nt * kb + b) * 2) * TILE_N + lane] = scales[2 * j];
+                        sc[((nt * kb + b) * 2 + 1) * TILE_N + lane] = scales[2 * j + 1];
+                    }
+                }
+            }
+            Packed::Q6K { qs, qh, sc, d }
         } else {
             let mut qs = vec![0u8; n * k / 2];
             let (mut d, mut m) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb]);
@@ -217,6 +339,8 @@ impl PackedMatrix {
                 Packed::Q8_0 { .. } => by_rows!(q8_0_rows),
                 Packed::Q4_1 { .. } => by_rows!(q4_1_rows),
                 Packed::Q5_0 { .. } => by_rows!(q5_0_rows),
+                Packed::Q4K { .. } => by_rows!(q4k_rows),
+                Packed::Q6K { .. } => by_rows!(q6k_rows),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -235,6 +359,9 @@ struct ActBlock {
     /// Σq and Σr, exact.
     sum: i32,
     sum_r: i32,
+    /// Σq and Σr over the block's first 16 values (Q6_K scales each half apart).
+    sum_lo: i32,
+    sum_r_lo: i32,
     /// `d·Σq + d_r·Σr`: the block's sum as quantised (Q4_1's minimum term).
     s: f32,
 }
@@ -303,14 +430,16 @@ fn quantize_range_portable(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [
     for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
         let (qs, rs) = (&mut q[b * BLOCK..(b + 1) * BLOCK], &mut r[b * BLOCK..(b + 1) * BLOCK]);
         let (d, sum) = quantize_block_portable(xs, qs);
+        let sum_lo = qs[..BLOCK / 2].iter().map(|&q| q as i32).sum();
         if !two_level {
-            blocks[b] = ActBlock { d, sum, s: d * sum as f32, ..ActBlock::default() };
+            blocks[b] = ActBlock { d, sum, sum_lo, s: d * sum as f32, ..ActBlock::default() };
             continue;
         }
         // What the first level leaves over, with one rounding (fused, as the vector code).
         let rest: Vec<f32> = xs.iter().zip(qs.iter()).map(|(&x, &q)| (-(q as f32)).mul_add(d, x)).collect();
         let (d_r, sum_r) = quantize_block_portable(&rest, rs);
-        blocks[b] = ActBlock { d, d_r, sum, sum_r, s: d_r.mul_add(sum_r as f32, d * sum as f32) };
+        let sum_r_lo = rs[..BLOCK / 2].iter().map(|&r| r as i32).sum();
+        blocks[b] = ActBlock { d, d_r, sum, sum_r, sum_lo, sum_r_lo, s: d_r.mul_add(sum_r as f32, d * sum as f32) };
     }
 }
 
@@ -330,7 +459,7 @@ fn quantize_block_portable(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{ActBlock, Packed, PackedMatrix, QuantizedRows, BLOCK, TILE_N};
+    use super::{ActBlock, Packed, PackedMatrix, QuantizedRows, BLOCK, BLOCKS_PER_SUPER, SUPER_BLOCK, TILE_N};
     use core::arch::x86_64::*;
 
     /// How far ahead, in weight blocks of one tile (8 KiB of Q8_0 here), to ask for the
@@ -395,12 +524,31 @@ mod avx512 {
         _mm512_add_epi32(even, odd)
     }
 
+    /// Σ over groups 0..4 (inputs 0..16) and over groups 4..8 (16..32) apart, from `init_lo`
+    /// and `init_hi`: four independent chains.
+    #[inline(always)]
+    unsafe fn dot_halves(init_lo: __m512i, init_hi: __m512i, wv: &[__m512i; 8], a: *const i32) -> (__m512i, __m512i) {
+        let zero = _mm512_setzero_si512();
+        let at = |g: usize| _mm512_set1_epi32(a.add(g).read_unaligned());
+        let lo0 = _mm512_dpbusd_epi32(init_lo, wv[0], at(0));
+        let lo1 = _mm512_dpbusd_epi32(zero, wv[1], at(1));
+        let hi0 = _mm512_dpbusd_epi32(init_hi, wv[4], at(4));
+        let hi1 = _mm512_dpbusd_epi32(zero, wv[5], at(5));
+        let lo0 = _mm512_dpbusd_epi32(lo0, wv[2], at(2));
+        let lo1 = _mm512_dpbusd_epi32(lo1, wv[3], at(3));
+        let hi0 = _mm512_dpbusd_epi32(hi0, wv[6], at(6));
+        let hi1 = _mm512_dpbusd_epi32(hi1, wv[7], at(7));
+        (_mm512_add_epi32(lo0, lo1), _mm512_add_epi32(hi0, hi1))
+    }
+
     /// One weight block of an output tile, ready for the dot products.
     struct TileBlock {
         /// 8 groups of 4 inputs × 16 rows, as unsigned bytes.
         wv: [__m512i; 8],
-        /// The 16 rows' scales.
+        /// The 16 rows' scales (of inputs 0..16 only, when `scale_hi` is set).
         scale: __m512,
+        /// Q6_K: the scales of inputs 16..32; the two halves are summed and scaled apart.
+        scale_hi: Option<__m512>,
         /// What the bytes carry on top of the signed weight (Q8_0: +128, Q5_0: +16): the
         /// integer sum starts at −offset·Σa, exact, so it cancels.
         offset: i32,
@@ -432,6 +580,25 @@ mod avx512 {
                     let at = row * acts.k + b * BLOCK;
                     let (q, rest) = (acts.q.as_ptr().add(at) as *const i32, acts.r.as_ptr().add(at) as *const i32);
                     let a = acts.blocks.get_unchecked(row * kb_n + b);
+                    if let Some(scale_hi) = w.scale_hi {
+                        // Per half: acc += cvt(Σ w·q − offset·Σq) · (d_w·d), low half first.
+                        let init = |sum: i32| _mm512_set1_epi32(-w.offset * sum);
+                        let (lo, hi) = dot_halves(init(a.sum_lo), init(a.sum - a.sum_lo), &w.wv, q);
+                        *acc =
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
+                        *acc =
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d)), *acc);
+                        if acts.two_level {
+                            let (lo, hi) = dot_halves(init(a.sum_r_lo), init(a.sum_r - a.sum_r_lo), &w.wv, rest);
+                            let (dl, dh) = (
+                                _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r)),
+                                _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d_r)),
+                            );
+                            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dl, *acc);
+                            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dh, *acc);
+                        }
+                        continue;
+                    }
                     let isum = dot_block(_mm512_set1_epi32(-w.offset * a.sum), &w.wv, q);
                     let scale = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d));
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
@@ -477,6 +644,7 @@ mod avx512 {
             TileBlock {
                 wv: core::array::from_fn(|g| _mm512_loadu_si512(w.add(g * 64) as *const _)),
                 scale: row_values(d.add(b * TILE_N)),
+                scale_hi: None,
                 offset: 128,
                 min: None,
             }
@@ -504,6 +672,7 @@ mod avx512 {
             TileBlock {
                 wv: q4_1_nibbles(w),
                 scale: row_values(d.add(b * TILE_N)),
+                scale_hi: None,
                 offset: 0,
                 min: Some(row_values(m.add(b * TILE_N))),
             }
@@ -553,17 +722,109 @@ mod avx512 {
             TileBlock {
                 wv: q5_0_weights(w, qh.add(b * TILE_N)),
                 scale: row_values(d.add(b * TILE_N)),
+                scale_hi: None,
                 offset: 16,
                 min: None,
             }
         });
     }
 
-    /// One level of one block held in two vectors: `q = round(x / d)` (ties to even),
-    /// `d = max|x| / 127`, stored as bytes at `out`; returns `d`, Σq and the rounded values
-    /// as floats.
+    /// 16 small integers (bytes, unsigned or signed) widened to floats.
     #[inline(always)]
-    unsafe fn quantize_level(lo: __m512, hi: __m512, out: *mut i8) -> (f32, i32, __m512, __m512) {
+    unsafe fn u8_values(p: *const u8) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))) }
+    }
+
+    #[inline(always)]
+    unsafe fn i8_values(p: *const i8) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
+    }
+
+    /// Q4_K: Q4_1's arithmetic with scale d·sc and minimum −dmin·m (both exact in f32).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn q4k_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q4K { qs, sc, m, d, dmin_neg } = &p.weights else { unreachable!("Q4_K kernel on other weights") };
+        let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+        let (sc, m) = (sc.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
+        let (d, dmin_neg) = (d.as_ptr().add(nt * sb_n * TILE_N), dmin_neg.as_ptr().add(nt * sb_n * TILE_N));
+        tile_rows::<ROWS>(p, nt, acts, r0, out, |b| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+            prefetch_row_values_ahead(sc.wrapping_add(b * TILE_N));
+            prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
+            let sb = b / BLOCKS_PER_SUPER;
+            TileBlock {
+                wv: q4_1_nibbles(w),
+                scale: _mm512_mul_ps(u8_values(sc.add(b * TILE_N)), row_values(d.add(sb * TILE_N))),
+                scale_hi: None,
+                offset: 0,
+                min: Some(_mm512_mul_ps(u8_values(m.add(b * TILE_N)), row_values(dmin_neg.add(sb * TILE_N)))),
+            }
+        });
+    }
+
+    /// A packed Q6_K block as 8 groups of 4 inputs × 16 rows, unsigned 0..64: the nibbles as
+    /// Q4_1's, with the top two bits of group g from bit pair g%4 of `qh` vector g/4.
+    #[inline(always)]
+    unsafe fn q6k_weights(w: *const u8, qh: *const u8) -> [__m512i; 8] {
+        unsafe {
+            let low = q4_1_nibbles(w);
+            let high = [_mm512_loadu_si512(qh as *const _), _mm512_loadu_si512(qh.add(64) as *const _)];
+            let pair = _mm512_set1_epi8(0x03);
+            core::array::from_fn(|g| {
+                // Bit pair g%4 of each byte, moved to bits 4..6; 16-bit shifts are safe, as the
+                // mask keeps only bits that came from the same byte.
+                let bits =
+                    _mm512_and_si512(_mm512_srlv_epi16(high[g / 4], _mm512_set1_epi16(2 * (g % 4) as i16)), pair);
+                _mm512_or_si512(low[g], _mm512_slli_epi16::<4>(bits))
+            })
+        }
+    }
+
+    /// Q6_K: Σ d·sc·(q − 32)·(d_a·a) per half block of 16 inputs, each half with its scale.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn q6k_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q6K { qs, qh, sc, d } = &p.weights else { unreachable!("Q6_K kernel on other weights") };
+        let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+        let qh = qh.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 4);
+        let sc = sc.as_ptr().add(nt * kb_n * 2 * TILE_N);
+        let d = d.as_ptr().add(nt * sb_n * TILE_N);
+        tile_rows::<ROWS>(p, nt, acts, r0, out, |b| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            let high = qh.add(b * TILE_N * BLOCK / 4);
+            prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+            prefetch_weights_ahead(high, TILE_N * BLOCK / 4);
+            prefetch(sc.wrapping_add((b + PREFETCH_BLOCKS) * 2 * TILE_N) as *const u8, 2 * TILE_N);
+            let row_d = row_values(d.add(b / BLOCKS_PER_SUPER * TILE_N));
+            TileBlock {
+                wv: q6k_weights(w, high),
+                scale: _mm512_mul_ps(i8_values(sc.add(b * 2 * TILE_N)), row_d),
+                scale_hi: Some(_mm512_mul_ps(i8_values(sc.add(b * 2 * TILE_N + TILE_N)), row_d)),
+                offset: 32,
+                min: None,
+            }
+        });
+    }
+
+    /// One level of one block held in two vectors: `q = round(x / d)` (ties to even),
+    /// `d = max|x| / 127`, stored as bytes at `out`; returns `d`, Σq, Σq over the first 16 and
+    /// the rounded values as floats.
+    #[inline(always)]
+    unsafe fn quantize_level(lo: __m512, hi: __m512, out: *mut i8) -> (f32, i32, i32, __m512, __m512) {
         unsafe {
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             let d = amax / 127.0;
@@ -575,7 +836,7 @@ mod avx512 {
             _mm_storeu_si128(out as *mut __m128i, _mm512_cvtsepi32_epi8(qlo));
             _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
             let total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-            (d, total, _mm512_cvtepi32_ps(qlo), _mm512_cvtepi32_ps(qhi))
+            (d, total, _mm512_reduce_add_epi32(qlo), _mm512_cvtepi32_ps(qlo), _mm512_cvtepi32_ps(qhi))
         }
     }
 
@@ -592,17 +853,17 @@ mod avx512 {
         for b in 0..n {
             let xs = x.as_ptr().add(b * BLOCK);
             let (lo, hi) = (_mm512_loadu_ps(xs), _mm512_loadu_ps(xs.add(16)));
-            let (d, sum, qlo, qhi) = quantize_level(lo, hi, q.as_mut_ptr().add(b * BLOCK));
+            let (d, sum, sum_lo, qlo, qhi) = quantize_level(lo, hi, q.as_mut_ptr().add(b * BLOCK));
             if !two_level {
-                *blocks.get_unchecked_mut(b) = ActBlock { d, sum, s: d * sum as f32, ..ActBlock::default() };
+                *blocks.get_unchecked_mut(b) = ActBlock { d, sum, sum_lo, s: d * sum as f32, ..ActBlock::default() };
                 continue;
             }
             // x − q·d with one rounding.
             let vd = _mm512_set1_ps(d);
             let (rlo, rhi) = (_mm512_fnmadd_ps(qlo, vd, lo), _mm512_fnmadd_ps(qhi, vd, hi));
-            let (d_r, sum_r, _, _) = quantize_level(rlo, rhi, r.as_mut_ptr().add(b * BLOCK));
+            let (d_r, sum_r, sum_r_lo, _, _) = quantize_level(rlo, rhi, r.as_mut_ptr().add(b * BLOCK));
             *blocks.get_unchecked_mut(b) =
-                ActBlock { d, d_r, sum, sum_r, s: d_r.mul_add(sum_r as f32, d * sum as f32) };
+                ActBlock { d, d_r, sum, sum_r, sum_lo, sum_r_lo, s: d_r.mul_add(sum_r as f32, d * sum as f32) };
         }
     }
 }
@@ -624,14 +885,19 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
             let mut acc = 0f32;
             for (b, a) in blocks.iter().enumerate() {
                 let at = (nt * kb_n + b) * TILE_N + lane;
-                // The block's weights as stored, and what they carry on top (Q8_0 +128, Q5_0 +16).
-                let (w, offset, d, min): (Vec<i32>, i32, f32, Option<f32>) = match &p.weights {
+                // The block's weights as stored, what they carry on top (Q8_0 +128, Q5_0 +16,
+                // Q6_K +32), the scale (of the first 16 inputs when there is a second one) and
+                // the minimum.
+                let sb = b / BLOCKS_PER_SUPER;
+                let at_sb = (nt * (k / SUPER_BLOCK) + sb) * TILE_N + lane;
+                let (w, offset, d, d_hi, min): (Vec<i32>, i32, f32, Option<f32>, Option<f32>) = match &p.weights {
                     Packed::Q8_0 { qs, d } => {
                         let tile = (nt * kb_n + b) * TILE_N * BLOCK;
                         (
                             (0..BLOCK).map(|i| qs[tile + (i / 4 * TILE_N + lane) * 4 + i % 4] as i32).collect(),
                             128,
                             d[at].to_f32(),
+                            None,
                             None,
                         )
                     }
@@ -643,7 +909,7 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                                 (if i < 16 { byte & 0x0F } else { byte >> 4 }) as i32
                             })
                             .collect();
-                        (w, 0, d[at].to_f32(), Some(m[at].to_f32()))
+                        (w, 0, d[at].to_f32(), None, Some(m[at].to_f32()))
                     }
                     Packed::Q5_0 { qs, qh, d } => {
                         let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
@@ -654,13 +920,52 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                                 (low | (((qh[at] >> i) & 1) as u8) << 4) as i32
                             })
                             .collect();
-                        (w, 16, d[at].to_f32(), None)
+                        (w, 16, d[at].to_f32(), None, None)
+                    }
+                    Packed::Q4K { qs, sc, m, d, dmin_neg } => {
+                        let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
+                        let w = (0..BLOCK)
+                            .map(|i| {
+                                let byte = qs[tile + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
+                                (if i < 16 { byte & 0x0F } else { byte >> 4 }) as i32
+                            })
+                            .collect();
+                        let scale = sc[at] as f32 * d[at_sb].to_f32();
+                        (w, 0, scale, None, Some(m[at] as f32 * dmin_neg[at_sb].to_f32()))
+                    }
+                    Packed::Q6K { qs, qh, sc, d } => {
+                        let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
+                        let high_tile = (nt * kb_n + b) * TILE_N * BLOCK / 4;
+                        let w = (0..BLOCK)
+                            .map(|i| {
+                                let byte = qs[tile + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
+                                let low = if i < 16 { byte & 0x0F } else { byte >> 4 };
+                                let g = i / 4;
+                                let high = (qh[high_tile + ((g / 4) * TILE_N + lane) * 4 + i % 4] >> (2 * (g % 4))) & 3;
+                                (low | high << 4) as i32
+                            })
+                            .collect();
+                        let row_d = d[at_sb].to_f32();
+                        let (lo, hi) = ((nt * kb_n + b) * 2 * TILE_N + lane, ((nt * kb_n + b) * 2 + 1) * TILE_N + lane);
+                        (w, 32, sc[lo] as f32 * row_d, Some(sc[hi] as f32 * row_d), None)
                     }
                 };
                 let dot = |acts: &[i8], sum: i32| -> i32 {
                     w.iter().zip(acts).map(|(&w, &a)| w * a as i32).sum::<i32>() - offset * sum
                 };
                 let (qa, ra) = (&q[b * BLOCK..][..BLOCK], &r[b * BLOCK..][..BLOCK]);
+                if let Some(d_hi) = d_hi {
+                    let half = |acts: &[i8], sum: i32, range: std::ops::Range<usize>| -> i32 {
+                        range.map(|i| w[i] * acts[i] as i32).sum::<i32>() - offset * sum
+                    };
+                    acc = (half(qa, a.sum_lo, 0..16) as f32).mul_add(d * a.d, acc);
+                    acc = (half(qa, a.sum - a.sum_lo, 16..32) as f32).mul_add(d_hi * a.d, acc);
+                    if p.two_level {
+                        acc = (half(ra, a.sum_r_lo, 0..16) as f32).mul_add(d * a.d_r, acc);
+                        acc = (half(ra, a.sum_r - a.sum_r_lo, 16..32) as f32).mul_add(d_hi * a.d_r, acc);
+                    }
+                    continue;
+                }
                 acc = (dot(qa, a.sum) as f32).mul_add(d * a.d, acc);
                 if p.two_level {
                     acc = (dot(ra, a.sum_r) as f32).mul_add(d * a.d_r, acc);
@@ -679,6 +984,9 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
 mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
+
+    const ALL_TYPES: [GgmlDType; 5] =
+        [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1, GgmlDType::Q4K, GgmlDType::Q6K];
 
     fn random(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
@@ -707,10 +1015,8 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
-        for (dtype, two_level) in
-            [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1].into_iter().flat_map(|d| [(d, true), (d, false)])
-        {
-            let (n, k) = (48, 576);
+        for (dtype, two_level) in ALL_TYPES.into_iter().flat_map(|d| [(d, true), (d, false)]) {
+            let (n, k) = (48, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 768 } else { 576 });
             let (p, _) = packed_levels(dtype, n, k, two_level);
             let x = random(19 * k, 11);
             let all = p.matmul(&x);
@@ -728,9 +1034,9 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
-        let (n, k) = (32, 576);
+        let (n, k) = (32, 768);
         let rows = SERIAL_QUANT_BLOCKS * BLOCK / k + 3;
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
+        for dtype in ALL_TYPES {
             let (p, _) = packed(dtype, n, k);
             let x = random(rows * k, 13);
             assert_eq!(p.matmul(&x), matmul_portable(&p, &x), "{dtype:?}");
@@ -751,7 +1057,9 @@ mod tests {
             quantize_range_portable(&x, &mut slow.0, &mut slow.1, &mut slow.2, true);
             assert_eq!((&fast.0, &fast.1), (&slow.0, &slow.1), "{magnitude}");
             let bits = |b: &[ActBlock]| {
-                b.iter().map(|a| (a.d.to_bits(), a.d_r.to_bits(), a.sum, a.sum_r, a.s.to_bits())).collect::<Vec<_>>()
+                b.iter()
+                    .map(|a| (a.d.to_bits(), a.d_r.to_bits(), a.sum, a.sum_r, a.sum_lo, a.sum_r_lo, a.s.to_bits()))
+                    .collect::<Vec<_>>()
             };
             assert_eq!(bits(&fast.2), bits(&slow.2), "{magnitude}");
         }
@@ -763,8 +1071,8 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
-            let (n, k) = (32, 96);
+        for dtype in ALL_TYPES {
+            let (n, k) = (32, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 96 });
             let (p, dense) = packed(dtype, n, k);
             let x = random(3 * k, 5);
             let got = p.matmul(&x);
@@ -785,7 +1093,8 @@ mod tests {
     fn other_types_and_shapes_are_refused() {
         assert!(!supports(GgmlDType::Q8_0, 24, 64));
         assert!(!supports(GgmlDType::Q4_1, 32, 48));
-        assert!(!supports(GgmlDType::Q4K, 32, 256));
+        assert!(supports(GgmlDType::Q4K, 32, 256) && !supports(GgmlDType::Q4K, 32, 224));
+        assert!(supports(GgmlDType::Q6K, 32, 512) && !supports(GgmlDType::Q5K, 32, 256));
         assert!(supports(GgmlDType::Q8_0, 32, 64) && supports(GgmlDType::Q4_1, 32, 64));
         assert!(supports(GgmlDType::Q5_0, 32, 64) && !supports(GgmlDType::Q5_1, 32, 64));
     }

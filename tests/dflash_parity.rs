@@ -12,6 +12,8 @@
 //! - Loading: missing tensors, wrong shapes, a MASK id outside the target vocabulary, a hidden
 //!   size that is not the target's and tapped layers beyond its depth are refused by name.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use specula::engine::{generate, GenerateOptions, Generation};
@@ -188,13 +190,61 @@ impl Proposer for Checked {
 #[test]
 fn fixtures_match_the_reference_round_for_round() {
     for case in fixture_cases() {
+        let target = load_target(&case.join("target"));
+        check_case(&case, &target);
+    }
+}
+
+/// The fixtures' targets written as GGUF files (f32 tensors, `qwen3` metadata): the same
+/// logits bit for bit as the Hugging Face directories, and the same DFlash rounds; and as
+/// Q8_0 GGUF files, DFlash greedy output equal to the quantised target's plain greedy.
+#[test]
+fn a_gguf_qwen3_target_reproduces_the_fixtures() {
+    for case in fixture_cases() {
+        let tmp = tempfile::tempdir().unwrap();
+        let gguf_path = tmp.path().join("target.gguf");
+        common::write_gguf_from_hf(&case.join("target"), "qwen3", candle_core::quantized::GgmlDType::F32, &gguf_path);
+        let gguf = Transformer::from_path(&gguf_path, Some(WeightFormat::F32), &Device::Cpu).unwrap();
+        assert_eq!(gguf.config.arch, specula::model::Arch::Qwen3);
+        let hf = load_target(&case.join("target"));
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
+        let prompt = ids(&expected["prompt_ids"]);
+        let logits = |model: &Transformer| {
+            let pool = model.new_kv_pool(512);
+            let mut cache = pool.new_sequence();
+            let mut batch = ForwardBatch::new();
+            batch.push(&prompt, &mut cache, LogitsRows::All);
+            let out = model.forward(&mut batch).unwrap();
+            out.logits.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert_eq!(bits(logits(&gguf)), bits(logits(&hf)), "{}", case.display());
+        check_case(&case, &gguf);
+
+        // Quantised (Q8_0 matrices, on the kernels a served GGUF uses): DFlash greedy is
+        // still exactly the target's own greedy output.
+        let q8_path = tmp.path().join("target-q8_0.gguf");
+        common::write_gguf_from_hf(&case.join("target"), "qwen3", candle_core::quantized::GgmlDType::Q8_0, &q8_path);
+        let q8 = Transformer::from_path(&q8_path, None, &Device::Cpu).unwrap();
+        let max_new = expected["max_new_tokens"].as_u64().unwrap() as usize;
+        let mut p = proposer(&q8, &case.join("drafter"), DflashSettings::default());
+        let block = p.block_size();
+        let dflash = engine_generate(&q8, &prompt, max_new, Some(&mut p as &mut dyn Proposer), block - 1);
+        let plain = engine_generate(&q8, &prompt, max_new, None, 0);
+        assert_eq!(dflash.tokens, plain.tokens, "{}: Q8_0 target", case.display());
+    }
+}
+
+/// The reference loop and the engine on `target` against the fixture's expected rounds.
+fn check_case(case: &Path, target: &Transformer) {
+    {
         let name = case.file_name().unwrap().to_string_lossy().to_string();
         let expected: Value =
             serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
         let prompt = ids(&expected["prompt_ids"]);
         let max_new = expected["max_new_tokens"].as_u64().unwrap() as usize;
-        let target = load_target(&case.join("target"));
-        let mut p = proposer(&target, &case.join("drafter"), DflashSettings::default());
+        let mut p = proposer(target, &case.join("drafter"), DflashSettings::default());
         let cfg = &p.drafter().config;
         assert_eq!(cfg.block_size as u64, expected["block_size"].as_u64().unwrap(), "{name}");
         assert_eq!(cfg.mask_token_id as u64, expected["mask_token_id"].as_u64().unwrap(), "{name}");
@@ -204,7 +254,7 @@ fn fixtures_match_the_reference_round_for_round() {
             "{name}"
         );
 
-        let got = reference_loop(&target, &mut p, &prompt, max_new);
+        let got = reference_loop(target, &mut p, &prompt, max_new);
         let want_rounds: Vec<Round> = expected["rounds"]
             .as_array()
             .unwrap()
@@ -246,9 +296,9 @@ fn fixtures_match_the_reference_round_for_round() {
         // Through the engine: same output, and the same rounds wherever it drafted as many tokens
         // (near max_tokens the engine drafts one token fewer than the reference, whose last bonus
         // token is cut off anyway, so its block is one row shorter there).
-        let mut p = proposer(&target, &case.join("drafter"), DflashSettings::default());
+        let mut p = proposer(target, &case.join("drafter"), DflashSettings::default());
         let block = p.block_size();
-        let dflash = engine_generate(&target, &prompt, max_new, Some(&mut p as &mut dyn Proposer), block - 1);
+        let dflash = engine_generate(target, &prompt, max_new, Some(&mut p as &mut dyn Proposer), block - 1);
         assert_eq!(dflash.tokens, ids(&expected["output_ids"]), "{name}: engine output");
         assert_eq!(dflash.trace.len(), want_rounds.len(), "{name}: engine rounds");
         for (i, (w, t)) in want_rounds.iter().zip(&dflash.trace).enumerate() {
@@ -262,7 +312,7 @@ fn fixtures_match_the_reference_round_for_round() {
                 assert!(w.start + block >= prompt.len() + max_new, "{name}: engine round {i} drafted {:?}", t.draft);
             }
         }
-        let plain = engine_generate(&target, &prompt, max_new, None, 0);
+        let plain = engine_generate(target, &prompt, max_new, None, 0);
         assert_eq!(plain.tokens, ids(&expected["target_greedy_ids"]), "{name}: plain greedy");
     }
 }

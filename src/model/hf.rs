@@ -119,8 +119,17 @@ impl HfModelDir {
         let tied = c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false)
             || !self.has_hf_tensor("lm_head.weight");
         let mut extras = DecoderExtras::default();
-        if let Some(scaling) = c.get("rope_scaling").filter(|v| !v.is_null()) {
-            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("");
+        // transformers ≥ 5 writes `rope_parameters` (with `rope_theta` inside); older
+        // versions `rope_scaling` and a top-level `rope_theta`.
+        let rope_parameters = c.get("rope_parameters").filter(|v| v.is_object());
+        let rope_theta = c
+            .get("rope_theta")
+            .or_else(|| rope_parameters.and_then(|p| p.get("rope_theta")))
+            .and_then(Value::as_f64)
+            .unwrap_or(10_000.0) as f32;
+        if let Some(scaling) = c.get("rope_scaling").filter(|v| !v.is_null()).or(rope_parameters) {
+            let kind =
+                scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str).unwrap_or("default");
             let num = |k: &str| -> Result<f32> {
                 scaling
                     .get(k)
@@ -157,7 +166,7 @@ impl HfModelDir {
             head_dim,
             vocab,
             context_len: usize_of("max_position_embeddings").unwrap_or(4096),
-            rope_theta: c.get("rope_theta").and_then(Value::as_f64).unwrap_or(10_000.0) as f32,
+            rope_theta,
             rope_dim: head_dim,
             rope_style,
             rms_eps: c.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),

@@ -3,7 +3,7 @@
 //! architecture (q/k norms, post-norms, activation, windows, RoPE per layer) is in the config.
 
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
-use super::config::{Activation, ModelConfig};
+use super::config::ModelConfig;
 use super::gguf::{GgufFile, WeightFormat};
 use super::kernels::KernelSettings;
 use super::linear::{FusedLinear, Linear};
@@ -399,10 +399,7 @@ impl Transformer {
 
             let h = super::elementwise::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
             let gate_up = layer.gate_up.forward(&h)?;
-            let gated = match cfg.extras.activation {
-                Activation::Silu => super::elementwise::silu_mul(&gate_up[0], &gate_up[1])?,
-                Activation::GeluTanh => (gate_up[0].gelu()? * &gate_up[1])?,
-            };
+            let gated = super::elementwise::gated_mul(&gate_up[0], &gate_up[1], cfg.extras.activation)?;
             let mut mlp = layer.down.forward(&gated)?;
             if let Some((_, post_ffn)) = &layer.post_norms {
                 mlp = super::elementwise::rms_norm(&mlp, post_ffn, cfg.rms_eps as f32)?;

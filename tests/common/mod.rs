@@ -70,3 +70,88 @@ pub fn write_eagle3_drafter(
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
 }
+
+/// Writes a Hugging Face model directory (`config.json` + safetensors) as a GGUF file of the
+/// given architecture (`qwen3` or `llama`), its weight matrices as `matrices` (f32 or a
+/// quantised type) and everything else f32: the metadata llama.cpp's converter writes for
+/// these architectures, Llama's q/k rows permuted to the GGUF layout (adjacent pairs rotate
+/// together), and Llama 3 RoPE scaling as the `rope_freqs` tensor.
+pub fn write_gguf_from_hf(
+    hf_dir: &std::path::Path,
+    arch: &str,
+    matrices: candle_core::quantized::GgmlDType,
+    out: &std::path::Path,
+) {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use specula::model::{HfModelDir, TensorSource};
+    let device = candle_core::Device::Cpu;
+    let mut dir = HfModelDir::open(hf_dir).unwrap();
+    let c = dir.config().unwrap();
+    let mut names = vec!["token_embd.weight".to_string(), "output_norm.weight".to_string()];
+    if !c.tied_head {
+        names.push("output.weight".into());
+    }
+    for i in 0..c.n_layers {
+        for part in
+            ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+        {
+            names.push(format!("blk.{i}.{part}.weight"));
+        }
+        if c.qk_norm {
+            names.push(format!("blk.{i}.attn_q_norm.weight"));
+            names.push(format!("blk.{i}.attn_k_norm.weight"));
+        }
+    }
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for name in &names {
+        let mut t = dir.qtensor(name, &device).unwrap().dequantize(&device).unwrap();
+        let heads = if name.ends_with("attn_q.weight") {
+            Some(c.n_heads)
+        } else if name.ends_with("attn_k.weight") {
+            Some(c.n_kv_heads)
+        } else {
+            None
+        };
+        if let (Some(heads), "llama") = (heads, arch) {
+            // HF rotates the two halves of each head; GGUF llama rotates adjacent pairs.
+            let (rows, cols) = t.dims2().unwrap();
+            t = t
+                .reshape((heads, 2, rows / heads / 2, cols))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .reshape((rows, cols))
+                .unwrap();
+        }
+        let dtype = if t.rank() == 2 { matrices } else { GgmlDType::F32 };
+        tensors.push((name.clone(), QTensor::quantize(&t, dtype).unwrap()));
+    }
+    if let Some(r) = c.extras.llama3_rope {
+        let divisors = r.freq_divisors(c.rope_theta, c.rope_dim);
+        let n = divisors.len();
+        let t = candle_core::Tensor::from_vec(divisors, n, &device).unwrap();
+        tensors.push(("rope_freqs.weight".into(), QTensor::quantize(&t, GgmlDType::F32).unwrap()));
+    }
+    let u32v = |v: usize| Value::U32(v as u32);
+    let meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (format!("{arch}.block_count"), u32v(c.n_layers)),
+        (format!("{arch}.context_length"), u32v(c.context_len)),
+        (format!("{arch}.embedding_length"), u32v(c.hidden)),
+        (format!("{arch}.feed_forward_length"), u32v(c.ffn)),
+        (format!("{arch}.attention.head_count"), u32v(c.n_heads)),
+        (format!("{arch}.attention.head_count_kv"), u32v(c.n_kv_heads)),
+        (format!("{arch}.attention.key_length"), u32v(c.head_dim)),
+        (format!("{arch}.attention.value_length"), u32v(c.head_dim)),
+        (format!("{arch}.rope.freq_base"), Value::F32(c.rope_theta)),
+        (format!("{arch}.rope.dimension_count"), u32v(c.rope_dim)),
+        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(c.rms_eps as f32)),
+    ];
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut file = std::fs::File::create(out).unwrap();
+    candle_core::quantized::gguf_file::write(&mut file, &meta_refs, &tensor_refs).unwrap();
+}

@@ -69,6 +69,8 @@ pub struct SpecBenchSettings {
     pub seed: u64,
     /// The verify-cost curve is measured for m = 1..=curve_max_m.
     pub curve_max_m: usize,
+    /// Chat template variables for chat prompts (`{"enable_thinking": false}`).
+    pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
 }
 
 impl SpecBenchSettings {
@@ -357,12 +359,17 @@ struct EncodedPrompt {
     ids: Vec<u32>,
 }
 
-fn encode_set(loaded: &LoadedModel, key: &str, prompts: &[Prompt]) -> Result<Vec<EncodedPrompt>> {
+fn encode_set(
+    loaded: &LoadedModel,
+    key: &str,
+    prompts: &[Prompt],
+    kwargs: &crate::tokenize::TemplateKwargs,
+) -> Result<Vec<EncodedPrompt>> {
     prompts
         .iter()
         .map(|p| {
             let ids = match p.kind {
-                PromptKind::Chat => loaded.encode_chat(&[ChatMessage::user(p.text.clone())]),
+                PromptKind::Chat => loaded.encode_chat_with(&[ChatMessage::user(p.text.clone())], kwargs),
                 PromptKind::Completion => loaded.encode_prompt(&p.text),
             }
             .with_context(|| format!("{key}: encoding prompt {}", p.id))?;
@@ -418,7 +425,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         let mut runs: Vec<PromptRun> = Vec::new();
 
         for (ds, raw_prompts) in &sets {
-            let prompts = encode_set(&loaded, ds, raw_prompts)?;
+            let prompts = encode_set(&loaded, ds, raw_prompts, &settings.chat_template_kwargs)?;
             let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
             // Room for the prompt, the output, and one verify block past the committed tokens.
             let pool = loaded.model.new_kv_pool(longest + settings.max_tokens + curve_max_m + 64);
@@ -642,6 +649,7 @@ mod tests {
             temperatures: vec![0.0],
             seed: 0,
             curve_max_m: 16,
+            chat_template_kwargs: Default::default(),
         };
         let labels: Vec<String> = s.modes().iter().map(Mode::label).collect();
         assert_eq!(labels, ["plain", "ngram:3 k=4", "ngram:3 k=auto", "draft-model:x k=4", "draft-model:x k=auto"]);

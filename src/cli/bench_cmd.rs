@@ -58,6 +58,11 @@ pub struct BenchArgs {
     /// Temperatures to run, comma-separated; 0 = greedy (output checked against plain).
     #[arg(long, value_delimiter = ',', default_values_t = vec![0.0f32, 1.0])]
     temperatures: Vec<f32>,
+    /// Chat template variables for the chat prompt sets (`spec`), as a JSON object, e.g.
+    /// '{"enable_thinking": false}' (Qwen3 without thinking, as the published DFlash drafters were
+    /// trained).
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
     /// Prompt i samples with seed SEED + i (temperature > 0), the same in every mode.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -93,6 +98,10 @@ fn run_spec(args: BenchArgs) -> Result<()> {
         temperatures: args.temperatures.clone(),
         seed: args.seed,
         curve_max_m: args.max_m.clamp(1, 64),
+        chat_template_kwargs: match &args.chat_template_kwargs {
+            Some(text) => crate::tokenize::parse_template_kwargs(text)?,
+            None => Default::default(),
+        },
     };
     settings.validate()?;
     let progress = indicatif::ProgressBar::new(0);

@@ -21,6 +21,10 @@ pub struct GenerateArgs {
     /// Render the prompt as a user message with the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Extra chat template variables as a JSON object (with --chat), e.g.
+    /// '{"enable_thinking": false}' for Qwen3 without thinking.
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
     /// System message (with --chat).
     #[arg(long)]
     system: Option<String>,
@@ -73,7 +77,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 messages.push(ChatMessage::system(s.clone()));
             }
             messages.push(ChatMessage::user(text.clone()));
-            loaded.encode_chat(&messages)?
+            let kwargs = match &args.chat_template_kwargs {
+                Some(text) => crate::tokenize::parse_template_kwargs(text)?,
+                None => Default::default(),
+            };
+            loaded.encode_chat_with(&messages, &kwargs)?
         }
         (Some(text), None) => loaded.encode_prompt(text)?,
     };

@@ -24,6 +24,11 @@ pub struct ServeArgs {
     host: IpAddr,
     #[arg(long, default_value_t = 8080)]
     port: u16,
+    /// Chat template variables for every request, as a JSON object, e.g.
+    /// '{"enable_thinking": false}' (Qwen3 without thinking; a request's own
+    /// `chat_template_kwargs` override these key by key).
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
     /// Requests allowed to wait for a slot; more get 503.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -86,6 +91,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_bytes,
         shutdown_grace: Duration::from_secs(args.shutdown_grace_secs),
+        chat_template_kwargs: match &args.chat_template_kwargs {
+            Some(text) => crate::tokenize::parse_template_kwargs(text)?,
+            None => Default::default(),
+        },
     };
     let state = AppState::new(engine.clone(), server_config);
     let addr = SocketAddr::new(args.host, args.port);

@@ -68,8 +68,17 @@ impl LoadedModel {
 
     /// Token ids of a chat conversation rendered with the model's template.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        self.encode_chat_with(messages, &crate::tokenize::TemplateKwargs::new())
+    }
+
+    /// [`Self::encode_chat`] with extra template variables (`{"enable_thinking": false}`).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &crate::tokenize::TemplateKwargs,
+    ) -> Result<Vec<u32>> {
         let template = self.template.as_ref().context("this model has no chat template; use a completion prompt")?;
-        let text = template.render(messages, true)?;
+        let text = template.render_with(messages, true, kwargs)?;
         self.tokenizer.encode(&text, true)
     }
 

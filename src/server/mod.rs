@@ -46,6 +46,9 @@ pub struct ServerConfig {
     /// After a shutdown signal, in-flight requests get this long to finish before they are
     /// ended with an error event.
     pub shutdown_grace: Duration,
+    /// Chat template variables for every request (`--chat-template-kwargs`); a request's own
+    /// `chat_template_kwargs` override them key by key.
+    pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
 }
 
 impl ServerConfig {
@@ -56,6 +59,7 @@ impl ServerConfig {
             api_key: None,
             max_body_bytes: 1 << 20,
             shutdown_grace: Duration::from_secs(30),
+            chat_template_kwargs: Default::default(),
         }
     }
 }

@@ -49,6 +49,9 @@ pub struct CompletionRequest {
     /// Extension (as in vLLM): `"ignore_eos": true` generates past end-of-sequence tokens,
     /// up to `max_tokens` (for benchmarks that want fixed lengths).
     pub ignore_eos: bool,
+    /// Extension (as in vLLM, SGLang and llama.cpp): variables for the chat template, e.g.
+    /// `{"enable_thinking": false}`.
+    pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
 }
 
 /// Most stop strings per request.
@@ -84,6 +87,16 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
             return Err(ApiError::invalid("best_of", format!("Only best_of = 1 is supported, got {b}")));
         }
     }
+    let chat_template_kwargs = match obj.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Default::default(),
+        Some(Value::Object(map)) => map.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs",
+                "`chat_template_kwargs` must be an object, like {\"enable_thinking\": false}",
+            ))
+        }
+    };
     if f.boolean("echo")? == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
@@ -189,6 +202,7 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
         include_usage: stream && include_usage,
         speculate,
         ignore_eos,
+        chat_template_kwargs,
     })
 }
 
@@ -544,5 +558,16 @@ mod tests {
         assert_eq!(last["choices"][0]["finish_reason"], "length");
         assert_eq!(last["choices"][0]["delta"], json!({}));
         assert!(last.get("specula").is_none());
+    }
+
+    #[test]
+    fn chat_template_kwargs_are_an_object() {
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"enable_thinking":false}}"#;
+        let req = parse(body, Endpoint::Chat).unwrap();
+        assert_eq!(req.chat_template_kwargs.get("enable_thinking"), Some(&Value::Bool(false)));
+        let req = parse(r#"{"messages":[{"role":"user","content":"hi"}]}"#, Endpoint::Chat).unwrap();
+        assert!(req.chat_template_kwargs.is_empty());
+        let bad = r#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":"no"}"#;
+        assert_eq!(param_of(bad, Endpoint::Chat).as_deref(), Some("chat_template_kwargs"));
     }
 }

@@ -225,7 +225,9 @@ fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, A
     let loaded = state.engine.model();
     let prompt = match &req.prompt {
         PromptInput::Chat(messages) => {
-            loaded.encode_chat(messages).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?
+            let mut kwargs = state.config.chat_template_kwargs.clone();
+            kwargs.extend(req.chat_template_kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+            loaded.encode_chat_with(messages, &kwargs).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?
         }
         PromptInput::Text(text) => {
             loaded.encode_prompt(text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?

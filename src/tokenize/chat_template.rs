@@ -24,6 +24,19 @@ const CHATML_TEMPLATE: &str = "{% for message in messages %}\
 {% endfor %}\
 {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+/// Extra variables a chat template may read, as vLLM's and llama.cpp's `chat_template_kwargs`:
+/// `{"enable_thinking": false}` turns Qwen3's thinking off.
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
+
+/// Parses `--chat-template-kwargs` (a JSON object).
+pub fn parse_template_kwargs(text: &str) -> Result<TemplateKwargs> {
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => bail!("chat template kwargs must be a JSON object, like {{\"enable_thinking\": false}}"),
+        Err(e) => bail!("chat template kwargs are not valid JSON: {e}"),
+    }
+}
+
 /// One chat turn.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
@@ -133,6 +146,16 @@ impl ChatTemplate {
 
     /// Renders a conversation into the prompt text to encode with `add_special = true`.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &TemplateKwargs::new())
+    }
+
+    /// [`Self::render`] with extra template variables (`enable_thinking` and the like).
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &TemplateKwargs,
+    ) -> Result<String> {
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -142,7 +165,7 @@ impl ChatTemplate {
                 Value::from(map)
             })
             .collect();
-        self.render_values(Value::from(messages), None, add_generation_prompt)
+        self.render_values(Value::from(messages), None, add_generation_prompt, kwargs)
     }
 
     /// Renders OpenAI-style JSON messages (and optional `tools`), for requests whose messages
@@ -152,21 +175,31 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
+        kwargs: &TemplateKwargs,
     ) -> Result<String> {
         if !messages.is_array() {
             bail!("chat messages must be a JSON array");
         }
-        self.render_values(json_to_value(messages), tools.map(json_to_value), add_generation_prompt)
+        self.render_values(json_to_value(messages), tools.map(json_to_value), add_generation_prompt, kwargs)
     }
 
-    fn render_values(&self, messages: Value, tools: Option<Value>, add_generation_prompt: bool) -> Result<String> {
+    fn render_values(
+        &self,
+        messages: Value,
+        tools: Option<Value>,
+        add_generation_prompt: bool,
+        kwargs: &TemplateKwargs,
+    ) -> Result<String> {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| anyhow!("chat template missing: {e}"))?;
+        // The caller's variables first: the ones named here take precedence.
+        let extra = json_to_value(&serde_json::Value::Object(kwargs.clone()));
         let ctx = minijinja::context! {
             messages => messages,
             tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
+            ..extra
         };
         let mut text = template.render(ctx).map_err(|e| match e.kind() {
             ErrorKind::InvalidOperation => anyhow!("chat template refused the messages: {e}"),
@@ -309,9 +342,11 @@ mod tests {
     fn render_json_accepts_openai_style_messages() {
         let template = ChatTemplate::from_source(CHATML_TEMPLATE, "", "").unwrap();
         let messages = serde_json::json!([{"role": "user", "content": "hi", "name": "x"}]);
-        let text = template.render_json(&messages, None, true).unwrap();
+        let text = template.render_json(&messages, None, true, &TemplateKwargs::new()).unwrap();
         assert_eq!(text, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
-        assert!(template.render_json(&serde_json::json!({"role": "user"}), None, true).is_err());
+        assert!(template
+            .render_json(&serde_json::json!({"role": "user"}), None, true, &TemplateKwargs::new())
+            .is_err());
     }
 
     #[test]
@@ -340,5 +375,29 @@ mod tests {
              <|im_start|>assistant\n"
         );
         assert_eq!(model.tokenizer.encode(&text, true).unwrap().len(), 42);
+    }
+
+    /// Qwen3's published template (its thinking switch, earlier reasoning dropped) renders as
+    /// Hugging Face's jinja2 renders it (`tests/fixtures/chat-templates/`, made by
+    /// `tools/chat_template_reference/render.py`), with and without `enable_thinking`.
+    #[test]
+    fn qwen3_template_and_its_thinking_switch_render_as_jinja2_does() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat-templates");
+        let source = std::fs::read_to_string(dir.join("qwen3.jinja")).unwrap();
+        let template = ChatTemplate::from_source(&source, "", "<|im_end|>").unwrap();
+        let expected: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("qwen3-expected.json")).unwrap()).unwrap();
+        let cases = expected["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 4);
+        for case in cases {
+            let kwargs = case["kwargs"].as_object().unwrap();
+            let tools = case.get("tools").filter(|t| !t.is_null());
+            let text = template.render_json(&case["messages"], tools, true, kwargs).unwrap();
+            assert_eq!(text, case["text"].as_str().unwrap(), "{kwargs:?}");
+        }
+        let off = parse_template_kwargs(r#"{"enable_thinking": false}"#).unwrap();
+        let text = template.render_with(&[ChatMessage::user("hi")], true, &off).unwrap();
+        assert!(text.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{text:?}");
+        assert!(parse_template_kwargs("[1]").is_err() && parse_template_kwargs("{").is_err());
     }
 }

@@ -12,7 +12,7 @@ pub mod gguf_bpe;
 pub mod gguf_spm;
 pub mod hf_json;
 
-pub use chat_template::{ChatMessage, ChatTemplate, TemplateOrigin};
+pub use chat_template::{parse_template_kwargs, ChatMessage, ChatTemplate, TemplateKwargs, TemplateOrigin};
 pub use detok_stream::StreamDecoder;
 pub use gguf_bpe::{read_gguf_header, PreTokenizerKind, TokenKind, Tokenizer, VocabModel};
 

@@ -160,3 +160,38 @@ impl RowBuffer {
         self.len = self.len.min(n);
     }
 }
+
+/// A drafter's projection: exact f32 (loading, training, the reference checks), or converted to
+/// 8-bit weights on the engine's own kernels for drafting, where a draft is a few rows and f32
+/// matrix-vector products cost about as much as the target's whole step.
+pub enum Projection {
+    Exact(candle_nn::Linear),
+    Served(crate::model::Linear),
+}
+
+impl Projection {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Projection::Exact(l) => Ok(candle_core::Module::forward(l, x)?),
+            Projection::Served(l) => l.forward(x),
+        }
+    }
+
+    /// Converts an exact projection to Q8_0 on the engine's kernels (the draft changes
+    /// slightly; verification keeps the output exact). A bias stays f32.
+    pub fn serve(&mut self, kernels: &crate::model::KernelSettings, device: &Device) -> Result<()> {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        if let Projection::Exact(l) = self {
+            let q = QTensor::quantize(l.weight(), GgmlDType::F32)?;
+            let linear = crate::model::Linear::from_qtensor(
+                std::sync::Arc::new(q),
+                l.bias().cloned(),
+                crate::model::WeightFormat::Q8_0,
+                kernels,
+                device,
+            )?;
+            *self = Projection::Served(linear);
+        }
+        Ok(())
+    }
+}

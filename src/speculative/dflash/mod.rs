@@ -30,7 +30,8 @@ use candle_core::Device;
 use std::path::Path;
 
 /// Loads a drafter directory and checks it against `target` (hidden size, tapped layers, MASK
-/// id); errors name the drafter and the problem.
+/// id); errors name the drafter and the problem. Its projections stay exact f32 (reference
+/// checks); [`load_for_serving`] is what drafting loads.
 pub fn load_for_target(dir: &Path, target: &Transformer, device: &Device) -> Result<DflashDrafter> {
     let config = DflashConfig::from_file(&dir.join("config.json"))?;
     config
@@ -90,6 +91,13 @@ pub fn drafter_label(path: &Path, settings: &DflashSettings) -> String {
     label
 }
 
+/// [`load_for_target`], then the projections on the engine's 8-bit kernels: what drafting uses.
+pub fn load_for_serving(dir: &Path, target: &Transformer) -> Result<DflashDrafter> {
+    let mut drafter = load_for_target(dir, target, target.device())?;
+    drafter.prepare_for_serving(&crate::model::KernelSettings::from_env())?;
+    Ok(drafter)
+}
+
 /// A fresh DFlash proposer for one sequence of `target`. The drafter's weights are loaded once
 /// per process (per directory) and shared; each proposer has its own context cache. The drafter
 /// is checked against `target` every time (cheap), so one directory can serve only targets it
@@ -102,7 +110,7 @@ pub fn build_proposer(dir: &Path, settings: &DflashSettings, target: &Transforme
             let why = || format!("DFlash drafter {} cannot draft for this target", dir.display());
             d.config.check_target(&target.config).with_context(why)
         },
-        || load_for_target(dir, target, target.device()),
+        || load_for_serving(dir, target),
     )?;
     DflashProposer::new(drafter, TargetHead::of(target), settings.clone())
 }

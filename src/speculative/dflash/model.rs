@@ -10,11 +10,11 @@
 use super::config::{DflashConfig, LayerAttention};
 use crate::model::{Linear as TargetLinear, Transformer};
 pub use crate::speculative::nn::LayerKv;
-use crate::speculative::nn::{attention, rms_norm, rope, RopeTable};
+use crate::speculative::nn::{attention, rms_norm, rope, Projection, RopeTable};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::safetensors::MmapedSafetensors;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -90,15 +90,15 @@ impl TargetHead {
 struct DflashLayer {
     input_norm: Tensor,
     post_norm: Tensor,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: Projection,
+    k_proj: Projection,
+    v_proj: Projection,
+    o_proj: Projection,
     q_norm: Tensor,
     k_norm: Tensor,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_proj: Projection,
+    up_proj: Projection,
+    down_proj: Projection,
     attention: LayerAttention,
 }
 
@@ -135,7 +135,7 @@ pub fn select_rows(q: &QTensor, ids: &[u32], device: &Device) -> Result<QTensor>
 pub struct DflashDrafter {
     pub config: DflashConfig,
     pub path: PathBuf,
-    fc: Linear,
+    fc: Projection,
     hidden_norm: Tensor,
     norm: Tensor,
     layers: Vec<DflashLayer>,
@@ -239,10 +239,10 @@ impl DflashDrafter {
             vb.get(shape, name).with_context(|| format!("tensor `{name}`"))
         };
         let (h, q, kv) = (config.hidden, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim);
-        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Projection> {
             let w = get(&format!("{name}.weight"), &[out, inp])?;
             let b = if bias { Some(get(&format!("{name}.bias"), &[out])?) } else { None };
-            Ok(Linear::new(w, b))
+            Ok(Projection::Exact(Linear::new(w, b)))
         };
         let mut layers = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
@@ -279,6 +279,28 @@ impl DflashDrafter {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Converts every projection to 8-bit weights on the engine's kernels, for drafting (the
+    /// draft changes slightly; verification keeps the output exact). Until then, and for
+    /// training and the reference checks, they are exact f32.
+    pub fn prepare_for_serving(&mut self, kernels: &crate::model::KernelSettings) -> Result<()> {
+        let device = self.device.clone();
+        self.fc.serve(kernels, &device)?;
+        for l in &mut self.layers {
+            for p in [
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+                &mut l.gate_proj,
+                &mut l.up_proj,
+                &mut l.down_proj,
+            ] {
+                p.serve(kernels, &device)?;
+            }
+        }
+        Ok(())
     }
 
     /// Sets (or clears) the reduced vocabulary; the head is built by [`Self::attach_target`].

@@ -9,16 +9,14 @@
 //! serves drafting and training (training-time test unrolls it).
 
 use super::config::{Eagle3Config, N_TAPS};
-use crate::model::{KernelSettings, Linear as TargetLinear, WeightFormat};
+use crate::model::KernelSettings;
 use crate::speculative::dflash::TargetHead;
-use crate::speculative::nn::{attention, rms_norm, rope, LayerKv, RopeTable};
+use crate::speculative::nn::{attention, rms_norm, rope, LayerKv, Projection, RopeTable};
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::safetensors::MmapedSafetensors;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// Every weight a checkpoint must hold, by its SpecForge name, with its `[out, in]` shape.
 /// `embed_tokens.weight` (`[vocab, hidden]`) is optional and `d2t` is read separately.
@@ -46,47 +44,22 @@ pub fn expected_tensors(c: &Eagle3Config) -> Vec<(String, Vec<usize>)> {
     t
 }
 
-/// A projection: exact f32 (loading, training, the reference checks), or converted to 8-bit
-/// weights on the engine's own kernels for drafting, where every draft token is a single-row
-/// pass and f32 matrix-vector products would cost as much as the target's step.
-enum Proj {
-    Exact(Linear),
-    Served(TargetLinear),
-}
-
-impl Proj {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Proj::Exact(l) => Ok(l.forward(x)?),
-            Proj::Served(l) => l.forward(x),
-        }
-    }
-
-    fn serve(&mut self, kernels: &KernelSettings, device: &Device) -> Result<()> {
-        if let Proj::Exact(l) = self {
-            let q = QTensor::quantize(l.weight(), GgmlDType::F32)?;
-            *self = Proj::Served(TargetLinear::from_qtensor(Arc::new(q), None, WeightFormat::Q8_0, kernels, device)?);
-        }
-        Ok(())
-    }
-}
-
 pub struct Eagle3Drafter {
     pub config: Eagle3Config,
     pub path: PathBuf,
-    fc: Proj,
+    fc: Projection,
     input_norm: Tensor,
     hidden_norm: Tensor,
     post_norm: Tensor,
-    q_proj: Proj,
-    k_proj: Proj,
-    v_proj: Proj,
-    o_proj: Proj,
-    gate_proj: Proj,
-    up_proj: Proj,
-    down_proj: Proj,
+    q_proj: Projection,
+    k_proj: Projection,
+    v_proj: Projection,
+    o_proj: Projection,
+    gate_proj: Projection,
+    up_proj: Projection,
+    down_proj: Projection,
     norm: Tensor,
-    lm_head: Proj,
+    lm_head: Projection,
     /// The drafter's own token embedding; None: it uses its target's.
     embed: Option<Tensor>,
     /// Target id of each draft-vocabulary entry.
@@ -180,7 +153,7 @@ impl Eagle3Drafter {
             }
             Ok(t)
         };
-        let linear = |name: &str| -> Result<Proj> { Ok(Proj::Exact(Linear::new(w(name)?, None))) };
+        let linear = |name: &str| -> Result<Projection> { Ok(Projection::Exact(Linear::new(w(name)?, None))) };
         let m = |s: &str| format!("midlayer.{s}");
         Ok(Self {
             fc: linear("fc.weight")?,

@@ -377,27 +377,36 @@ mod tests {
         assert_eq!(model.tokenizer.encode(&text, true).unwrap().len(), 42);
     }
 
-    /// Qwen3's published template (its thinking switch, earlier reasoning dropped) renders as
-    /// Hugging Face's jinja2 renders it (`tests/fixtures/chat-templates/`, made by
-    /// `tools/chat_template_reference/render.py`), with and without `enable_thinking`.
+    /// Qwen3's and Gemma 3's published templates render as Hugging Face's jinja2 renders them
+    /// (`tests/fixtures/chat-templates/`, made by `tools/chat_template_reference/render.py`):
+    /// Qwen3 with thinking on, off and unset and an earlier reasoning turn; Gemma 3 folding the
+    /// system message into the first turn and refusing roles that do not alternate.
     #[test]
-    fn qwen3_template_and_its_thinking_switch_render_as_jinja2_does() {
+    fn published_templates_and_the_thinking_switch_render_as_jinja2_does() {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat-templates");
-        let source = std::fs::read_to_string(dir.join("qwen3.jinja")).unwrap();
-        let template = ChatTemplate::from_source(&source, "", "<|im_end|>").unwrap();
-        let expected: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("qwen3-expected.json")).unwrap()).unwrap();
-        let cases = expected["cases"].as_array().unwrap();
-        assert_eq!(cases.len(), 4);
-        for case in cases {
-            let kwargs = case["kwargs"].as_object().unwrap();
-            let tools = case.get("tools").filter(|t| !t.is_null());
-            let text = template.render_json(&case["messages"], tools, true, kwargs).unwrap();
-            assert_eq!(text, case["text"].as_str().unwrap(), "{kwargs:?}");
+        for (name, bos, eos) in [("qwen3", "", "<|im_end|>"), ("gemma3", "<bos>", "<eos>")] {
+            let source = std::fs::read_to_string(dir.join(format!("{name}.jinja"))).unwrap();
+            let template = ChatTemplate::from_source(&source, bos, eos).unwrap();
+            let expected: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(dir.join(format!("{name}-expected.json"))).unwrap()).unwrap();
+            let cases = expected["cases"].as_array().unwrap();
+            assert_eq!(cases.len(), 4, "{name}");
+            for case in cases {
+                let kwargs = case["kwargs"].as_object().unwrap();
+                let tools = case.get("tools").filter(|t| !t.is_null());
+                let text = template.render_json(&case["messages"], tools, true, kwargs).unwrap();
+                assert_eq!(text, case["text"].as_str().unwrap(), "{name} {kwargs:?}");
+            }
         }
+        let qwen3 = std::fs::read_to_string(dir.join("qwen3.jinja")).unwrap();
+        let template = ChatTemplate::from_source(&qwen3, "", "<|im_end|>").unwrap();
         let off = parse_template_kwargs(r#"{"enable_thinking": false}"#).unwrap();
         let text = template.render_with(&[ChatMessage::user("hi")], true, &off).unwrap();
         assert!(text.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{text:?}");
         assert!(parse_template_kwargs("[1]").is_err() && parse_template_kwargs("{").is_err());
+        let gemma3 = std::fs::read_to_string(dir.join("gemma3.jinja")).unwrap();
+        let template = ChatTemplate::from_source(&gemma3, "<bos>", "<eos>").unwrap();
+        let err = template.render(&[ChatMessage::user("a"), ChatMessage::user("b")], true).unwrap_err();
+        assert!(err.to_string().contains("roles must alternate"), "{err}");
     }
 }

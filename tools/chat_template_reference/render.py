@@ -4,6 +4,10 @@ and template keyword arguments, as the fixture of the chat-template tests.
 
     /var/tmp/dflash-venv/bin/python tools/chat_template_reference/render.py \
         tests/fixtures/chat-templates/qwen3.jinja tests/fixtures/chat-templates/qwen3-expected.json
+    /var/tmp/dflash-venv/bin/python tools/chat_template_reference/render.py \
+        tests/fixtures/chat-templates/gemma3.jinja tests/fixtures/chat-templates/gemma3-expected.json "<bos>"
+
+The optional third argument is the template's `bos_token`.
 
 Made with Jinja2 3.1.6.
 """
@@ -30,13 +34,19 @@ CASES = [
 
 def main() -> int:
     source, out = open(sys.argv[1]).read(), sys.argv[2]
+    bos_token = sys.argv[3] if len(sys.argv) > 3 else ""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     template = env.from_string(source)
     results = []
     for case in CASES:
         text = template.render(messages=case["messages"], tools=case.get("tools"), add_generation_prompt=True,
-                               **case["kwargs"])
+                               bos_token=bos_token, **case["kwargs"])
         results.append({**case, "text": text})
     json.dump({"renderer": "jinja2 (transformers' settings)", "cases": results}, open(out, "w"), indent=1,
               ensure_ascii=False)

@@ -85,3 +85,41 @@ fn unsupported_rope_scaling_is_refused_by_name() {
         .to_string();
     assert!(err.contains("unsupported rope_scaling type `yarn`"), "{err}");
 }
+
+/// A GGUF whose tensors disagree with its configuration is refused at load, naming the tensor:
+/// an LM head of the wrong width, a norm of the wrong length.
+#[test]
+fn tensors_that_disagree_with_the_config_are_refused_by_name() {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good.gguf");
+    common::write_gguf_from_hf(&fixture(), "llama", GgmlDType::F32, &good);
+    let rewrite = |replace: &str, shape: &[usize], out: &Path| {
+        let mut file = std::fs::File::open(&good).unwrap();
+        let content = gguf_file::Content::read(&mut file).unwrap();
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        for name in content.tensor_infos.keys() {
+            let t = if name == replace {
+                let zeros =
+                    candle_core::Tensor::zeros(shape, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+                QTensor::quantize(&zeros, GgmlDType::F32).unwrap()
+            } else {
+                content.tensor(&mut file, name, &candle_core::Device::Cpu).unwrap()
+            };
+            tensors.push((name.clone(), t));
+        }
+        let meta: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut std::fs::File::create(out).unwrap(), &meta, &refs).unwrap();
+    };
+    for (name, shape, needle) in [
+        ("output.weight", vec![256, 96], "LM head is 256 × 96, expected 256 × 64"),
+        ("blk.1.ffn_norm.weight", vec![32], "blk.1.ffn_norm.weight: shape [32], expected [64]"),
+        ("output_norm.weight", vec![64, 2], "output_norm.weight: shape [64, 2], expected [64]"),
+    ] {
+        let bad = tmp.path().join("bad.gguf");
+        rewrite(name, &shape, &bad);
+        let err = Transformer::from_path(&bad, None, &candle_core::Device::Cpu).err().expect(name);
+        assert!(format!("{err:#}").contains(needle), "{name}: {err:#}");
+    }
+}

@@ -149,7 +149,7 @@ impl Linear {
             (Weight::Vnni(p), _) => {
                 let rows = x.dim(0)?;
                 let input = x.flatten_all()?.to_vec1::<f32>()?;
-                Tensor::from_vec(p.matmul(&input), (rows, p.out_features()), x.device())?
+                Tensor::from_vec(p.matmul(&input)?, (rows, p.out_features()), x.device())?
             }
             (Weight::Candle(w), Some(p)) => {
                 row_invariant_matmul(w, &x.pad_with_zeros(1, 0, p - self.in_features)?, self.amx)?

@@ -145,6 +145,12 @@ impl Transformer {
                 "ffn_gate/up",
             )?;
             check_shape(&[layer.o.out_features()], layer.o.in_features(), &[config.hidden], q, i, "attn_output")?;
+            check_vector(&layer.attn_norm, config.hidden, &format!("blk.{i}.attn_norm.weight"))?;
+            check_vector(&layer.ffn_norm, config.hidden, &format!("blk.{i}.ffn_norm.weight"))?;
+            if let Some((a, f)) = &layer.post_norms {
+                check_vector(a, config.hidden, &format!("blk.{i}.post_attention_norm.weight"))?;
+                check_vector(f, config.hidden, &format!("blk.{i}.post_ffw_norm.weight"))?;
+            }
             check_shape(
                 &[layer.down.out_features()],
                 layer.down.in_features(),
@@ -156,6 +162,16 @@ impl Transformer {
             layers.push(layer);
         }
         let norm = file.dense("output_norm.weight", device)?;
+        check_vector(&norm, config.hidden, "output_norm.weight")?;
+        if lm_head.in_features() != config.hidden || lm_head.out_features() != config.vocab {
+            bail!(
+                "LM head is {} × {}, expected {} × {} (vocabulary × hidden)",
+                lm_head.out_features(),
+                lm_head.in_features(),
+                config.vocab,
+                config.hidden
+            );
+        }
         let ropes = ropes.into_iter().map(|(_, _, r)| r).collect();
         Ok(Self {
             config,
@@ -441,6 +457,14 @@ fn check_shape(
 ) -> Result<()> {
     if widths != want || cols != want_cols {
         bail!("blk.{layer}.{name}: output widths {widths:?} × input {cols}, expected {want:?} × {want_cols}");
+    }
+    Ok(())
+}
+
+/// A norm weight must be one vector of `len` values.
+fn check_vector(t: &Tensor, len: usize, name: &str) -> Result<()> {
+    if t.dims() != [len] {
+        bail!("{name}: shape {:?}, expected [{len}]", t.dims());
     }
     Ok(())
 }

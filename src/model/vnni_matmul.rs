@@ -292,10 +292,12 @@ impl PackedMatrix {
         self.n
     }
 
-    /// `x`: `m` rows of `k` floats → `m` rows of `n` floats.
-    pub fn matmul(&self, x: &[f32]) -> Vec<f32> {
+    /// `x`: `m` rows of `k` floats → `m` rows of `n` floats; an error when `x` is not whole rows.
+    pub fn matmul(&self, x: &[f32]) -> Result<Vec<f32>> {
         let m = x.len() / self.k;
-        assert_eq!(x.len(), m * self.k, "input is not whole rows");
+        if x.len() != m * self.k {
+            bail!("matmul input of {} values is not whole rows of {}", x.len(), self.k);
+        }
         let acts = QuantizedRows::new(x, self.k, self.two_level);
         // Not zeroed first: every element is written by exactly one tile below (a zeroed
         // 8 × 49152 logits buffer was a page-faulting memset on every step).
@@ -315,7 +317,7 @@ impl PackedMatrix {
         });
         // SAFETY: the tiles cover all n/16 column groups of all m rows.
         unsafe { out.set_len(m * self.n) };
-        out
+        Ok(out)
     }
 
     unsafe fn tile(&self, nt: usize, acts: &QuantizedRows, r0: usize, rows: usize, out: *mut f32) {
@@ -1019,12 +1021,12 @@ mod tests {
             let (n, k) = (48, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 768 } else { 576 });
             let (p, _) = packed_levels(dtype, n, k, two_level);
             let x = random(19 * k, 11);
-            let all = p.matmul(&x);
+            let all = p.matmul(&x).unwrap();
             assert_eq!(all, matmul_portable(&p, &x), "{dtype:?}");
             for (r, row) in all.chunks_exact(n).enumerate() {
-                assert_eq!(row, p.matmul(&x[r * k..(r + 1) * k]).as_slice(), "{dtype:?} row {r} alone");
+                assert_eq!(row, p.matmul(&x[r * k..(r + 1) * k]).unwrap().as_slice(), "{dtype:?} row {r} alone");
             }
-            assert_eq!(&all[..5 * n], p.matmul(&x[..5 * k]).as_slice(), "{dtype:?} first 5 rows");
+            assert_eq!(&all[..5 * n], p.matmul(&x[..5 * k]).unwrap().as_slice(), "{dtype:?} first 5 rows");
         }
     }
 
@@ -1039,7 +1041,7 @@ mod tests {
         for dtype in ALL_TYPES {
             let (p, _) = packed(dtype, n, k);
             let x = random(rows * k, 13);
-            assert_eq!(p.matmul(&x), matmul_portable(&p, &x), "{dtype:?}");
+            assert_eq!(p.matmul(&x).unwrap(), matmul_portable(&p, &x), "{dtype:?}");
         }
     }
 
@@ -1075,7 +1077,7 @@ mod tests {
             let (n, k) = (32, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 96 });
             let (p, dense) = packed(dtype, n, k);
             let x = random(3 * k, 5);
-            let got = p.matmul(&x);
+            let got = p.matmul(&x).unwrap();
             for r in 0..3 {
                 for c in 0..n {
                     let exact: f32 = (0..k).map(|i| x[r * k + i] * dense[c * k + i]).sum();

@@ -377,14 +377,17 @@ mod tests {
         assert_eq!(model.tokenizer.encode(&text, true).unwrap().len(), 42);
     }
 
-    /// Qwen3's and Gemma 3's published templates render as Hugging Face's jinja2 renders them
-    /// (`tests/fixtures/chat-templates/`, made by `tools/chat_template_reference/render.py`):
-    /// Qwen3 with thinking on, off and unset and an earlier reasoning turn; Gemma 3 folding the
-    /// system message into the first turn and refusing roles that do not alternate.
+    /// Qwen3's, Gemma 3's and Llama 3.1's published templates render as Hugging Face's jinja2
+    /// renders them (`tests/fixtures/chat-templates/`, made by
+    /// `tools/chat_template_reference/render.py`): Qwen3 with thinking on, off and unset and an
+    /// earlier reasoning turn; Gemma 3 folding the system message into the first turn and
+    /// refusing roles that do not alternate; Llama 3.1's system header with its default date.
     #[test]
     fn published_templates_and_the_thinking_switch_render_as_jinja2_does() {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat-templates");
-        for (name, bos, eos) in [("qwen3", "", "<|im_end|>"), ("gemma3", "<bos>", "<eos>")] {
+        for (name, bos, eos) in
+            [("qwen3", "", "<|im_end|>"), ("gemma3", "<bos>", "<eos>"), ("llama3.1", "<|begin_of_text|>", "<|eot_id|>")]
+        {
             let source = std::fs::read_to_string(dir.join(format!("{name}.jinja"))).unwrap();
             let template = ChatTemplate::from_source(&source, bos, eos).unwrap();
             let expected: serde_json::Value =

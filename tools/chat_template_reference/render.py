@@ -6,6 +6,9 @@ and template keyword arguments, as the fixture of the chat-template tests.
         tests/fixtures/chat-templates/qwen3.jinja tests/fixtures/chat-templates/qwen3-expected.json
     /var/tmp/dflash-venv/bin/python tools/chat_template_reference/render.py \
         tests/fixtures/chat-templates/gemma3.jinja tests/fixtures/chat-templates/gemma3-expected.json "<bos>"
+    /var/tmp/dflash-venv/bin/python tools/chat_template_reference/render.py \
+        tests/fixtures/chat-templates/llama3.1.jinja tests/fixtures/chat-templates/llama3.1-expected.json \
+        "<|begin_of_text|>"
 
 The optional third argument is the template's `bos_token`.
 

@@ -547,8 +547,14 @@ fn tiny_model_sampling_distribution_is_the_targets() {
     let total: f64 = exact.values().sum();
     assert!((total - 1.0).abs() < 1e-4);
 
-    let arms: [&str; 5] =
-        ["plain", "self draft model", "perturbed draft model", "stochastic drafter", "eagle3 drafter"];
+    let arms: [&str; 6] = [
+        "plain",
+        "self draft model",
+        "perturbed draft model",
+        "stochastic drafter",
+        "eagle3 drafter",
+        "dflash drafter",
+    ];
     // A random EAGLE-3 drafter that reads the target's hidden states; its vocabulary is the
     // target's two likeliest first tokens, so it is right part of the time.
     let eagle_dir = tempfile::tempdir().unwrap();
@@ -563,6 +569,11 @@ fn tiny_model_sampling_distribution_is_the_targets() {
     vocab.sort();
     common::write_eagle3_drafter(eagle_dir.path(), hidden, hidden, TINY_VOCAB, [0, 1, 1], false, Some(&vocab), 5);
     let eagle_settings = specula::speculative::eagle3::Eagle3Settings::default();
+    // A random DFlash drafter (blocks of 4, both target layers tapped) over the same two tokens,
+    // served as it is when drafting (8-bit projections).
+    let dflash_dir = tempfile::tempdir().unwrap();
+    common::write_dflash_drafter(dflash_dir.path(), hidden, target.config.n_layers, &[0, 1], 1, 4, Some(&vocab), 9);
+    let dflash_settings = specula::speculative::dflash::DflashSettings::default();
     for (arm_index, arm) in arms.iter().enumerate() {
         let mut counts: HashMap<Vec<u32>, usize> = HashMap::new();
         let mut metrics = specula::speculative::SpecMetrics::default();
@@ -574,6 +585,9 @@ fn tiny_model_sampling_distribution_is_the_targets() {
                 2 => Some(Box::new(DraftModelProposer::new(other.clone(), 64, vec![]))),
                 4 => Some(Box::new(
                     specula::speculative::eagle3::build_proposer(eagle_dir.path(), &eagle_settings, target).unwrap(),
+                )),
+                5 => Some(Box::new(
+                    specula::speculative::dflash::build_proposer(dflash_dir.path(), &dflash_settings, target).unwrap(),
                 )),
                 _ => {
                     // q(t) ∝ t + 1 on ids 0..8 (a distribution: it sums to 1).

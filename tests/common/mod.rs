@@ -155,3 +155,48 @@ pub fn write_gguf_from_hf(
     let mut file = std::fs::File::create(out).unwrap();
     candle_core::quantized::gguf_file::write(&mut file, &meta_refs, &tensor_refs).unwrap();
 }
+
+/// Writes a DFlash drafter with random weights in the z-lab layout for a `hidden`-wide target
+/// of `target_layers` layers: blocks of `block`, taps `layer_ids`, MASK id `mask`. With
+/// `draft_vocab` (target ids) it drafts only those tokens (`draft_vocab_size` + `d2t`).
+#[allow(clippy::too_many_arguments)]
+pub fn write_dflash_drafter(
+    dir: &std::path::Path,
+    hidden: usize,
+    target_layers: usize,
+    layer_ids: &[usize],
+    mask: usize,
+    block: usize,
+    draft_vocab: Option<&[u32]>,
+    seed: u64,
+) {
+    use candle_core::{Device, Tensor};
+    use specula::speculative::dflash::{expected_tensors, DflashConfig};
+    let mut dflash = serde_json::json!({"mask_token_id": mask, "target_layer_ids": layer_ids});
+    if let Some(ids) = draft_vocab {
+        dflash["draft_vocab_size"] = ids.len().into();
+    }
+    let config = serde_json::json!({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 2 * hidden, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "block_size": block,
+        "num_target_layers": target_layers, "dflash_config": dflash
+    });
+    let cfg = DflashConfig::from_json(&config).unwrap();
+    let mut rng = specula::sample::SamplerRng::from_seed(seed);
+    let mut random = |shape: &[usize]| -> Tensor {
+        let n: usize = shape.iter().product();
+        let (scale, offset) = if shape.len() == 1 { (0.2, 1.0) } else { (1.7 / (shape[1] as f64).sqrt(), 0.0) };
+        let v: Vec<f32> = (0..n).map(|_| (offset + (rng.next_f64() * 2.0 - 1.0) * scale) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    };
+    let mut tensors: std::collections::HashMap<String, Tensor> =
+        expected_tensors(&cfg).into_iter().map(|(name, shape)| (name, random(&shape))).collect();
+    if let Some(ids) = draft_vocab {
+        let d2t: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        tensors.insert("d2t".into(), Tensor::from_vec(d2t, ids.len(), &Device::Cpu).unwrap());
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+}

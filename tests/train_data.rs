@@ -53,7 +53,7 @@ fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
     DataSettings {
         sources: vec![PromptSource::File { key: "fastchat-dummy".into(), path: prompts.to_path_buf() }],
         limit: Some(limit),
-        gen: GenSettings { max_new_tokens: 8, temperature: 0.0, seed: 0 },
+        gen: GenSettings { max_new_tokens: 8, temperature: 0.0, seed: 0, chat_template_kwargs: Default::default() },
         out: out.to_path_buf(),
         batch: 4,
         shard_size: 4,
@@ -100,10 +100,13 @@ fn batched_data_is_the_targets_own_greedy_output_with_the_response_masked() {
         let p = source.iter().find(|p| p.id == ex.id).expect("example of a known prompt");
         assert_eq!(ex.set, "fastchat-dummy");
         assert_eq!(ex.prompt, p.text);
-        let ids = data::encode(loaded, p).unwrap();
+        let ids = data::encode(loaded, p, &Default::default()).unwrap();
         assert_eq!(&ex.tokens[..ex.prompt_tokens], &ids[..], "{}: prompt tokens", ex.id);
-        let params =
-            data::example_params(&GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0 }, &ex.set, &ex.id);
+        let params = data::example_params(
+            &GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0, chat_template_kwargs: Default::default() },
+            &ex.set,
+            &ex.id,
+        );
         let alone = generate(
             EngineModel { model: &loaded.model, tokenizer: None },
             &pool,

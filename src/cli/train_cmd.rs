@@ -237,6 +237,11 @@ pub struct DataArgs {
     /// Seed for sampling (each example derives its own from this and its set + id).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Chat template variables for the chat prompt sets, as a JSON object, e.g.
+    /// '{"enable_thinking": false}' (Qwen3 answers without thinking, as the published DFlash
+    /// drafters were trained); recorded in meta.json and required to match on resume.
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
     /// Examples per shard file.
     #[arg(long, default_value_t = 1000)]
     shard_size: usize,
@@ -268,7 +273,15 @@ fn run_data(args: DataArgs) -> Result<()> {
     let settings = DataSettings {
         sources,
         limit: args.limit,
-        gen: GenSettings { max_new_tokens: args.max_new_tokens, temperature: args.temperature, seed: args.seed },
+        gen: GenSettings {
+            max_new_tokens: args.max_new_tokens,
+            temperature: args.temperature,
+            seed: args.seed,
+            chat_template_kwargs: match &args.chat_template_kwargs {
+                Some(text) => crate::tokenize::parse_template_kwargs(text)?,
+                None => Default::default(),
+            },
+        },
         out: args.out.clone(),
         batch: args.batch,
         shard_size: args.shard_size,

@@ -131,6 +131,10 @@ pub struct GenSettings {
     pub temperature: f32,
     /// Each example samples with its own seed derived from this and its set + id.
     pub seed: u64,
+    /// Chat template variables for chat prompts (`{"enable_thinking": false}`: the published
+    /// Qwen3 DFlash drafters were trained on answers without thinking).
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
 }
 
 /// Throughput of one run.
@@ -443,11 +447,11 @@ fn example_seed(seed: u64, set: &str, id: &str) -> u64 {
     h ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
-/// The prompt's token ids: chat prompts through the target's chat template, completion
-/// prompts as raw text.
-pub fn encode(target: &LoadedModel, prompt: &Prompt) -> Result<Vec<u32>> {
+/// The prompt's token ids: chat prompts through the target's chat template (with `kwargs`),
+/// completion prompts as raw text.
+pub fn encode(target: &LoadedModel, prompt: &Prompt, kwargs: &crate::tokenize::TemplateKwargs) -> Result<Vec<u32>> {
     match prompt.kind {
-        PromptKind::Chat => target.encode_chat(&[ChatMessage::user(prompt.text.clone())]),
+        PromptKind::Chat => target.encode_chat_with(&[ChatMessage::user(prompt.text.clone())], kwargs),
         PromptKind::Completion => target.encode_prompt(&prompt.text),
     }
 }
@@ -522,11 +526,12 @@ pub fn generate_data(
         }
         if m.settings != settings.gen {
             bail!(
-                "{} was made with other settings (max new tokens {}, temperature {}, seed {}): resume with the same ones or use another --out",
+                "{} was made with other settings (max new tokens {}, temperature {}, seed {}, chat template kwargs {}): resume with the same ones or use another --out",
                 dir.display(),
                 m.settings.max_new_tokens,
                 m.settings.temperature,
-                m.settings.seed
+                m.settings.seed,
+                serde_json::Value::Object(m.settings.chat_template_kwargs.clone())
             );
         }
     }
@@ -569,7 +574,8 @@ pub fn generate_data(
     let mut todo: Vec<(String, Prompt, Vec<u32>)> = Vec::new();
     let mut skipped = Vec::new();
     for (set, p) in prompts.iter().filter(|(s, p)| !done.contains(&(s.clone(), p.id.clone()))) {
-        let ids = encode(target, p).with_context(|| format!("encoding {set} {}", p.id))?;
+        let ids = encode(target, p, &settings.gen.chat_template_kwargs)
+            .with_context(|| format!("encoding {set} {}", p.id))?;
         if ids.is_empty()
             || ids.len() + 1 >= ctx
             || ids.len() + 1 > settings.kv_tokens

@@ -135,7 +135,7 @@ impl ModelConfig {
     /// The attention window of layer `layer`, `None` for global attention.
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
         let sw = self.extras.sliding_window?;
-        let global = sw.pattern > 0 && (layer + 1) % sw.pattern == 0;
+        let global = sw.pattern > 0 && (layer + 1).is_multiple_of(sw.pattern);
         (!global).then_some(sw.window)
     }
 

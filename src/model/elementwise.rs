@@ -174,7 +174,7 @@ fn silu_mul_slice(g: &[f32], u: &[f32], out: &mut [f32]) {
 }
 
 /// `2·√(2/π)`: GELU's tanh argument doubled, as the sigmoid form takes it.
-const GELU_2C: f32 = 1.595_769_1;
+const GELU_2C: f32 = (2.0 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2) as f32;
 const GELU_CUBIC: f32 = 0.044715;
 
 /// GELU (tanh approximation) of `v`, times `u`: `v / (1 + exp(-2c·v·(1 + 0.044715·v²)))`.

@@ -125,7 +125,7 @@ impl TokenKind {
 /// How text becomes ids.
 enum Encoder {
     Bpe(Box<tokenizers::Tokenizer>),
-    Spm(SpmEncoder),
+    Spm(Box<SpmEncoder>),
 }
 
 /// The tokenizer model a GGUF names in `tokenizer.ggml.model`.
@@ -315,7 +315,8 @@ impl Tokenizer {
                 };
                 let add_space_prefix = metadata_bool(content, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
                 let whole = |id: u32| kinds[id as usize].is_matched_whole();
-                (Encoder::Spm(SpmEncoder::new(&vocab.texts, vocab.scores.clone(), whole, unk, add_space_prefix)), None)
+                let spm = SpmEncoder::new(&vocab.texts, vocab.scores.clone(), whole, unk, add_space_prefix);
+                (Encoder::Spm(Box::new(spm)), None)
             }
         };
         Self::finish(content, vocab, text_to_id, kinds, encoder, pre)

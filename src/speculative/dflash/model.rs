@@ -24,6 +24,9 @@ use std::sync::Arc;
 #[derive(Clone)]
 pub struct TargetHead {
     embedding: Arc<QTensor>,
+    /// The target's embedding multiplier (Gemma: √hidden), so drafters see what its first
+    /// layer sees.
+    embed_scale: Option<f32>,
     final_norm: Tensor,
     rms_eps: f64,
     n_layers: usize,
@@ -37,6 +40,7 @@ impl TargetHead {
         let c = &target.config;
         Self {
             embedding,
+            embed_scale: c.extras.embed_scale,
             final_norm,
             rms_eps: c.rms_eps,
             n_layers: c.n_layers,
@@ -55,7 +59,7 @@ impl TargetHead {
         lm_head: TargetLinear,
         device: &Device,
     ) -> Self {
-        Self { embedding, final_norm, rms_eps, n_layers, lm_head, device: device.clone() }
+        Self { embedding, embed_scale: None, final_norm, rms_eps, n_layers, lm_head, device: device.clone() }
     }
 
     /// The feature DFlash means by "target layer `layer`": Hugging Face's
@@ -75,10 +79,14 @@ impl TargetHead {
         &self.embedding
     }
 
-    /// Token embeddings `[ids, hidden]` (f32).
+    /// Token embeddings `[ids, hidden]` (f32), scaled as the target scales them.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         let ids = Tensor::new(ids, &self.device)?;
-        Ok(self.embedding.embedding(&ids)?.to_dtype(DType::F32)?)
+        let x = self.embedding.embedding(&ids)?.to_dtype(DType::F32)?;
+        Ok(match self.embed_scale {
+            Some(s) => (x * s as f64)?,
+            None => x,
+        })
     }
 
     /// Logits `[rows, vocab]` of already-normalised hidden states (no final norm here).

@@ -39,20 +39,15 @@ fn cases(file: &str, which: &[usize]) -> Vec<Case> {
         .collect()
 }
 
-#[test]
-fn smollm2_default_weights_stay_within_f32_rounding_of_exact_arithmetic() {
-    let path = specula::fetch::resolve_model("smollm2-135m", false).expect("fetching smollm2-135m");
+/// The default weights' and llama.cpp's agreement with `--weights f32` on `cases` (teacher
+/// forced over prompt + llama.cpp's tokens).
+fn agreements(model: &str, cases: &[Case]) -> (Agreement, Agreement) {
+    let path = specula::fetch::resolve_model(model, false).unwrap_or_else(|e| panic!("fetching {model}: {e:#}"));
     let device = candle_core::Device::Cpu;
     let exact = LoadedModel::load(&path, Some(WeightFormat::F32), &device).unwrap();
     let default = LoadedModel::load(&path, None, &device).unwrap();
-    // The three reference prompts, and five held-out ones where one-level (llama.cpp's)
-    // activation quantisation put our greedy output off f32's or moved a log-prob by 0.2-0.5
-    // nats ("My favourite food is", "Photosynthesis is the process", "To make a cup of tea,",
-    // "The weather today is", "The cat sat on the").
-    let mut all = cases("llamacpp-greedy/SmolLM2-135M-Instruct.Q4_1.json", &[]);
-    all.extend(cases("kernel-accuracy/smollm2-135m.json", &[5, 8, 11, 17, 25]));
     let (mut ours, mut llama) = (Agreement::default(), Agreement::default());
-    for c in &all {
+    for c in cases {
         let prompt = exact.encode_prompt(&c.prompt).unwrap();
         let f32_rows = teacher_forced_logprobs(&exact.model, &prompt, &c.tokens).unwrap();
         let rows = teacher_forced_logprobs(&default.model, &prompt, &c.tokens).unwrap();
@@ -61,6 +56,18 @@ fn smollm2_default_weights_stay_within_f32_rounding_of_exact_arithmetic() {
             llama.add(t, lp, f32_row, t);
         }
     }
+    (ours, llama)
+}
+
+#[test]
+fn smollm2_default_weights_stay_within_f32_rounding_of_exact_arithmetic() {
+    // The three reference prompts, and five held-out ones where one-level (llama.cpp's)
+    // activation quantisation put our greedy output off f32's or moved a log-prob by 0.2-0.5
+    // nats ("My favourite food is", "Photosynthesis is the process", "To make a cup of tea,",
+    // "The weather today is", "The cat sat on the").
+    let mut all = cases("llamacpp-greedy/SmolLM2-135M-Instruct.Q4_1.json", &[]);
+    all.extend(cases("kernel-accuracy/smollm2-135m.json", &[5, 8, 11, 17, 25]));
+    let (ours, llama) = agreements("smollm2-135m", &all);
     eprintln!("default vs f32: {ours:?}, mean {:.5}", ours.mean_abs());
     eprintln!("llama.cpp vs f32: {llama:?}, mean {:.5}", llama.mean_abs());
     assert_eq!(ours.steps, 232);
@@ -79,20 +86,7 @@ fn smollm2_default_weights_stay_within_f32_rounding_of_exact_arithmetic() {
 /// against f32 on the same weights, over the 8 prompts of its llama.cpp reference.
 #[test]
 fn gemma3_k_quant_weights_stay_within_f32_rounding_of_exact_arithmetic() {
-    let path = specula::fetch::resolve_model("gemma3-270m", false).expect("fetching gemma3-270m");
-    let device = candle_core::Device::Cpu;
-    let exact = LoadedModel::load(&path, Some(WeightFormat::F32), &device).unwrap();
-    let default = LoadedModel::load(&path, None, &device).unwrap();
-    let (mut ours, mut llama) = (Agreement::default(), Agreement::default());
-    for c in &cases("llamacpp-greedy/gemma-3-270m-q4_k_m.json", &[]) {
-        let prompt = exact.encode_prompt(&c.prompt).unwrap();
-        let f32_rows = teacher_forced_logprobs(&exact.model, &prompt, &c.tokens).unwrap();
-        let rows = teacher_forced_logprobs(&default.model, &prompt, &c.tokens).unwrap();
-        for ((row, f32_row), (&t, &lp)) in rows.iter().zip(&f32_rows).zip(c.tokens.iter().zip(&c.llama_lp)) {
-            ours.add_row(row, f32_row, t);
-            llama.add(t, lp, f32_row, t);
-        }
-    }
+    let (ours, llama) = agreements("gemma3-270m", &cases("llamacpp-greedy/gemma-3-270m-q4_k_m.json", &[]));
     eprintln!("default vs f32: {ours:?}, mean {:.5}", ours.mean_abs());
     eprintln!("llama.cpp vs f32: {llama:?}, mean {:.5}", llama.mean_abs());
     assert_eq!(ours.steps, 256);

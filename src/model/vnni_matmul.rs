@@ -892,6 +892,15 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                 // the minimum.
                 let sb = b / BLOCKS_PER_SUPER;
                 let at_sb = (nt * (k / SUPER_BLOCK) + sb) * TILE_N + lane;
+                // Input i's four low bits in the Q4_1 nibble layout the 4/5/6-bit types share.
+                let nibble = |qs: &[u8], i: usize| -> u8 {
+                    let byte = qs[(nt * kb_n + b) * TILE_N * BLOCK / 2 + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
+                    if i < 16 {
+                        byte & 0x0F
+                    } else {
+                        byte >> 4
+                    }
+                };
                 let (w, offset, d, d_hi, min): (Vec<i32>, i32, f32, Option<f32>, Option<f32>) = match &p.weights {
                     Packed::Q8_0 { qs, d } => {
                         let tile = (nt * kb_n + b) * TILE_N * BLOCK;
@@ -904,44 +913,23 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                         )
                     }
                     Packed::Q4_1 { qs, d, m } => {
-                        let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
-                        let w = (0..BLOCK)
-                            .map(|i| {
-                                let byte = qs[tile + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
-                                (if i < 16 { byte & 0x0F } else { byte >> 4 }) as i32
-                            })
-                            .collect();
+                        let w = (0..BLOCK).map(|i| nibble(qs, i) as i32).collect();
                         (w, 0, d[at].to_f32(), None, Some(m[at].to_f32()))
                     }
                     Packed::Q5_0 { qs, qh, d } => {
-                        let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
-                        let w = (0..BLOCK)
-                            .map(|i| {
-                                let byte = qs[tile + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
-                                let low = if i < 16 { byte & 0x0F } else { byte >> 4 };
-                                (low | (((qh[at] >> i) & 1) as u8) << 4) as i32
-                            })
-                            .collect();
+                        let w = (0..BLOCK).map(|i| (nibble(qs, i) | (((qh[at] >> i) & 1) as u8) << 4) as i32).collect();
                         (w, 16, d[at].to_f32(), None, None)
                     }
                     Packed::Q4K { qs, sc, m, d, dmin_neg } => {
-                        let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
-                        let w = (0..BLOCK)
-                            .map(|i| {
-                                let byte = qs[tile + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
-                                (if i < 16 { byte & 0x0F } else { byte >> 4 }) as i32
-                            })
-                            .collect();
+                        let w = (0..BLOCK).map(|i| nibble(qs, i) as i32).collect();
                         let scale = sc[at] as f32 * d[at_sb].to_f32();
                         (w, 0, scale, None, Some(m[at] as f32 * dmin_neg[at_sb].to_f32()))
                     }
                     Packed::Q6K { qs, qh, sc, d } => {
-                        let tile = (nt * kb_n + b) * TILE_N * BLOCK / 2;
                         let high_tile = (nt * kb_n + b) * TILE_N * BLOCK / 4;
                         let w = (0..BLOCK)
                             .map(|i| {
-                                let byte = qs[tile + ((i % 16) / 4 * TILE_N + lane) * 4 + i % 4];
-                                let low = if i < 16 { byte & 0x0F } else { byte >> 4 };
+                                let low = nibble(qs, i);
                                 let g = i / 4;
                                 let high = (qh[high_tile + ((g / 4) * TILE_N + lane) * 4 + i % 4] >> (2 * (g % 4))) & 3;
                                 (low | high << 4) as i32

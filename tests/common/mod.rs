@@ -51,12 +51,7 @@ pub fn write_eagle3_drafter(
     });
     let cfg = Eagle3Config::from_json(&config).unwrap();
     let mut rng = specula::sample::SamplerRng::from_seed(seed);
-    let mut random = |shape: &[usize]| -> Tensor {
-        let n: usize = shape.iter().product();
-        let (scale, offset) = if shape.len() == 1 { (0.2, 1.0) } else { (1.7 / (shape[1] as f64).sqrt(), 0.0) };
-        let v: Vec<f32> = (0..n).map(|_| (offset + (rng.next_f64() * 2.0 - 1.0) * scale) as f32).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    };
+    let mut random = |shape: &[usize]| random_weight(&mut rng, shape);
     let mut tensors: std::collections::HashMap<String, Tensor> =
         model::expected_tensors(&cfg).into_iter().map(|(name, shape)| (name, random(&shape))).collect();
     if own_embedding {
@@ -184,12 +179,7 @@ pub fn write_dflash_drafter(
     });
     let cfg = DflashConfig::from_json(&config).unwrap();
     let mut rng = specula::sample::SamplerRng::from_seed(seed);
-    let mut random = |shape: &[usize]| -> Tensor {
-        let n: usize = shape.iter().product();
-        let (scale, offset) = if shape.len() == 1 { (0.2, 1.0) } else { (1.7 / (shape[1] as f64).sqrt(), 0.0) };
-        let v: Vec<f32> = (0..n).map(|_| (offset + (rng.next_f64() * 2.0 - 1.0) * scale) as f32).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    };
+    let mut random = |shape: &[usize]| random_weight(&mut rng, shape);
     let mut tensors: std::collections::HashMap<String, Tensor> =
         expected_tensors(&cfg).into_iter().map(|(name, shape)| (name, random(&shape))).collect();
     if let Some(ids) = draft_vocab {
@@ -199,4 +189,12 @@ pub fn write_dflash_drafter(
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+}
+
+/// A random drafter weight: norms near one, matrices scaled by their input width.
+fn random_weight(rng: &mut specula::sample::SamplerRng, shape: &[usize]) -> candle_core::Tensor {
+    let n: usize = shape.iter().product();
+    let (scale, offset) = if shape.len() == 1 { (0.2, 1.0) } else { (1.7 / (shape[1] as f64).sqrt(), 0.0) };
+    let v: Vec<f32> = (0..n).map(|_| (offset + (rng.next_f64() * 2.0 - 1.0) * scale) as f32).collect();
+    candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu).unwrap()
 }

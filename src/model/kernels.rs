@@ -21,15 +21,46 @@ pub struct KernelSettings {
     /// keeps its own one-byte-per-weight copy of every Q4_K matrix (+1.4 GB for
     /// Qwen2.5-1.5B); off, such batches run in chunks below the threshold (same results).
     pub amx: bool,
-    /// Our kernels quantise activations in two levels (within f32's results, docs/kernels.md);
-    /// off: one level, llama.cpp's arithmetic, cheaper where arithmetic is the bottleneck
-    /// (prefill, batched decode).
-    pub two_level_activations: bool,
+    /// How our kernels quantise activations (docs/kernels.md).
+    pub activation_levels: ActivationLevels,
+}
+
+/// How our kernels quantise each block of 32 activations: one 8-bit level (llama.cpp's
+/// arithmetic), a second 8-bit level for what the first leaves over (within f32 rounding of
+/// the dense product, twice the integer dot products), or the second level only on the blocks
+/// that carry most of the first level's error (the default: within a few hundredths of a nat
+/// of exact arithmetic at about a tenth more arithmetic; see `vnni_matmul`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActivationLevels {
+    One,
+    Selective,
+    Two,
+}
+
+impl ActivationLevels {
+    fn parse(name: &str, value: &str) -> Option<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "one" | "1" => Some(Self::One),
+            "selective" => Some(Self::Selective),
+            "two" | "2" => Some(Self::Two),
+            "" => None,
+            other => {
+                eprintln!("warning: {name}={other:?} is not one, selective or two; ignored");
+                None
+            }
+        }
+    }
 }
 
 impl Default for KernelSettings {
     fn default() -> Self {
-        Self { weights: None, vnni_kernels: true, candle_repack: true, amx: true, two_level_activations: true }
+        Self {
+            weights: None,
+            vnni_kernels: true,
+            candle_repack: true,
+            amx: true,
+            activation_levels: ActivationLevels::Selective,
+        }
     }
 }
 
@@ -37,12 +68,15 @@ impl Default for KernelSettings {
 const NO_VNNI_KERNELS: (&str, &[&str]) = ("SPECULA_NO_VNNI_KERNELS", &["SPECULA_NO_Q8_KERNEL"]);
 const NO_CANDLE_REPACK: (&str, &[&str]) = ("SPECULA_NO_CANDLE_REPACK", &["SPECULA_NO_PAD"]);
 const NO_AMX: (&str, &[&str]) = ("SPECULA_NO_AMX", &[]);
-const ONE_LEVEL_ACTIVATIONS: (&str, &[&str]) = ("SPECULA_ONE_LEVEL_ACTIVATIONS", &[]);
+const ACTIVATION_LEVELS: &str = "SPECULA_ACTIVATION_LEVELS";
+/// Deprecated: `SPECULA_ACTIVATION_LEVELS=one`.
+const ONE_LEVEL_ACTIVATIONS: &str = "SPECULA_ONE_LEVEL_ACTIVATIONS";
 
 impl KernelSettings {
     /// The settings from the environment: `SPECULA_NO_VNNI_KERNELS`, `SPECULA_NO_CANDLE_REPACK`,
-    /// `SPECULA_NO_AMX` and `SPECULA_ONE_LEVEL_ACTIVATIONS` (see [`env_flag`]). Read on the first call only, so every model
-    /// of a process loads with the same kernels.
+    /// `SPECULA_NO_AMX` (see [`env_flag`]) and `SPECULA_ACTIVATION_LEVELS` (`one`, `selective`
+    /// or `two`). Read on the first call only, so every model of a process loads with the same
+    /// kernels.
     pub fn from_env() -> Self {
         static SETTINGS: std::sync::OnceLock<KernelSettings> = std::sync::OnceLock::new();
         *SETTINGS.get_or_init(|| {
@@ -60,7 +94,7 @@ impl KernelSettings {
                 vnni_kernels: !off(NO_VNNI_KERNELS),
                 candle_repack: !off(NO_CANDLE_REPACK),
                 amx: !off(NO_AMX),
-                two_level_activations: !off(ONE_LEVEL_ACTIVATIONS),
+                activation_levels: activation_levels_from_env(),
             }
         })
     }
@@ -69,6 +103,19 @@ impl KernelSettings {
     pub fn with_weights(self, weights: Option<WeightFormat>) -> Self {
         Self { weights, ..self }
     }
+}
+
+fn activation_levels_from_env() -> ActivationLevels {
+    if let Some(levels) =
+        std::env::var(ACTIVATION_LEVELS).ok().and_then(|v| ActivationLevels::parse(ACTIVATION_LEVELS, &v))
+    {
+        return levels;
+    }
+    if env_flag(ONE_LEVEL_ACTIVATIONS) {
+        eprintln!("warning: {ONE_LEVEL_ACTIVATIONS} is deprecated; use {ACTIVATION_LEVELS}=one");
+        return ActivationLevels::One;
+    }
+    KernelSettings::default().activation_levels
 }
 
 /// An on/off setting from the environment, parsed one way for every switch: `1`, `true`,
@@ -106,9 +153,19 @@ mod tests {
     }
 
     #[test]
+    fn activation_levels_parse() {
+        assert_eq!(ActivationLevels::parse("X", "One"), Some(ActivationLevels::One));
+        assert_eq!(ActivationLevels::parse("X", " selective"), Some(ActivationLevels::Selective));
+        assert_eq!(ActivationLevels::parse("X", "2"), Some(ActivationLevels::Two));
+        assert_eq!(ActivationLevels::parse("X", "three"), None);
+        assert_eq!(ActivationLevels::parse("X", ""), None);
+    }
+
+    #[test]
     fn defaults_turn_every_kernel_on() {
         let d = KernelSettings::default();
-        assert!(d.vnni_kernels && d.candle_repack && d.amx && d.two_level_activations && d.weights.is_none());
+        assert!(d.vnni_kernels && d.candle_repack && d.amx && d.weights.is_none());
+        assert_eq!(d.activation_levels, ActivationLevels::Selective);
         assert_eq!(d.with_weights(Some(WeightFormat::F32)).weights, Some(WeightFormat::F32));
     }
 }

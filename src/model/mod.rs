@@ -18,7 +18,7 @@ pub use batch::{ForwardBatch, ForwardOutput, LogitsRows, SeqInput};
 pub use config::{Activation, Arch, DecoderExtras, Llama3Rope, ModelConfig, RopeStyle, SlidingWindow};
 pub use gguf::{GgufFile, WeightFormat};
 pub use hf::HfModelDir;
-pub use kernels::{env_flag, KernelSettings};
+pub use kernels::{env_flag, ActivationLevels, KernelSettings};
 pub use linear::{repacked_q8_available, Linear};
 pub use source::TensorSource;
 pub use transformer::Transformer;

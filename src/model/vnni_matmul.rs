@@ -17,16 +17,20 @@
 //! multiply exactly the file's weights, streaming about as many bytes (4.6 and 6.6 bits per
 //! weight) as the file holds. candle's k-quant kernels quantise activations to one 8-bit level.
 //!
-//! Activations are quantised per 32 values in two levels: `x ≈ d·q + d_r·r`, where `q` is
-//! llama.cpp's Q8_0/Q8_1 activation block (`d = max|x|/127`, `q = round(x/d)`) and `r` the same
-//! quantisation of what `q` leaves over (`x − d·q`), so each value carries about 15 bits
+//! Activations are quantised per 32 values, in up to two levels: `x ≈ d·q + d_r·r`, where `q`
+//! is llama.cpp's Q8_0/Q8_1 activation block (`d = max|x|/127`, `q = round(x/d)`) and `r` the
+//! same quantisation of what `q` leaves over (`x − d·q`), so each value carries about 15 bits
 //! instead of 8. Per block and row: `d_w·(d·Σw·q + d_r·Σw·r)`, plus `m_w·s` for Q4_1 with
 //! `s = d·Σq + d_r·Σr`; scales stay f32. One level (llama.cpp's arithmetic) is 8-bit noise on
 //! every matmul input, which a 30-layer model turns into log-prob errors of several tenths
 //! of a nat at some steps (docs/kernels.md); two levels bring the kernels within f32
-//! rounding of exact arithmetic on the file's weights, for twice the integer dot products
-//! on weights already in registers: small decode batches wait on reading the weights, while
-//! prefill and wide verify blocks, which wait on arithmetic, pay for the second level.
+//! rounding of exact arithmetic on the file's weights, for twice the integer dot products.
+//! The default, [`ActivationLevels::Selective`], keeps the second level only on the blocks
+//! whose first-level error is large: a block's rounding error scales with its `d`, so a row's
+//! error is dominated by its blocks of large `d`; those with `d² ≥ 2 × the row's mean d²`
+//! (about a tenth of them) keep `r`, the rest get `d_r = 0` and the kernels skip them. That
+//! costs about a tenth more arithmetic than one level and lands within a few hundredths of a
+//! nat of exact arithmetic.
 //! Row invariance: each output is exact integer dot products per 32-value block,
 //! then the same float operations in the same order, whatever the number of rows, their
 //! grouping or the thread split (threads split output columns). So a verified block of
@@ -36,6 +40,7 @@ use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
+use super::kernels::ActivationLevels;
 use crate::parallel::SyncPtr;
 
 const BLOCK: usize = 32;
@@ -84,8 +89,8 @@ pub struct PackedMatrix {
     n: usize,
     k: usize,
     weights: Packed,
-    /// Activations in two levels (`KernelSettings::two_level_activations`).
-    two_level: bool,
+    /// How activations are quantised (`KernelSettings::activation_levels`).
+    levels: ActivationLevels,
 }
 
 /// Scales are kept in f16 as stored: fewer bytes streamed per step, and widening is exact.
@@ -170,7 +175,7 @@ fn pack_nibbles(values: &[u8], qs: &mut [u8], tile: usize, lane: usize) {
 impl PackedMatrix {
     /// Packs a `[n, k]` Q8_0, Q5_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
     /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
-    pub fn from_qtensor(q: &QTensor, two_level: bool) -> Result<Option<Self>> {
+    pub fn from_qtensor(q: &QTensor, levels: ActivationLevels) -> Result<Option<Self>> {
         let (n, k) = q.shape().dims2()?;
         if !available() || !supports(q.dtype(), n, k) {
             return Ok(None);
@@ -285,7 +290,7 @@ impl PackedMatrix {
             }
             Packed::Q4_1 { qs, d, m }
         };
-        Ok(Some(Self { n, k, weights, two_level }))
+        Ok(Some(Self { n, k, weights, levels }))
     }
 
     pub fn out_features(&self) -> usize {
@@ -298,7 +303,7 @@ impl PackedMatrix {
         if x.len() != m * self.k {
             bail!("matmul input of {} values is not whole rows of {}", x.len(), self.k);
         }
-        let acts = QuantizedRows::new(x, self.k, self.two_level);
+        let acts = QuantizedRows::new(x, self.k, self.levels);
         // Not zeroed first: every element is written by exactly one tile below (a zeroed
         // 8 × 49152 logits buffer was a page-faulting memset on every step).
         let mut out: Vec<f32> = Vec::with_capacity(m * self.n);
@@ -368,7 +373,7 @@ struct ActBlock {
     s: f32,
 }
 
-/// Activations quantised per 32 values in two levels (see the module docs).
+/// Activations quantised per 32 values in up to two levels (see the module docs).
 struct QuantizedRows {
     /// `[m][k]` first level.
     q: Vec<i8>,
@@ -377,12 +382,27 @@ struct QuantizedRows {
     /// `[m][k/32]`.
     blocks: Vec<ActBlock>,
     k: usize,
-    /// The second level is used (else `r` and `d_r` are zero and the kernels skip it).
+    /// A second level was computed (else `r` and `d_r` are zero); the kernels use it for the
+    /// blocks whose `d_r` is not zero.
     two_level: bool,
 }
 
 impl QuantizedRows {
-    fn new(x: &[f32], k: usize, two_level: bool) -> Self {
+    fn new(x: &[f32], k: usize, levels: ActivationLevels) -> Self {
+        let mut rows = Self::quantize(x, k, levels == ActivationLevels::Two);
+        if levels == ActivationLevels::Selective {
+            rows.two_level = true;
+            let kb = k / BLOCK;
+            for (row, xs) in x.chunks_exact(k).enumerate() {
+                let at = row * k..(row + 1) * k;
+                let blocks = &mut rows.blocks[row * kb..(row + 1) * kb];
+                add_large_remainders(xs, &mut rows.q[at.clone()], &mut rows.r[at], blocks, quantize_range);
+            }
+        }
+        rows
+    }
+
+    fn quantize(x: &[f32], k: usize, two_level: bool) -> Self {
         let n_blocks = x.len() / BLOCK;
         let (mut q, mut r) = (vec![0i8; x.len()], vec![0i8; x.len()]);
         let mut blocks = vec![ActBlock::default(); n_blocks];
@@ -410,6 +430,30 @@ impl QuantizedRows {
             }
         });
         Self { q, r, blocks, k, two_level }
+    }
+}
+
+/// [`ActivationLevels::Selective`]: a block keeps its second level when its first-level scale
+/// `d` satisfies `d² ≥ LARGE_REMAINDER_RATIO × mean d²` over its row.
+const LARGE_REMAINDER_RATIO: f32 = 2.0;
+
+/// Adds the second level to one row's blocks whose first-level rounding error is large next
+/// to the row's (see the module docs), re-quantising each such block in two levels with
+/// `quantize` (the same first level again, and its remainder). Depends on the row alone, so
+/// rows stay invariant to the batch they run in.
+fn add_large_remainders(
+    x: &[f32],
+    q: &mut [i8],
+    r: &mut [i8],
+    blocks: &mut [ActBlock],
+    quantize: fn(&[f32], &mut [i8], &mut [i8], &mut [ActBlock], bool),
+) {
+    let mean_d2 = blocks.iter().map(|b| b.d * b.d).sum::<f32>() / blocks.len() as f32;
+    for (b, block) in blocks.iter_mut().enumerate() {
+        if block.d * block.d >= LARGE_REMAINDER_RATIO * mean_d2 && block.d != 0.0 {
+            let at = b * BLOCK..(b + 1) * BLOCK;
+            quantize(&x[at.clone()], &mut q[at.clone()], &mut r[at], std::slice::from_mut(block), true);
+        }
     }
 }
 
@@ -590,7 +634,7 @@ mod avx512 {
                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
                         *acc =
                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d)), *acc);
-                        if acts.two_level {
+                        if acts.two_level && a.d_r != 0.0 {
                             let (lo, hi) = dot_halves(init(a.sum_r_lo), init(a.sum_r - a.sum_r_lo), &w.wv, rest);
                             let (dl, dh) = (
                                 _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r)),
@@ -604,7 +648,7 @@ mod avx512 {
                     let isum = dot_block(_mm512_set1_epi32(-w.offset * a.sum), &w.wv, q);
                     let scale = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d));
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-                    if acts.two_level {
+                    if acts.two_level && a.d_r != 0.0 {
                         let isum_r = dot_block(_mm512_set1_epi32(-w.offset * a.sum_r), &w.wv, rest);
                         let scale_r = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r));
                         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_r), scale_r, *acc);
@@ -881,7 +925,11 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
     for row in 0..m {
         let (mut q, mut r) = (vec![0i8; k], vec![0i8; k]);
         let mut blocks = vec![ActBlock::default(); kb_n];
-        quantize_range_portable(&x[row * k..(row + 1) * k], &mut q, &mut r, &mut blocks, p.two_level);
+        let xs = &x[row * k..(row + 1) * k];
+        quantize_range_portable(xs, &mut q, &mut r, &mut blocks, p.levels == ActivationLevels::Two);
+        if p.levels == ActivationLevels::Selective {
+            add_large_remainders(xs, &mut q, &mut r, &mut blocks, quantize_range_portable);
+        }
         for col in 0..n {
             let (nt, lane) = (col / TILE_N, col % TILE_N);
             let mut acc = 0f32;
@@ -950,14 +998,14 @@ fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                     };
                     acc = (half(qa, a.sum_lo, 0..16) as f32).mul_add(d * a.d, acc);
                     acc = (half(qa, a.sum - a.sum_lo, 16..32) as f32).mul_add(d_hi * a.d, acc);
-                    if p.two_level {
+                    if a.d_r != 0.0 {
                         acc = (half(ra, a.sum_r_lo, 0..16) as f32).mul_add(d * a.d_r, acc);
                         acc = (half(ra, a.sum_r - a.sum_r_lo, 16..32) as f32).mul_add(d_hi * a.d_r, acc);
                     }
                     continue;
                 }
                 acc = (dot(qa, a.sum) as f32).mul_add(d * a.d, acc);
-                if p.two_level {
+                if a.d_r != 0.0 {
                     acc = (dot(ra, a.sum_r) as f32).mul_add(d * a.d_r, acc);
                 }
                 if let Some(m) = min {
@@ -988,15 +1036,18 @@ mod tests {
             .collect()
     }
 
+    const ALL_LEVELS: [ActivationLevels; 3] =
+        [ActivationLevels::One, ActivationLevels::Selective, ActivationLevels::Two];
+
     fn packed(dtype: GgmlDType, n: usize, k: usize) -> (PackedMatrix, Vec<f32>) {
-        packed_levels(dtype, n, k, true)
+        packed_levels(dtype, n, k, ActivationLevels::Two)
     }
 
-    fn packed_levels(dtype: GgmlDType, n: usize, k: usize, two_level: bool) -> (PackedMatrix, Vec<f32>) {
+    fn packed_levels(dtype: GgmlDType, n: usize, k: usize, levels: ActivationLevels) -> (PackedMatrix, Vec<f32>) {
         let w = Tensor::from_vec(random(n * k, 7), (n, k), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&w, dtype).unwrap();
         let dense = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        (PackedMatrix::from_qtensor(&q, two_level).unwrap().unwrap(), dense)
+        (PackedMatrix::from_qtensor(&q, levels).unwrap().unwrap(), dense)
     }
 
     #[test]
@@ -1005,10 +1056,10 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
             return;
         }
-        for (dtype, two_level) in ALL_TYPES.into_iter().flat_map(|d| [(d, true), (d, false)]) {
+        for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
             let (n, k) = (48, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 768 } else { 576 });
-            let (p, _) = packed_levels(dtype, n, k, two_level);
-            let x = random(19 * k, 11);
+            let (p, _) = packed_levels(dtype, n, k, levels);
+            let x = with_outliers(random(19 * k, 11));
             let all = p.matmul(&x).unwrap();
             assert_eq!(all, matmul_portable(&p, &x), "{dtype:?}");
             for (r, row) in all.chunks_exact(n).enumerate() {
@@ -1026,10 +1077,10 @@ mod tests {
         }
         let (n, k) = (32, 768);
         let rows = SERIAL_QUANT_BLOCKS * BLOCK / k + 3;
-        for dtype in ALL_TYPES {
-            let (p, _) = packed(dtype, n, k);
-            let x = random(rows * k, 13);
-            assert_eq!(p.matmul(&x).unwrap(), matmul_portable(&p, &x), "{dtype:?}");
+        for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
+            let (p, _) = packed_levels(dtype, n, k, levels);
+            let x = with_outliers(random(rows * k, 13));
+            assert_eq!(p.matmul(&x).unwrap(), matmul_portable(&p, &x), "{dtype:?} {levels:?}");
         }
     }
 
@@ -1076,6 +1127,50 @@ mod tests {
                     assert!(err <= 1e-4 * norm, "{dtype:?} {r},{c}: {} vs {exact}", got[r * n + c]);
                 }
             }
+        }
+    }
+
+    /// Every 7th block of 32 scaled up 8×, as activations' outlier channels are: selective
+    /// quantisation then keeps the second level on some blocks and not on others.
+    fn with_outliers(mut x: Vec<f32>) -> Vec<f32> {
+        for (b, block) in x.chunks_exact_mut(BLOCK).enumerate() {
+            if b % 7 == 3 {
+                block.iter_mut().for_each(|v| *v *= 8.0);
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn selective_levels_keep_the_second_level_where_the_error_is_and_land_between_one_and_two() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        let (n, k) = (32, 1024);
+        let x = with_outliers(random(4 * k, 17));
+        let rows = QuantizedRows::new(&x, k, ActivationLevels::Selective);
+        for (i, b) in rows.blocks.iter().enumerate() {
+            assert_eq!(b.d_r != 0.0, i % 7 == 3, "block {i}");
+        }
+        for dtype in ALL_TYPES {
+            let err = |levels| {
+                let (p, dense) = packed_levels(dtype, n, k, levels);
+                let got = p.matmul(&x).unwrap();
+                let mut sq = 0f64;
+                for r in 0..4 {
+                    for c in 0..n {
+                        let exact: f64 = (0..k).map(|i| x[r * k + i] as f64 * dense[c * k + i] as f64).sum();
+                        sq += (got[r * n + c] as f64 - exact).powi(2);
+                    }
+                }
+                sq.sqrt()
+            };
+            let (one, selective, two) =
+                (err(ActivationLevels::One), err(ActivationLevels::Selective), err(ActivationLevels::Two));
+            // The outlier blocks carry 64× the others' squared error, so dropping theirs
+            // removes most of it.
+            assert!(selective < 0.3 * one && two < selective, "{dtype:?}: one {one} selective {selective} two {two}");
         }
     }
 

@@ -384,6 +384,47 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&l| (shifted(l) - log_sum) as f32).collect()
 }
 
+/// Most alternatives [`token_logprob`] reports per token (OpenAI's limit for `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A token's log-probability under the distribution it was chosen from, and the most likely
+/// tokens of that distribution.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// Up to the requested number of `(token, logprob)`, most likely first (ties: lower id).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log-probability in `logits` as the request samples from them: log-softmax of the
+/// (already penalised) logits divided by the temperature (undivided when greedy). Top-k,
+/// top-p and min-p truncation are not applied, so every token keeps a finite value. Plus the
+/// `top_n` (at most [`MAX_TOP_LOGPROBS`]) most likely tokens. The verifier's rows are the
+/// target's decode rows bit for bit, so these values do not depend on what was drafted.
+pub fn token_logprob(logits: &[f32], params: &SamplingParams, token: u32, top_n: usize) -> TokenLogprob {
+    let inv_t = if params.is_greedy() { 1.0 } else { 1.0 / params.temperature as f64 };
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let scaled = |l: f32| if l as f64 == max { 0.0 } else { (l as f64 - max) * inv_t };
+    let log_sum: f64 = logits.iter().map(|&l| scaled(l).exp()).sum::<f64>().ln();
+    let lp = |l: f32| (scaled(l) - log_sum) as f32;
+    let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
+    let top_n = top_n.min(MAX_TOP_LOGPROBS).min(logits.len());
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n);
+    if top_n > 0 {
+        let by_likelihood = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let mut ids: Vec<(u32, f32)> =
+            logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
+        if top_n < ids.len() {
+            ids.select_nth_unstable_by(top_n - 1, by_likelihood);
+            ids.truncate(top_n);
+        }
+        ids.sort_unstable_by(by_likelihood);
+        top.extend(ids.into_iter().map(|(id, l)| (id, lp(l))));
+    }
+    TokenLogprob { token, logprob, top }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Penalties
 // ---------------------------------------------------------------------------------------------
@@ -883,5 +924,23 @@ mod tests {
             let probs = probabilities(&logits, &p);
             prop_assert_eq!(support(&probs), top_p_support_by_full_sort(&logits, temperature, top_p));
         }
+    }
+
+    #[test]
+    fn token_logprobs_are_the_tempered_log_softmax_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, f32::NEG_INFINITY];
+        let greedy = SamplingParams::greedy();
+        let lp = token_logprob(&logits, &greedy, 2, 3);
+        let reference = log_softmax(&logits);
+        assert!((lp.logprob - reference[2]).abs() < 1e-6);
+        // Ties in order of id; -inf stays -inf.
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert_eq!(token_logprob(&logits, &greedy, 4, 0).logprob, f32::NEG_INFINITY);
+        let hot = SamplingParams { temperature: 0.5, top_k: 1, ..Default::default() };
+        let scaled: Vec<f32> = logits.iter().map(|l| l / 0.5).collect();
+        let lp = token_logprob(&logits, &hot, 0, 1);
+        assert!((lp.logprob - log_softmax(&scaled)[0]).abs() < 1e-6, "truncation is not applied");
+        assert_eq!(token_logprob(&logits, &hot, 0, 99).top.len(), 5);
+        assert_eq!(token_logprob(&logits, &hot, 99, 1).logprob, f32::NEG_INFINITY);
     }
 }

@@ -58,7 +58,7 @@ fn through_server_engine(
         ..EngineConfig::default()
     };
     let engine = Engine::start(loaded.clone(), config).unwrap();
-    let request = EngineRequest { prompt: prompt.to_vec(), params: params.clone(), speculate: true, ignore_eos: false };
+    let request = EngineRequest::new(prompt.to_vec(), params.clone());
     let mut rx = engine.submit(request).unwrap();
     let (mut tokens, mut text) = (Vec::new(), String::new());
     loop {
@@ -162,8 +162,7 @@ fn dflash_shares_prompt_prefixes_through_the_prefix_cache() {
     };
     let engine = Engine::start(loaded.clone(), config).unwrap();
     let run = |prompt: &[u32]| {
-        let request =
-            EngineRequest { prompt: prompt.to_vec(), params: params(0.0, 24), speculate: true, ignore_eos: false };
+        let request = EngineRequest::new(prompt.to_vec(), params(0.0, 24));
         let mut rx = engine.submit(request).unwrap();
         let mut tokens = Vec::new();
         loop {

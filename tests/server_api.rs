@@ -268,7 +268,19 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     assert_error(&raw(chat, msg(r#","max_tokens":"ten""#).as_bytes()), 400, Some("max_tokens"), "integer");
     assert_error(&raw(chat, msg(r#","stream":1"#).as_bytes()), 400, Some("stream"), "boolean");
     assert_error(&raw(chat, msg(r#","stop":{"a":1}"#).as_bytes()), 400, Some("stop"), "string");
-    assert_error(&raw(chat, msg(r#","n":3"#).as_bytes()), 400, Some("n"), "n = 1");
+    assert_error(&raw(chat, msg(r#","n":17"#).as_bytes()), 400, Some("n"), "between 1 and 16");
+    assert_error(&raw(chat, msg(r#","n":0"#).as_bytes()), 400, Some("n"), "between 1 and 16");
+    assert_error(&raw(chat, msg(r#","best_of":3"#).as_bytes()), 400, Some("best_of"), "use n");
+    assert_error(
+        &raw(chat, msg(r#","logprobs":true,"top_logprobs":21"#).as_bytes()),
+        400,
+        Some("top_logprobs"),
+        "0 and 20",
+    );
+    assert_error(&raw(chat, msg(r#","top_logprobs":2"#).as_bytes()), 400, Some("top_logprobs"), "logprobs");
+    assert_error(&raw(chat, msg(r#","logprobs":3"#).as_bytes()), 400, Some("logprobs"), "boolean");
+    assert_error(&raw(chat, msg(r#","echo":true"#).as_bytes()), 400, Some("echo"), "completions");
+    assert_error(&raw("/v1/completions", br#"{"prompt":"hi","logprobs":"yes"}"#), 400, Some("logprobs"), "integer");
     assert_error(&raw(chat, msg(r#","top_p":1.5"#).as_bytes()), 400, Some("top_p"), "top_p");
     let v = assert_error(&raw(chat, msg(r#","model":"gpt-9""#).as_bytes()), 404, Some("model"), "gpt-9");
     assert_eq!(v["error"]["code"], "model_not_found");

@@ -2,7 +2,7 @@
 //! its events go to.
 
 use super::draft_budget::DraftBid;
-use super::request::{Completion, EngineEvent, StepTrace, TokenChunk, TokenSource, Usage};
+use super::request::{Completion, EngineEvent, StepTrace, TokenChunk, TokenLogprob, TokenSource, Usage};
 use super::scheduler::SchedSeq;
 use super::sequence::{FinishReason, Sequence};
 use super::text_stream::TextStream;
@@ -65,6 +65,21 @@ pub(super) struct Active<'a> {
     pub abandoned: bool,
     /// End-of-sequence tokens do not end this request.
     pub ignore_eos: bool,
+    /// Alternatives per generated token's log-prob, when asked for.
+    pub logprobs: Option<usize>,
+    /// The prompt's log-probs, when asked for.
+    pub prompt_logprobs: Option<PromptLogprobs>,
+}
+
+/// A request's prompt log-probs: recorded while its prompt is prefilled, delivered with its
+/// first output tokens (or at the end, when there are none).
+pub(super) struct PromptLogprobs {
+    /// Alternatives per token.
+    pub top_n: usize,
+    /// Prompt tokens 1.., in order; a recomputation after preemption skips what is here.
+    pub recorded: Vec<TokenLogprob>,
+    /// Already handed to the sink (a recomputation records nothing then).
+    pub sent: bool,
 }
 
 impl SchedSeq for Active<'_> {
@@ -124,9 +139,21 @@ impl Active<'_> {
             usage: self.usage(),
             metrics: self.metrics.clone(),
             trace: self.trace.take().unwrap_or_default(),
+            prompt_logprobs: self.take_prompt_logprobs(),
         };
         self.send(EngineEvent::Done(completion));
         self.done = true;
+    }
+
+    /// The prompt's log-probs, once: for the first chunk or the completion.
+    pub fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprob> {
+        match self.prompt_logprobs.as_mut() {
+            Some(p) if !p.sent => {
+                p.sent = true;
+                std::mem::take(&mut p.recorded)
+            }
+            _ => Vec::new(),
+        }
     }
 
     pub fn fail(&mut self, message: String) {
@@ -136,16 +163,19 @@ impl Active<'_> {
 
     /// Appends committed tokens one by one into `chunk`, stopping at a stop token (not kept),
     /// a stop string, `max_tokens` or the context end. The first `from_draft` tokens were
-    /// accepted drafts.
+    /// accepted drafts; `logprobs[i]`, when given, belongs to `tokens[i]`.
+    #[allow(clippy::too_many_arguments)]
     pub fn commit(
         &mut self,
         tokens: &[u32],
+        logprobs: Vec<TokenLogprob>,
         from_draft: usize,
         stop_ids: &[u32],
         tokenizer: Option<&Tokenizer>,
         context_len: usize,
         chunk: &mut TokenChunk,
     ) -> Option<FinishReason> {
+        let mut logprobs = logprobs.into_iter();
         for (i, &t) in tokens.iter().enumerate() {
             if self.is_stop(t, stop_ids) {
                 return Some(FinishReason::Stop);
@@ -158,6 +188,9 @@ impl Active<'_> {
             chunk.ids.push(t);
             chunk.sources.push(if i < from_draft { TokenSource::Draft } else { TokenSource::Target });
             chunk.pieces.push(piece);
+            if let Some(lp) = logprobs.next() {
+                chunk.logprobs.push(lp);
+            }
             if self.text.as_ref().is_some_and(|t| t.stopped()) {
                 return Some(FinishReason::Stop);
             }

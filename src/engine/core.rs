@@ -10,7 +10,7 @@
 //!    target token, the KV cache rolls back to the committed tokens, the tokens stream to the
 //!    request's sink, and the proposer observes what was committed.
 
-use super::active::{Active, DraftChoice, EventSink};
+use super::active::{Active, DraftChoice, EventSink, PromptLogprobs};
 pub use super::config::{EngineConfig, EngineSnapshot};
 use super::draft_budget::DraftBid;
 use super::fleet::FleetAcceptance;
@@ -20,6 +20,7 @@ use super::sequence::{FinishReason, Sequence};
 use super::text_stream::TextStream;
 use crate::kv::{KvPool, PoolExhausted};
 use crate::model::{ForwardBatch, ForwardOutput, LogitsRows, Transformer};
+use crate::sample::token_logprob;
 use crate::speculative::verify::penalize_verification_rows;
 use crate::speculative::{verify, AdaptiveState, Draft, DraftLen, Proposer, StepCost, MAX_DRAFT};
 use crate::tokenize::Tokenizer;
@@ -146,7 +147,8 @@ impl<'a> EngineCore<'a> {
         // Proposers that read the target's hidden states (DFlash) restore only what they can
         // restore themselves; the rest of the prompt runs through the target.
         let restorable = proposer.as_ref().map_or(usize::MAX, |p| p.restorable_prefix(&req.prompt));
-        let cached_prompt_tokens = if self.prefix_caching && invalid.is_none() {
+        // Prompt log-probs need every prompt row through the target.
+        let cached_prompt_tokens = if self.prefix_caching && invalid.is_none() && req.prompt_logprobs.is_none() {
             cache.attach_prefix_limited(&req.prompt, restorable)
         } else {
             0
@@ -170,6 +172,12 @@ impl<'a> EngineCore<'a> {
             done: false,
             abandoned: false,
             ignore_eos: req.ignore_eos,
+            logprobs: req.logprobs,
+            prompt_logprobs: req.prompt_logprobs.map(|top_n| PromptLogprobs {
+                top_n,
+                recorded: Vec::new(),
+                sent: false,
+            }),
         };
         if let Some(message) = invalid {
             self.unqueue(1);
@@ -270,6 +278,7 @@ impl<'a> EngineCore<'a> {
         }
 
         self.unpin_waiting_prefixes();
+        self.attach_published_prefixes();
         let stats = self.pool.stats();
         let mut plan = self.sched.schedule(stats.free_blocks, stats.total_blocks, self.cost.as_deref());
         self.totals.preemptions += plan.preempted as u64;
@@ -360,6 +369,7 @@ impl<'a> EngineCore<'a> {
                 }
                 let rows = match slot.kind {
                     SlotKind::Decode { .. } => LogitsRows::All,
+                    SlotKind::Prefill { .. } if a.prompt_logprobs.is_some() => LogitsRows::All,
                     SlotKind::Prefill { last: true } => LogitsRows::Last,
                     SlotKind::Prefill { last: false } => LogitsRows::None,
                 };
@@ -427,6 +437,9 @@ impl<'a> EngineCore<'a> {
         if self.prefix_caching && matches!(slot.kind, SlotKind::Prefill { .. }) {
             a.seq.cache.publish_prefix(&a.seq.tokens[..a.seq.prompt_len]);
         }
+        if matches!(slot.kind, SlotKind::Prefill { .. }) && a.prompt_logprobs.is_some() {
+            record_prompt_logprobs(a, fwd, j, cached_before, slot.rows)?;
+        }
         if let SlotKind::Prefill { last: false } = slot.kind {
             self.totals.prefill_tokens += slot.rows as u64;
             let taps = slot_taps(a, fwd, j, slot.rows)?;
@@ -439,13 +452,23 @@ impl<'a> EngineCore<'a> {
             self.totals.prefill_tokens += slot.rows as u64;
         }
 
-        let mut rows = fwd.out.seq_logits(j)?;
+        let mut rows = if matches!(slot.kind, SlotKind::Prefill { .. }) && a.prompt_logprobs.is_some() {
+            // Every row came back; the last one picks the first token.
+            fwd.out.seq_logits_rows(j, slot.rows - 1..slot.rows)?
+        } else {
+            fwd.out.seq_logits(j)?
+        };
         penalize_verification_rows(&mut rows, a.seq.generated(), &draft.tokens, &a.seq.params);
         let verdict = verify(&draft, &rows, &a.seq.params, &mut a.seq.rng);
         // Keep the fed pending tokens and the accepted drafts; forget rejected drafts.
         let kept = cached_before + slot.rows + verdict.accepted;
         a.seq.cache.truncate(kept);
         let committed = verdict.committed(&draft.tokens);
+        // Row i is the distribution committed token i was chosen from.
+        let logprobs = match a.logprobs {
+            Some(n) => committed.iter().zip(&rows).map(|(&t, row)| token_logprob(row, &a.seq.params, t, n)).collect(),
+            None => Vec::new(),
+        };
         if !a.seq.generated().is_empty() {
             a.metrics.record(draft.tokens.len(), verdict.accepted, committed.len());
             // The forward served every sequence at once; charge this one its rows' share.
@@ -464,7 +487,7 @@ impl<'a> EngineCore<'a> {
         }
 
         let mut chunk = TokenChunk::default();
-        let finish = a.commit(&committed, verdict.accepted, &self.stop_ids, tokenizer, ctx, &mut chunk);
+        let finish = a.commit(&committed, logprobs, verdict.accepted, &self.stop_ids, tokenizer, ctx, &mut chunk);
         // A stop among the accepted drafts ends the commit early: the cache must not keep
         // K/V for tokens that were never committed.
         a.seq.cache.truncate(kept.min(a.seq.tokens.len()));
@@ -473,6 +496,7 @@ impl<'a> EngineCore<'a> {
         a.drafts_delivered += from_draft;
         self.totals.accepted += from_draft;
         if !chunk.is_empty() {
+            chunk.prompt_logprobs = a.take_prompt_logprobs();
             a.send(EngineEvent::Tokens(chunk));
         }
         match finish {
@@ -499,6 +523,27 @@ impl<'a> EngineCore<'a> {
             !a.done
         });
         self.totals.cancelled_requests += abandoned;
+    }
+
+    /// A request that found nothing in the prefix cache on arrival looks again before it is
+    /// admitted: the `n` choices of one request, or requests sent together with a shared
+    /// system prompt, then reuse the blocks the first of them has prefilled since.
+    fn attach_published_prefixes(&mut self) {
+        /// Requests at the head of the queue that look (each step; the lookup hashes the prompt).
+        const LOOKAHEAD: usize = 8;
+        if !self.prefix_caching {
+            return;
+        }
+        for a in self.sched.waiting.iter_mut().take(LOOKAHEAD) {
+            if a.admitted || !a.seq.cache.is_empty() || a.prompt_logprobs.is_some() {
+                continue;
+            }
+            let prompt = &a.seq.tokens[..a.seq.prompt_len];
+            let restorable = a.proposer.as_ref().map_or(usize::MAX, |p| p.restorable_prefix(prompt));
+            let attached = a.seq.cache.attach_prefix_limited(prompt, restorable);
+            a.cached_prompt_tokens = attached;
+            self.totals.prefix_cache_hit_tokens += attached as u64;
+        }
     }
 
     /// Waiting requests hold the prefix blocks they attached on arrival. With nothing running,
@@ -552,6 +597,33 @@ fn draft_for(a: &mut Active, slot: &Slot, stop_ids: &[u32]) -> Result<Draft> {
     }
     a.metrics.draft_secs += t.elapsed().as_secs_f64();
     Ok(d)
+}
+
+/// Records the log-probs of the prompt tokens that prefill slot `j`'s rows predict (row r,
+/// at position `cached_before + r`, predicts the token after it), one row at a time: a
+/// prefill chunk's logits rows are large.
+fn record_prompt_logprobs(
+    a: &mut Active,
+    fwd: &StepForward,
+    j: usize,
+    cached_before: usize,
+    rows: usize,
+) -> Result<()> {
+    let prompt_len = a.seq.prompt_len;
+    let Some(PromptLogprobs { top_n, recorded, sent: false }) = a.prompt_logprobs.as_mut() else { return Ok(()) };
+    for r in 0..rows {
+        // Prompt token `p` (1-based: token 0 has no log-prob) is recorded at index p - 1.
+        let p = cached_before + r + 1;
+        if p >= prompt_len {
+            break;
+        }
+        if p != recorded.len() + 1 {
+            continue;
+        }
+        let row = fwd.out.seq_logits_rows(j, r..r + 1)?;
+        recorded.push(token_logprob(&row[0], &a.seq.params, a.seq.tokens[p], *top_n));
+    }
+    Ok(())
 }
 
 /// The first `rows` rows of slot `j`'s taps, in the order its proposer asked for them.

@@ -155,8 +155,7 @@ pub fn generate(
             opts.step_cost.clone(),
             Arc::new(AtomicUsize::new(1)),
         );
-        let request =
-            EngineRequest { prompt: prompt.to_vec(), params, speculate: proposer.is_some(), ignore_eos: false };
+        let request = EngineRequest { speculate: proposer.is_some(), ..EngineRequest::new(prompt.to_vec(), params) };
         let proposer = proposer.map(|p| Box::new(p) as Box<dyn Proposer + '_>);
         core.add(request, proposer, Box::new(Collector { on_chunk, outcome: &outcome }));
         while !core.is_idle() {

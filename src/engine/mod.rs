@@ -31,7 +31,9 @@ pub use draft_budget::{allocate_drafts, DraftBid};
 pub use generate::{generate, GenerateOptions, Generation};
 pub use handle::Engine;
 pub use loaded::LoadedModel;
-pub use request::{Completion, EngineEvent, EngineRequest, StepTrace, SubmitError, TokenChunk, TokenSource, Usage};
+pub use request::{
+    Completion, EngineEvent, EngineRequest, StepTrace, SubmitError, TokenChunk, TokenLogprob, TokenSource, Usage,
+};
 pub use scheduler::{SchedSeq, Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};
 pub use sequence::{FinishReason, Sequence};
 pub use text_stream::TextStream;

@@ -2,6 +2,7 @@
 
 use super::sequence::FinishReason;
 use crate::sample::SamplingParams;
+pub use crate::sample::TokenLogprob;
 use crate::speculative::SpecMetrics;
 use serde::Serialize;
 
@@ -34,6 +35,19 @@ pub struct EngineRequest {
     /// Do not stop at the model's end-of-sequence tokens (only at `max_tokens`, the context,
     /// stop strings or `params.stop_token_ids`).
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability with this many alternatives
+    /// ([`crate::sample::token_logprob`]).
+    pub logprobs: Option<usize>,
+    /// Report the log-probability of every prompt token after the first, with this many
+    /// alternatives. The whole prompt then runs through the target (no prefix cache).
+    pub prompt_logprobs: Option<usize>,
+}
+
+impl EngineRequest {
+    /// A request with nothing but a prompt and sampling settings.
+    pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
+        Self { prompt, params, speculate: true, ignore_eos: false, logprobs: None, prompt_logprobs: None }
+    }
 }
 
 /// Tokens one step committed for one request.
@@ -44,6 +58,11 @@ pub struct TokenChunk {
     /// `pieces[i]`: text that became safe to show after `ids[i]` (stop strings and split
     /// UTF-8 characters hold text back, so a piece can be empty or carry earlier text).
     pub pieces: Vec<String>,
+    /// `logprobs[i]` belongs to `ids[i]`, when the request asked for log-probs (else empty).
+    pub logprobs: Vec<TokenLogprob>,
+    /// In a request's first chunk, when it asked for them: prompt tokens 1.. with their
+    /// log-probs.
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 impl TokenChunk {
@@ -87,6 +106,9 @@ pub struct Completion {
     pub metrics: SpecMetrics,
     /// Every verify step, when the engine traces (empty otherwise).
     pub trace: Vec<StepTrace>,
+    /// Prompt tokens 1.. with their log-probs, when the request asked for them and no chunk
+    /// carried them (the request ended before its first token).
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 /// Streamed to the request's receiver, in order: any number of `Tokens`, then one `Done` or

@@ -69,6 +69,16 @@ impl ForwardOutput {
         Ok(self.logits.narrow(0, r.start, r.len())?.to_vec2::<f32>()?)
     }
 
+    /// Rows `rows` (relative to sequence `i`'s own logits rows) as plain vectors.
+    pub fn seq_logits_rows(&self, i: usize, rows: Range<usize>) -> Result<Vec<Vec<f32>>> {
+        let r = self.logits_ranges[i].clone();
+        anyhow::ensure!(rows.end <= r.len(), "logits rows {rows:?} of a sequence with {} rows", r.len());
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(self.logits.narrow(0, r.start + rows.start, rows.len())?.to_vec2::<f32>()?)
+    }
+
     /// Sequence `i`'s rows of every tap.
     pub fn seq_taps(&self, i: usize) -> Result<Vec<Tensor>> {
         let r = self.row_ranges[i].clone();

@@ -5,9 +5,9 @@
 //! this server ignores (`user`, `metadata`, …) do no harm.
 
 use super::api_error::ApiError;
-use crate::engine::{FinishReason, TokenChunk, TokenSource, Usage};
+use crate::engine::{FinishReason, TokenChunk, TokenLogprob, TokenSource, Usage};
 use crate::sample::SamplingParams;
-use crate::tokenize::ChatMessage;
+use crate::tokenize::{ChatMessage, Tokenizer};
 use serde_json::{json, Map, Value};
 
 /// Which API a request came in on.
@@ -52,10 +52,20 @@ pub struct CompletionRequest {
     /// Extension (as in vLLM, SGLang and llama.cpp): variables for the chat template, e.g.
     /// `{"enable_thinking": false}`.
     pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
+    /// Choices to generate, each sampled (and speculated) on its own.
+    pub n: usize,
+    /// Log-probs of the output tokens with this many alternatives (chat: `logprobs: true` and
+    /// `top_logprobs`; completions: `logprobs: N`).
+    pub logprobs: Option<usize>,
+    /// Completions: the prompt is returned before the output (with its log-probs when
+    /// `logprobs` is set).
+    pub echo: bool,
 }
 
 /// Most stop strings per request.
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Most choices per request (`n`).
+pub const MAX_CHOICES: usize = 16;
 
 /// Parses a request body (already known to be within the size limit).
 pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionRequest, ApiError> {
@@ -77,14 +87,17 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
         Endpoint::Chat => PromptInput::Chat(parse_messages(obj.get("messages"))?),
         Endpoint::Completion => parse_prompt(obj.get("prompt"))?,
     };
-    if let Some(n) = f.integer("n")? {
-        if n != 1 {
-            return Err(ApiError::invalid("n", format!("Only n = 1 is supported, got {n}")));
-        }
-    }
+    let n = match f.integer("n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => return Err(ApiError::invalid("n", format!("`n` must be between 1 and {MAX_CHOICES}, got {n}"))),
+    };
     if let Some(b) = f.integer("best_of")? {
-        if b != 1 {
-            return Err(ApiError::invalid("best_of", format!("Only best_of = 1 is supported, got {b}")));
+        if b != n as i64 {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("`best_of` other than `n` is not supported (got best_of = {b}, n = {n}); use n"),
+            ));
         }
     }
     let chat_template_kwargs = match obj.get("chat_template_kwargs") {
@@ -97,14 +110,11 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
             ))
         }
     };
-    if f.boolean("echo")? == Some(true) {
-        return Err(ApiError::invalid("echo", "echo is not supported"));
+    let echo = f.boolean("echo")?.unwrap_or(false);
+    if echo && endpoint == Endpoint::Chat {
+        return Err(ApiError::invalid("echo", "`echo` is a completions parameter"));
     }
-    match obj.get("logprobs") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
-        Some(Value::Number(n)) if n.as_u64() == Some(0) => {}
-        Some(_) => return Err(ApiError::invalid("logprobs", "logprobs are not supported")),
-    }
+    let logprobs = parse_logprobs(&f, endpoint)?;
 
     let mut max_tokens = f.integer("max_tokens")?;
     if let Some(m) = f.integer("max_completion_tokens")? {
@@ -203,7 +213,41 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
         speculate,
         ignore_eos,
         chat_template_kwargs,
+        n,
+        logprobs,
+        echo,
     })
+}
+
+/// Chat: `logprobs` (boolean) and `top_logprobs` (0..=20); completions: `logprobs` (0..=20
+/// alternatives). `None` when no log-probs are wanted.
+fn parse_logprobs(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    let max = crate::sample::MAX_TOP_LOGPROBS as i64;
+    let in_range = |name: &str, k: i64| -> Result<usize, ApiError> {
+        if (0..=max).contains(&k) {
+            Ok(k as usize)
+        } else {
+            Err(ApiError::invalid(name, format!("`{name}` must be between 0 and {max}, got {k}")))
+        }
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let wanted = f.boolean("logprobs")?.unwrap_or(false);
+            let top = f.integer("top_logprobs")?.map(|k| in_range("top_logprobs", k)).transpose()?;
+            match (wanted, top) {
+                (false, Some(k)) if k > 0 => {
+                    Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs` set to true"))
+                }
+                (false, _) => Ok(None),
+                (true, top) => Ok(Some(top.unwrap_or(0))),
+            }
+        }
+        Endpoint::Completion => match f.get("logprobs") {
+            None | Some(Value::Bool(false)) => Ok(None),
+            Some(Value::Number(_)) => Ok(Some(in_range("logprobs", f.integer("logprobs")?.unwrap_or(0))?)),
+            Some(_) => Err(ApiError::invalid("logprobs", "`logprobs` must be an integer (alternatives per token)")),
+        },
+    }
 }
 
 /// Typed access to a request's fields; `null` reads as absent.
@@ -356,6 +400,102 @@ pub fn usage_json(u: &Usage) -> Value {
     })
 }
 
+/// One finished choice of a (non-streamed) response.
+#[derive(Debug, Clone)]
+pub struct Choice {
+    pub text: String,
+    pub finish: FinishReason,
+    /// The choice's `logprobs` object, when asked for.
+    pub logprobs: Option<Value>,
+}
+
+/// A log-prob as JSON: OpenAI's −9999 for a token the distribution rules out.
+fn logprob_json(lp: f32) -> f64 {
+    if lp.is_finite() {
+        lp as f64
+    } else {
+        -9999.0
+    }
+}
+
+/// Log-probs in the chat format: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}`.
+pub fn chat_logprobs(items: &[TokenLogprob], tokenizer: &Tokenizer) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let bytes = tokenizer.piece(id, false);
+        json!({"token": String::from_utf8_lossy(bytes), "logprob": logprob_json(lp), "bytes": bytes})
+    };
+    let content: Vec<Value> = items
+        .iter()
+        .map(|l| {
+            let mut e = entry(l.token, l.logprob);
+            e["top_logprobs"] = Value::Array(l.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
+            e
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// Log-probs in the completions format, built up token by token: `tokens`, `token_logprobs`,
+/// `top_logprobs` (one `{token: logprob}` map per token) and `text_offset` (characters into
+/// the choice's text).
+#[derive(Debug, Default)]
+pub struct CompletionLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Option<f64>>,
+    top_logprobs: Vec<Option<Map<String, Value>>>,
+    text_offset: Vec<usize>,
+    /// Characters of text so far.
+    offset: usize,
+}
+
+impl CompletionLogprobs {
+    /// Continues at `offset` characters (a streamed choice's later chunks).
+    pub fn starting_at(offset: usize) -> Self {
+        Self { offset, ..Self::default() }
+    }
+
+    fn push_token(&mut self, id: u32, tokenizer: &Tokenizer) -> String {
+        let text = String::from_utf8_lossy(tokenizer.piece(id, false)).into_owned();
+        self.text_offset.push(self.offset);
+        self.offset += text.chars().count();
+        self.tokens.push(text.clone());
+        text
+    }
+
+    /// A prompt's first token, which has no log-prob (nothing precedes it).
+    pub fn push_first(&mut self, id: u32, tokenizer: &Tokenizer) {
+        self.push_token(id, tokenizer);
+        self.token_logprobs.push(None);
+        self.top_logprobs.push(None);
+    }
+
+    pub fn push(&mut self, l: &TokenLogprob, tokenizer: &Tokenizer) {
+        self.push_token(l.token, tokenizer);
+        self.token_logprobs.push(Some(logprob_json(l.logprob)));
+        let mut top = Map::new();
+        for &(id, lp) in &l.top {
+            let text = String::from_utf8_lossy(tokenizer.piece(id, false)).into_owned();
+            // Two ids with the same text: the likelier one stays (they come most likely first).
+            top.entry(text).or_insert(json!(logprob_json(lp)));
+        }
+        self.top_logprobs.push(Some(top));
+    }
+
+    /// Characters of text covered so far.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        })
+    }
+}
+
 /// Identity of one response, repeated in every chunk.
 #[derive(Debug, Clone)]
 pub struct ResponseMeta {
@@ -375,36 +515,52 @@ impl ResponseMeta {
     }
 
     /// The whole (non-streamed) response.
-    pub fn response(&self, text: &str, finish: FinishReason, usage: &Usage) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish.openai(),
-            }),
-            Endpoint::Completion => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": null,
-                "finish_reason": finish.openai(),
-            }),
-        };
+    pub fn response(&self, choices: &[Choice], usage: &Usage) -> Value {
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let logprobs = c.logprobs.clone().unwrap_or(Value::Null);
+                match self.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish.openai(),
+                    }),
+                    Endpoint::Completion => json!({
+                        "index": index,
+                        "text": c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish.openai(),
+                    }),
+                }
+            })
+            .collect();
         json!({
             "id": self.id,
             "object": self.object(false),
             "created": self.created,
             "model": self.model,
             "system_fingerprint": null,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage_json(usage),
         })
     }
 
-    /// A streamed chunk carrying text (and, as the `specula` extension, each token's id,
-    /// text piece and source), or the final one with `finish` set.
-    pub fn chunk(&self, text: &str, tokens: Option<&TokenChunk>, finish: Option<FinishReason>, role: bool) -> Value {
+    /// A streamed chunk of choice `index` carrying text (and, as the `specula` extension, each
+    /// token's id, text piece and source), or the final one with `finish` set.
+    pub fn chunk(
+        &self,
+        index: usize,
+        text: &str,
+        tokens: Option<&TokenChunk>,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+        role: bool,
+    ) -> Value {
         let finish_reason = finish.map(|f| f.openai());
+        let logprobs = logprobs.unwrap_or(Value::Null);
         let choice = match self.endpoint {
             Endpoint::Chat => {
                 let delta = match (role, finish.is_some() && text.is_empty()) {
@@ -412,9 +568,11 @@ impl ResponseMeta {
                     (false, true) => json!({}),
                     (false, false) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
             }
-            Endpoint::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}),
+            Endpoint::Completion => {
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+            }
         };
         let mut chunk = json!({
             "id": self.id,
@@ -510,7 +668,12 @@ mod tests {
         assert_eq!(param_of(&chat(r#","top_p":0"#), Endpoint::Chat).as_deref(), Some("top_p"));
         assert_eq!(param_of(&chat(r#","stop":[1]"#), Endpoint::Chat).as_deref(), Some("stop"));
         assert_eq!(param_of(&chat(r#","stop":[""]"#), Endpoint::Chat).as_deref(), Some("stop"));
-        assert_eq!(param_of(&chat(r#","n":2"#), Endpoint::Chat).as_deref(), Some("n"));
+        assert_eq!(param_of(&chat(r#","n":99"#), Endpoint::Chat).as_deref(), Some("n"));
+        let r = parse(&chat(r#","n":3,"logprobs":true,"top_logprobs":4"#), Endpoint::Chat).unwrap();
+        assert_eq!((r.n, r.logprobs, r.echo), (3, Some(4), false));
+        let r = parse(r#"{"prompt":"a","logprobs":0,"echo":true}"#, Endpoint::Completion).unwrap();
+        assert_eq!((r.n, r.logprobs, r.echo), (1, Some(0), true));
+        assert_eq!(parse(&chat(r#","logprobs":false"#), Endpoint::Chat).unwrap().logprobs, None);
         assert_eq!(param_of(&chat(r#","stream":"yes""#), Endpoint::Chat).as_deref(), Some("stream"));
         assert_eq!(param_of(&chat(r#","model":5"#), Endpoint::Chat).as_deref(), Some("model"));
         assert_eq!(param_of(&chat(r#","presence_penalty":9"#), Endpoint::Chat).as_deref(), Some("presence_penalty"));
@@ -549,12 +712,14 @@ mod tests {
             ids: vec![5, 6],
             sources: vec![TokenSource::Draft, TokenSource::Target],
             pieces: vec!["a".into(), "b".into()],
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
         };
-        let c = meta.chunk("ab", Some(&t), None, false);
+        let c = meta.chunk(0, "ab", Some(&t), None, None, false);
         assert_eq!(c["choices"][0]["delta"]["content"], "ab");
         assert_eq!(c["specula"]["sources"], json!(["draft", "target"]));
         assert_eq!(c["object"], "chat.completion.chunk");
-        let last = meta.chunk("", None, Some(FinishReason::Length), false);
+        let last = meta.chunk(0, "", None, None, Some(FinishReason::Length), false);
         assert_eq!(last["choices"][0]["finish_reason"], "length");
         assert_eq!(last["choices"][0]["delta"], json!({}));
         assert!(last.get("specula").is_none());

@@ -1,16 +1,20 @@
 //! HTTP handlers: body limits, auth, request → engine → JSON or SSE.
 
 use super::api_error::ApiError;
-use super::openai_types::{parse_request, unix_now, CompletionRequest, Endpoint, PromptInput, ResponseMeta};
+use super::openai_types::{
+    chat_logprobs, parse_request, unix_now, Choice, CompletionLogprobs, CompletionRequest, Endpoint, PromptInput,
+    ResponseMeta,
+};
 use super::AppState;
-use crate::engine::{EngineEvent, EngineRequest, SubmitError};
+use crate::engine::{EngineEvent, EngineRequest, SubmitError, TokenLogprob, Usage};
+use crate::tokenize::Tokenizer;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -199,10 +203,23 @@ async fn start(
         .await
         .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
     let (engine_req, req) = engine_req;
-    let rx = state.engine.submit(engine_req).map_err(|e| match e {
-        SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string()),
-        SubmitError::Stopped => ApiError::shutting_down(),
-    })?;
+    let echo = req.echo.then(|| echo_prompt(state, &req, &engine_req.prompt));
+    let mut receivers = Vec::with_capacity(req.n);
+    for i in 0..req.n {
+        let mut choice = engine_req.clone();
+        // Each choice samples on its own; with a seed, choice i is reproducible as seed + i.
+        choice.params.seed = engine_req.params.seed.map(|s| s.wrapping_add(i as u64));
+        // The prompt's log-probs are the same for every choice: the first computes them, the
+        // others reuse its prompt blocks through the prefix cache.
+        if i > 0 {
+            choice.prompt_logprobs = None;
+        }
+        // A refused choice drops the receivers of those already queued, which cancels them.
+        receivers.push(state.engine.submit(choice).map_err(|e| match e {
+            SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string()),
+            SubmitError::Stopped => ApiError::shutting_down(),
+        })?);
+    }
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
     let meta = ResponseMeta {
         id: match endpoint {
@@ -213,10 +230,95 @@ async fn start(
         model: state.config.model_id.clone(),
         endpoint,
     };
+    let shape = ResponseShape { meta, logprobs: req.logprobs.is_some(), echo };
     if req.stream {
-        Ok(stream_response(state.clone(), rx, meta, req.include_usage, arrived))
+        Ok(stream_response(state.clone(), receivers, shape, req.include_usage, arrived))
     } else {
-        collect_response(state, rx, meta, arrived).await
+        collect_response(state, receivers, shape, arrived).await
+    }
+}
+
+/// What a response holds besides the generated text.
+struct ResponseShape {
+    meta: ResponseMeta,
+    /// Log-probs were asked for.
+    logprobs: bool,
+    /// Completions with `echo`: the prompt (text and ids) comes before each choice's output.
+    echo: Option<(String, Vec<u32>)>,
+}
+
+/// The prompt's text as echoed: the text given, or the ids decoded.
+fn echo_prompt(state: &AppState, req: &CompletionRequest, ids: &[u32]) -> (String, Vec<u32>) {
+    let text = match &req.prompt {
+        PromptInput::Text(t) => t.clone(),
+        _ => state.engine.model().tokenizer.decode(ids, false),
+    };
+    (text, ids.to_vec())
+}
+
+/// One choice's log-probs as they are built, in its endpoint's format.
+enum ChoiceLogprobs {
+    Chat(Vec<TokenLogprob>),
+    Completion(CompletionLogprobs),
+}
+
+impl ChoiceLogprobs {
+    fn new(endpoint: Endpoint, offset: usize) -> Self {
+        match endpoint {
+            Endpoint::Chat => Self::Chat(Vec::new()),
+            Endpoint::Completion => Self::Completion(CompletionLogprobs::starting_at(offset)),
+        }
+    }
+
+    /// The echoed prompt: its first token (no log-prob) and the others'.
+    fn push_prompt(&mut self, ids: &[u32], logprobs: &[TokenLogprob], tokenizer: &Tokenizer) {
+        if let (Self::Completion(c), Some(&first)) = (self, ids.first()) {
+            c.push_first(first, tokenizer);
+            for l in logprobs {
+                c.push(l, tokenizer);
+            }
+        }
+    }
+
+    fn push(&mut self, items: &[TokenLogprob], tokenizer: &Tokenizer) {
+        match self {
+            Self::Chat(v) => v.extend_from_slice(items),
+            Self::Completion(c) => items.iter().for_each(|l| c.push(l, tokenizer)),
+        }
+    }
+
+    fn to_json(&self, tokenizer: &Tokenizer) -> Value {
+        match self {
+            Self::Chat(v) => chat_logprobs(v, tokenizer),
+            Self::Completion(c) => c.to_json(),
+        }
+    }
+
+    /// The JSON of what was pushed since the last call, and a fresh start after it (streams
+    /// send each chunk's tokens only).
+    fn take_json(&mut self, tokenizer: &Tokenizer) -> Value {
+        let json = self.to_json(tokenizer);
+        let next = match self {
+            Self::Chat(_) => Self::Chat(Vec::new()),
+            Self::Completion(c) => Self::Completion(CompletionLogprobs::starting_at(c.offset())),
+        };
+        *self = next;
+        json
+    }
+}
+
+/// Usage of a request with several choices: the prompt once, everything generated summed.
+fn add_usage(total: &mut Option<Usage>, u: &Usage) {
+    match total {
+        None => *total = Some(*u),
+        Some(t) => {
+            t.completion_tokens += u.completion_tokens;
+            t.draft_n += u.draft_n;
+            t.draft_n_accepted += u.draft_n_accepted;
+            t.verify_steps += u.verify_steps;
+            t.preemptions += u.preemptions;
+            t.cached_prompt_tokens = t.cached_prompt_tokens.max(u.cached_prompt_tokens);
+        }
     }
 }
 
@@ -274,31 +376,72 @@ fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, A
         None if req.endpoint == Endpoint::Completion => Some(COMPLETION_DEFAULT_MAX_TOKENS.min(room)),
         None => Some(room),
     };
-    Ok(EngineRequest { prompt, params, speculate: req.speculate, ignore_eos: req.ignore_eos })
+    let prompt_logprobs = if req.echo { req.logprobs } else { None };
+    Ok(EngineRequest {
+        speculate: req.speculate,
+        ignore_eos: req.ignore_eos,
+        logprobs: req.logprobs,
+        prompt_logprobs,
+        ..EngineRequest::new(prompt, params)
+    })
 }
 
 async fn collect_response(
     state: &Arc<AppState>,
-    mut rx: UnboundedReceiver<EngineEvent>,
-    meta: ResponseMeta,
+    receivers: Vec<UnboundedReceiver<EngineEvent>>,
+    shape: ResponseShape,
     arrived: Instant,
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
+    let tokenizer = &state.engine.model().tokenizer;
+    let mut choices = Vec::with_capacity(receivers.len());
+    let mut usage = None;
+    let mut prompt_logprobs: Option<Vec<TokenLogprob>> = None;
     let mut last: Option<Instant> = None;
-    while let Some(event) = rx.recv().await {
-        match event {
-            EngineEvent::Tokens(chunk) => {
-                observe_tokens(state, &mut last, arrived, chunk.ids.len());
-                text.push_str(&chunk.text());
+    // The choices run together in the engine; collecting them one after another waits no longer.
+    for mut rx in receivers {
+        let mut text = String::new();
+        let mut logprobs: Vec<TokenLogprob> = Vec::new();
+        let finish = loop {
+            match rx.recv().await {
+                Some(EngineEvent::Tokens(chunk)) => {
+                    observe_tokens(state, &mut last, arrived, chunk.ids.len());
+                    text.push_str(&chunk.text());
+                    logprobs.extend(chunk.logprobs.iter().cloned());
+                    if !chunk.prompt_logprobs.is_empty() {
+                        prompt_logprobs = Some(chunk.prompt_logprobs);
+                    }
+                }
+                Some(EngineEvent::Done(done)) => {
+                    text.push_str(&done.tail);
+                    if !done.prompt_logprobs.is_empty() {
+                        prompt_logprobs = Some(done.prompt_logprobs);
+                    }
+                    add_usage(&mut usage, &done.usage);
+                    break done.finish;
+                }
+                Some(EngineEvent::Failed(message)) => return Err(failure(state, message)),
+                None => return Err(failure(state, "the engine stopped".into())),
             }
-            EngineEvent::Done(done) => {
-                text.push_str(&done.tail);
-                return Ok(json_response(StatusCode::OK, &meta.response(&text, done.finish, &done.usage)));
-            }
-            EngineEvent::Failed(message) => return Err(failure(state, message)),
-        }
+        };
+        choices.push((text, logprobs, finish));
     }
-    Err(failure(state, "the engine stopped".into()))
+    let choices: Vec<Choice> = choices
+        .into_iter()
+        .map(|(text, items, finish)| {
+            let mut lp = ChoiceLogprobs::new(shape.meta.endpoint, 0);
+            let text = match &shape.echo {
+                Some((prompt_text, ids)) => {
+                    lp.push_prompt(ids, prompt_logprobs.as_deref().unwrap_or(&[]), tokenizer);
+                    format!("{prompt_text}{text}")
+                }
+                None => text,
+            };
+            lp.push(&items, tokenizer);
+            Choice { text, finish, logprobs: shape.logprobs.then(|| lp.to_json(tokenizer)) }
+        })
+        .collect();
+    let usage = usage.unwrap_or_default();
+    Ok(json_response(StatusCode::OK, &shape.meta.response(&choices, &usage)))
 }
 
 fn failure(state: &AppState, message: String) -> ApiError {
@@ -325,50 +468,87 @@ fn sse(value: &serde_json::Value) -> Bytes {
 
 /// An SSE response fed by a task that turns engine events into chunks. When the client goes
 /// away hyper drops the body, the task sees its channel close and returns, and dropping the
-/// engine receiver cancels the request.
+/// engine receivers cancels the request's choices.
 fn stream_response(
     state: Arc<AppState>,
-    mut rx: UnboundedReceiver<EngineEvent>,
-    meta: ResponseMeta,
+    receivers: Vec<UnboundedReceiver<EngineEvent>>,
+    shape: ResponseShape,
     include_usage: bool,
     arrived: Instant,
 ) -> Response {
     let (tx, body_rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
+        let meta = &shape.meta;
+        let tokenizer = &state.engine.model().tokenizer;
+        let n = receivers.len();
+        // One stream of (choice, event) from all choices.
+        let mut events = tokio_stream::StreamMap::new();
+        for (i, rx) in receivers.into_iter().enumerate() {
+            events.insert(i, tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        }
         let mut last: Option<Instant> = None;
-        if meta.endpoint == Endpoint::Chat && tx.send(sse(&meta.chunk("", None, None, true))).await.is_err() {
-            return;
+        let mut logprobs: Vec<ChoiceLogprobs> = (0..n).map(|_| ChoiceLogprobs::new(meta.endpoint, 0)).collect();
+        let mut started = vec![false; n];
+        let mut usage = None;
+        let mut finished = 0;
+        if meta.endpoint == Endpoint::Chat {
+            for i in 0..n {
+                if tx.send(sse(&meta.chunk(i, "", None, None, None, true))).await.is_err() {
+                    return;
+                }
+            }
         }
         loop {
             let event = tokio::select! {
                 _ = tx.closed() => return,
-                event = rx.recv() => event,
+                event = events.next() => event,
             };
-            let out: Vec<Bytes> = match event {
-                Some(EngineEvent::Tokens(chunk)) => {
+            let mut out: Vec<Bytes> = Vec::new();
+            // A choice's first event: the echoed prompt goes out before its output.
+            if let Some((i, ev)) = &event {
+                if !std::mem::replace(&mut started[*i], true) {
+                    if let Some((prompt_text, ids)) = &shape.echo {
+                        let prompt_lps = match ev {
+                            EngineEvent::Tokens(c) => c.prompt_logprobs.as_slice(),
+                            EngineEvent::Done(d) => d.prompt_logprobs.as_slice(),
+                            EngineEvent::Failed(_) => &[],
+                        };
+                        logprobs[*i].push_prompt(ids, prompt_lps, tokenizer);
+                        let lp = shape.logprobs.then(|| logprobs[*i].take_json(tokenizer));
+                        out.push(sse(&meta.chunk(*i, prompt_text, None, lp, None, false)));
+                    }
+                }
+            }
+            match event {
+                Some((i, EngineEvent::Tokens(chunk))) => {
                     observe_tokens(&state, &mut last, arrived, chunk.ids.len());
-                    vec![sse(&meta.chunk(&chunk.text(), Some(&chunk), None, false))]
+                    logprobs[i].push(&chunk.logprobs, tokenizer);
+                    let lp = shape.logprobs.then(|| logprobs[i].take_json(tokenizer));
+                    out.push(sse(&meta.chunk(i, &chunk.text(), Some(&chunk), lp, None, false)));
                 }
-                Some(EngineEvent::Done(done)) => {
-                    let mut out = Vec::new();
+                Some((i, EngineEvent::Done(done))) => {
                     if !done.tail.is_empty() {
-                        out.push(sse(&meta.chunk(&done.tail, None, None, false)));
+                        out.push(sse(&meta.chunk(i, &done.tail, None, None, None, false)));
                     }
-                    out.push(sse(&meta.chunk("", None, Some(done.finish), false)));
-                    if include_usage {
-                        out.push(sse(&meta.usage_chunk(&done.usage)));
+                    out.push(sse(&meta.chunk(i, "", None, None, Some(done.finish), false)));
+                    add_usage(&mut usage, &done.usage);
+                    finished += 1;
+                    if finished == n {
+                        if include_usage {
+                            out.push(sse(&meta.usage_chunk(&usage.unwrap_or_default())));
+                        }
+                        out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                     }
+                }
+                Some((_, EngineEvent::Failed(message))) => {
+                    out.push(sse(&failure(&state, message).body()));
                     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
-                    out
                 }
-                Some(EngineEvent::Failed(message)) => {
-                    vec![sse(&failure(&state, message).body()), Bytes::from_static(b"data: [DONE]\n\n")]
+                None => {
+                    out.push(sse(&failure(&state, "the engine stopped".into()).body()));
+                    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 }
-                None => vec![
-                    sse(&failure(&state, "the engine stopped".into()).body()),
-                    Bytes::from_static(b"data: [DONE]\n\n"),
-                ],
-            };
+            }
             let end = out.last().is_some_and(|b| b.as_ref() == b"data: [DONE]\n\n");
             for bytes in out {
                 if tx.send(bytes).await.is_err() {

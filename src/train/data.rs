@@ -622,10 +622,8 @@ pub fn generate_data(
                 let (set, p, ids) = &todo[next];
                 let outcome = Rc::new(RefCell::new(Outcome::default()));
                 let request = EngineRequest {
-                    prompt: ids.clone(),
-                    params: example_params(&settings.gen, set, &p.id),
                     speculate: false,
-                    ignore_eos: false,
+                    ..EngineRequest::new(ids.clone(), example_params(&settings.gen, set, &p.id))
                 };
                 core.add(request, None, Box::new(Sink(outcome.clone())));
                 in_flight.push((next, outcome));

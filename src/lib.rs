@@ -18,6 +18,7 @@ pub mod cli;
 pub mod datasets;
 pub mod engine;
 pub mod fetch;
+pub mod grammar;
 pub mod kv;
 pub mod model;
 mod parallel;

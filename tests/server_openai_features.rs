@@ -236,3 +236,55 @@ fn n_choices_share_the_prompt_and_sample_on_their_own() {
     }
     server.wait_idle(std::time::Duration::from_secs(10));
 }
+
+#[test]
+fn structured_outputs_through_the_api() {
+    let server = start(ngram_engine(), ServerConfig::new(MODEL_ID));
+    let schema = json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                        "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": false});
+    let body = |format: Value, stream: bool| {
+        json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "A person as JSON, please."}],
+               "max_tokens": 64, "temperature": 0, "response_format": format, "stream": stream})
+    };
+    let format = json!({"type": "json_schema", "json_schema": {"name": "person", "schema": schema}});
+    let v = server.post(CHAT, &body(format.clone(), false)).json().unwrap();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let person: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{content:?} is not JSON: {e}"));
+    assert!(person["name"].is_string() && person["age"].is_i64() && person.as_object().unwrap().len() == 2);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Streamed, the same text; without speculation, the same text.
+    assert_eq!(server.stream(CHAT, &body(format.clone(), true)).text(), content);
+    let mut plain = body(format, false);
+    plain["speculate"] = json!(false);
+    assert_eq!(server.post(CHAT, &plain).json().unwrap()["choices"][0]["message"]["content"], content);
+    // Any JSON object; a choice; a regex on completions.
+    let v = server.post(CHAT, &body(json!({"type": "json_object"}), false)).json().unwrap();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    if v["choices"][0]["finish_reason"] == "stop" {
+        assert!(serde_json::from_str::<Value>(text).unwrap().is_object(), "{text:?}");
+    }
+    let mut choice = body(Value::Null, false);
+    choice["structured_outputs"] = json!({"choice": ["red", "green", "blue"]});
+    let v = server.post(CHAT, &choice).json().unwrap();
+    assert!(["red", "green", "blue"].contains(&v["choices"][0]["message"]["content"].as_str().unwrap()), "{v}");
+    let v = server
+        .post(
+            COMPLETIONS,
+            &json!({"prompt": "The year was", "max_tokens": 8, "temperature": 1, "seed": 3,
+                    "structured_outputs": {"regex": " (19|20)[0-9]{2}"}}),
+        )
+        .json()
+        .unwrap();
+    let year = v["choices"][0]["text"].as_str().unwrap();
+    assert!(year.len() == 5 && (year.starts_with(" 19") || year.starts_with(" 20")), "{year:?}");
+    // Errors name the field.
+    let bad = json!({"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"$ref": "#/x"}}}}});
+    let r = server.post(CHAT, &body(bad, false));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json().unwrap()["error"]["param"], "response_format");
+    let mut both = body(json!({"type": "json_object"}), false);
+    both["structured_outputs"] = json!({"regex": "a"});
+    let r = server.post(CHAT, &both);
+    assert_eq!((r.status, r.json().unwrap()["error"]["param"].clone()), (400, json!("structured_outputs")));
+    server.wait_idle(std::time::Duration::from_secs(10));
+}

@@ -6,6 +6,7 @@ use super::request::{Completion, EngineEvent, StepTrace, TokenChunk, TokenLogpro
 use super::scheduler::SchedSeq;
 use super::sequence::{FinishReason, Sequence};
 use super::text_stream::TextStream;
+use crate::grammar::Constraint;
 use crate::kv::KvPool;
 use crate::speculative::{AdaptiveState, Proposer, SpecMetrics};
 use crate::tokenize::Tokenizer;
@@ -69,6 +70,8 @@ pub(super) struct Active<'a> {
     pub logprobs: Option<usize>,
     /// The prompt's log-probs, when asked for.
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// The grammar the output must match, in the state of the committed output.
+    pub constraint: Option<Constraint>,
 }
 
 /// A request's prompt log-probs: recorded while its prompt is prefilled, delivered with its

@@ -178,6 +178,7 @@ impl<'a> EngineCore<'a> {
                 recorded: Vec::new(),
                 sent: false,
             }),
+            constraint: req.constraint,
         };
         if let Some(message) = invalid {
             self.unqueue(1);
@@ -459,6 +460,9 @@ impl<'a> EngineCore<'a> {
             fwd.out.seq_logits(j)?
         };
         penalize_verification_rows(&mut rows, a.seq.generated(), &draft.tokens, &a.seq.params);
+        if let Some(c) = a.constraint.as_mut() {
+            c.mask_rows(&mut rows, &draft.tokens)?;
+        }
         let verdict = verify(&draft, &rows, &a.seq.params, &mut a.seq.rng);
         // Keep the fed pending tokens and the accepted drafts; forget rejected drafts.
         let kept = cached_before + slot.rows + verdict.accepted;
@@ -488,6 +492,9 @@ impl<'a> EngineCore<'a> {
 
         let mut chunk = TokenChunk::default();
         let finish = a.commit(&committed, logprobs, verdict.accepted, &self.stop_ids, tokenizer, ctx, &mut chunk);
+        if let Some(c) = a.constraint.as_mut() {
+            c.commit(&chunk.ids)?;
+        }
         // A stop among the accepted drafts ends the commit early: the cache must not keep
         // K/V for tokens that were never committed.
         a.seq.cache.truncate(kept.min(a.seq.tokens.len()));
@@ -592,6 +599,11 @@ fn draft_for(a: &mut Active, slot: &Slot, stop_ids: &[u32]) -> Result<Draft> {
     let mut d = p.propose(&a.seq.tokens, k)?;
     let stop = d.tokens.iter().position(|&t| a.is_stop(t, stop_ids));
     d.tokens.truncate(k.min(stop.map_or(usize::MAX, |i| i + 1)));
+    // Tokens the grammar forbids would only be rejected: do not spend rows on them.
+    if let Some(c) = a.constraint.as_mut() {
+        let allowed = c.allowed_prefix(&d.tokens);
+        d.tokens.truncate(allowed);
+    }
     if let Some(probs) = d.probs.as_mut() {
         probs.truncate(d.tokens.len());
     }

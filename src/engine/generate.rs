@@ -28,6 +28,8 @@ pub struct GenerateOptions {
     pub step_cost: Option<Arc<StepCost>>,
     /// Record every step in [`Generation::trace`].
     pub trace: bool,
+    /// The grammar the output must match (structured outputs).
+    pub constraint: Option<crate::grammar::Constraint>,
 }
 
 impl Default for GenerateOptions {
@@ -39,6 +41,7 @@ impl Default for GenerateOptions {
             max_draft: MAX_DRAFT,
             step_cost: None,
             trace: false,
+            constraint: None,
         }
     }
 }
@@ -155,7 +158,11 @@ pub fn generate(
             opts.step_cost.clone(),
             Arc::new(AtomicUsize::new(1)),
         );
-        let request = EngineRequest { speculate: proposer.is_some(), ..EngineRequest::new(prompt.to_vec(), params) };
+        let request = EngineRequest {
+            speculate: proposer.is_some(),
+            constraint: opts.constraint.clone(),
+            ..EngineRequest::new(prompt.to_vec(), params)
+        };
         let proposer = proposer.map(|p| Box::new(p) as Box<dyn Proposer + '_>);
         core.add(request, proposer, Box::new(Collector { on_chunk, outcome: &outcome }));
         while !core.is_idle() {

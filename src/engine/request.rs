@@ -1,6 +1,7 @@
 //! What a client hands the serving engine, and what streams back to it.
 
 use super::sequence::FinishReason;
+use crate::grammar::Constraint;
 use crate::sample::SamplingParams;
 pub use crate::sample::TokenLogprob;
 use crate::speculative::SpecMetrics;
@@ -41,12 +42,23 @@ pub struct EngineRequest {
     /// Report the log-probability of every prompt token after the first, with this many
     /// alternatives. The whole prompt then runs through the target (no prefix cache).
     pub prompt_logprobs: Option<usize>,
+    /// The output must match this grammar (structured outputs); it masks every row the
+    /// request samples or verifies from.
+    pub constraint: Option<Constraint>,
 }
 
 impl EngineRequest {
     /// A request with nothing but a prompt and sampling settings.
     pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
-        Self { prompt, params, speculate: true, ignore_eos: false, logprobs: None, prompt_logprobs: None }
+        Self {
+            prompt,
+            params,
+            speculate: true,
+            ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: None,
+            constraint: None,
+        }
     }
 }
 

@@ -72,6 +72,8 @@ pub struct AppState {
     pub shutting_down: AtomicBool,
     next_id: AtomicU64,
     created: u64,
+    /// Structured outputs' grammar compiler for the model's vocabulary, built on first use.
+    grammars: std::sync::OnceLock<Result<crate::grammar::GrammarCompiler, String>>,
 }
 
 impl AppState {
@@ -83,7 +85,20 @@ impl AppState {
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             created: openai_types::unix_now(),
+            grammars: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The grammar compiler (built on the first structured request: the vocabulary's trie).
+    pub fn grammars(&self) -> Result<&crate::grammar::GrammarCompiler, String> {
+        self.grammars
+            .get_or_init(|| {
+                let loaded = self.engine.model();
+                crate::grammar::GrammarCompiler::new(&loaded.tokenizer, &loaded.stop_ids(), loaded.model.config.vocab)
+                    .map_err(|e| format!("{e:#}"))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 }
 

@@ -6,6 +6,7 @@
 
 use super::api_error::ApiError;
 use crate::engine::{FinishReason, TokenChunk, TokenLogprob, TokenSource, Usage};
+use crate::grammar::GrammarSpec;
 use crate::sample::SamplingParams;
 use crate::tokenize::{ChatMessage, Tokenizer};
 use serde_json::{json, Map, Value};
@@ -60,6 +61,9 @@ pub struct CompletionRequest {
     /// Completions: the prompt is returned before the output (with its log-probs when
     /// `logprobs` is set).
     pub echo: bool,
+    /// Structured outputs: `response_format` (`json_object`, `json_schema`) or, as in vLLM,
+    /// `structured_outputs` (`json`, `regex`, `choice`, `grammar`), with the field it came in.
+    pub grammar: Option<(GrammarSpec, &'static str)>,
 }
 
 /// Most stop strings per request.
@@ -115,6 +119,7 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
         return Err(ApiError::invalid("echo", "`echo` is a completions parameter"));
     }
     let logprobs = parse_logprobs(&f, endpoint)?;
+    let grammar = parse_grammar(&f)?;
 
     let mut max_tokens = f.integer("max_tokens")?;
     if let Some(m) = f.integer("max_completion_tokens")? {
@@ -216,7 +221,93 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
         n,
         logprobs,
         echo,
+        grammar,
     })
+}
+
+/// `response_format` (OpenAI) or `structured_outputs` (vLLM's extension), at most one.
+fn parse_grammar(f: &Fields) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    let from_format = match f.get("response_format") {
+        None => None,
+        Some(Value::Object(rf)) => match rf.get("type").and_then(Value::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some(GrammarSpec::JsonObject),
+            Some("json_schema") => {
+                let param = "response_format.json_schema.schema";
+                match rf.get("json_schema").and_then(|j| j.get("schema")) {
+                    Some(schema @ Value::Object(_)) => Some(GrammarSpec::JsonSchema(schema.clone())),
+                    Some(Value::Bool(true)) | None => Some(GrammarSpec::JsonObject),
+                    Some(_) => return Err(ApiError::invalid(param, format!("`{param}` must be a JSON schema object"))),
+                }
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    "`response_format.type` must be one of text, json_object, json_schema",
+                ))
+            }
+        },
+        Some(_) => return Err(ApiError::invalid("response_format", "`response_format` must be an object")),
+    };
+    let from_outputs = match f.get("structured_outputs") {
+        None => None,
+        Some(Value::Object(so)) => {
+            let kinds: Vec<&String> = so.keys().filter(|k| !so[k.as_str()].is_null()).collect();
+            let bad = |msg: &str| ApiError::invalid("structured_outputs", msg);
+            match kinds.as_slice() {
+                [] => None,
+                [k] => {
+                    let v = &so[k.as_str()];
+                    Some(match (k.as_str(), v) {
+                        ("json", Value::Object(_)) => GrammarSpec::JsonSchema(v.clone()),
+                        ("json", Value::String(s)) => GrammarSpec::JsonSchema(
+                            serde_json::from_str(s).map_err(|e| bad(&format!("`structured_outputs.json` is not JSON: {e}")))?,
+                        ),
+                        ("regex", Value::String(s)) => GrammarSpec::Regex(s.clone()),
+                        ("grammar", Value::String(s)) => GrammarSpec::Lark(s.clone()),
+                        ("choice", Value::Array(items)) if !items.is_empty() => {
+                            let mut alternatives = Vec::with_capacity(items.len());
+                            for item in items {
+                                let Value::String(s) = item else {
+                                    return Err(bad("`structured_outputs.choice` must be an array of strings"));
+                                };
+                                alternatives.push(regex_escape(s));
+                            }
+                            GrammarSpec::Regex(format!("({})", alternatives.join("|")))
+                        }
+                        _ => {
+                            return Err(bad(
+                                "`structured_outputs` takes one of json (a schema), regex (a string), choice (strings) or grammar (a Lark grammar)",
+                            ))
+                        }
+                    })
+                }
+                _ => return Err(bad("`structured_outputs` takes one constraint, not several")),
+            }
+        }
+        Some(_) => return Err(ApiError::invalid("structured_outputs", "`structured_outputs` must be an object")),
+    };
+    match (from_format, from_outputs) {
+        (Some(_), Some(_)) => Err(ApiError::invalid(
+            "structured_outputs",
+            "give either `response_format` or `structured_outputs`, not both",
+        )),
+        (Some(g), None) => Ok(Some((g, "response_format"))),
+        (None, Some(g)) => Ok(Some((g, "structured_outputs"))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// `s` as a regex that matches exactly it.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Chat: `logprobs` (boolean) and `top_logprobs` (0..=20); completions: `logprobs` (0..=20

@@ -377,11 +377,25 @@ fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, A
         None => Some(room),
     };
     let prompt_logprobs = if req.echo { req.logprobs } else { None };
+    let constraint = match &req.grammar {
+        None => None,
+        Some((spec, param)) => {
+            let compiler = state.grammars().map_err(|e| {
+                ApiError::invalid(param, format!("structured outputs are not available for this model: {e}"))
+            })?;
+            Some(
+                compiler
+                    .compile(spec)
+                    .map_err(|e| ApiError::invalid(param, format!("the grammar does not compile: {e:#}")))?,
+            )
+        }
+    };
     Ok(EngineRequest {
         speculate: req.speculate,
         ignore_eos: req.ignore_eos,
         logprobs: req.logprobs,
         prompt_logprobs,
+        constraint,
         ..EngineRequest::new(prompt, params)
     })
 }

@@ -491,6 +491,12 @@ impl Tokenizer {
         self.texts.len()
     }
 
+    /// A control token (`<|im_end|>`, `<bos>`): matched whole, left out of text by `decode`
+    /// with `skip_special`.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.kinds.get(id as usize).is_some_and(|k| k.is_skippable())
+    }
+
     /// The token's text as stored in the GGUF (byte-level alphabet, e.g. `Ġthe`).
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.texts.get(id as usize).map(String::as_str)

@@ -35,6 +35,19 @@ fn official_openai_python_client() {
         },
     );
 
+    // Tools server: a chat template that offers tools (Qwen3's, which SmolLM2's ChatML shares).
+    let template = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat-templates/qwen3.jinja"),
+    )
+    .unwrap();
+    let tools = start(
+        ngram_engine(),
+        ServerConfig {
+            chat_template: Some(std::sync::Arc::new(model().template_from_source(&template).unwrap())),
+            ..ServerConfig::new(MODEL_ID)
+        },
+    );
+
     // Greedy references from engine::generate, decoded the way the server streams text.
     let m = model();
     let cases: Vec<serde_json::Value> = [
@@ -74,6 +87,8 @@ fn official_openai_python_client() {
         .arg(format!("http://{}/v1", tiny.addr))
         .arg("--cases")
         .arg(&cases_path)
+        .arg("--tools-url")
+        .arg(format!("http://{}/v1", tools.addr))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// `chat_template_kwargs` override these key by key).
     #[arg(long)]
     chat_template_kwargs: Option<String>,
+    /// A Jinja chat template file to use instead of the model's (as llama.cpp's and vLLM's
+    /// `--chat-template`), e.g. one that offers tools.
+    #[arg(long)]
+    chat_template: Option<std::path::PathBuf>,
     /// Requests allowed to wait for a slot; more get 503.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -94,6 +98,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         chat_template_kwargs: match &args.chat_template_kwargs {
             Some(text) => crate::tokenize::parse_template_kwargs(text)?,
             None => Default::default(),
+        },
+        chat_template: match &args.chat_template {
+            Some(path) => {
+                let source = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the chat template {}", path.display()))?;
+                Some(Arc::new(engine.model().template_from_source(&source)?))
+            }
+            None => None,
         },
     };
     let state = AppState::new(engine.clone(), server_config);

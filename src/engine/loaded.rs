@@ -82,6 +82,15 @@ impl LoadedModel {
         self.tokenizer.encode(&text, true)
     }
 
+    /// A chat template from source, with this model's BOS/EOS texts and stripping rules.
+    pub fn template_from_source(&self, source: &str) -> Result<ChatTemplate> {
+        let (bos, eos) = match &self.template {
+            Some(t) => (t.bos_token().to_string(), t.eos_token().to_string()),
+            None => Default::default(),
+        };
+        ChatTemplate::from_source(source, &bos, &eos)
+    }
+
     /// What a drafter needs of this model.
     pub fn target(&self) -> crate::speculative::Target<'_> {
         crate::speculative::Target { model: &self.model, tokenizer: &self.tokenizer }

@@ -19,6 +19,7 @@ pub mod loadtest;
 mod metrics;
 mod openai_types;
 mod routes;
+mod tool_calls;
 
 pub use api_error::ApiError;
 pub use metrics::{Histogram, ServerMetrics};
@@ -49,6 +50,8 @@ pub struct ServerConfig {
     /// Chat template variables for every request (`--chat-template-kwargs`); a request's own
     /// `chat_template_kwargs` override them key by key.
     pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
+    /// A chat template to use instead of the model's (`--chat-template`), e.g. one with tools.
+    pub chat_template: Option<Arc<crate::tokenize::ChatTemplate>>,
 }
 
 impl ServerConfig {
@@ -60,6 +63,7 @@ impl ServerConfig {
             max_body_bytes: 1 << 20,
             shutdown_grace: Duration::from_secs(30),
             chat_template_kwargs: Default::default(),
+            chat_template: None,
         }
     }
 }

@@ -33,6 +33,22 @@ pub enum PromptInput {
     Text(String),
     Ids(Vec<u32>),
     Chat(Vec<ChatMessage>),
+    /// Chat with tool calls or tool results in it, or `tools` to offer: the messages as
+    /// OpenAI-style JSON (role, content, `tool_calls`, `tool_call_id`, `name`) for the template.
+    ChatJson(Value),
+}
+
+/// Which tool the model must call (`tool_choice`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    /// The model decides (OpenAI's default when `tools` are given).
+    Auto,
+    /// No call: the tools are not shown to the model.
+    None,
+    /// Some call, forced by a grammar.
+    Required,
+    /// This function, forced by a grammar.
+    Function(String),
 }
 
 /// A parsed, type-checked request (ranges that depend on the prompt are checked later).
@@ -64,6 +80,9 @@ pub struct CompletionRequest {
     /// Structured outputs: `response_format` (`json_object`, `json_schema`) or, as in vLLM,
     /// `structured_outputs` (`json`, `regex`, `choice`, `grammar`), with the field it came in.
     pub grammar: Option<(GrammarSpec, &'static str)>,
+    /// Chat: the functions the model may call (OpenAI's `tools`, as given).
+    pub tools: Vec<Value>,
+    pub tool_choice: ToolChoice,
 }
 
 /// Most stop strings per request.
@@ -87,8 +106,17 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
     let f = Fields(&obj);
 
     let model = f.string("model")?;
+    let (tools, tool_choice) = parse_tools(&f, endpoint)?;
     let prompt = match endpoint {
-        Endpoint::Chat => PromptInput::Chat(parse_messages(obj.get("messages"))?),
+        Endpoint::Chat => {
+            let messages = parse_messages(obj.get("messages"))?;
+            let uses_tools = !tools.is_empty() && tool_choice != ToolChoice::None;
+            match tool_messages(obj.get("messages"), &messages)? {
+                Some(json) => PromptInput::ChatJson(json),
+                None if uses_tools => PromptInput::ChatJson(messages_json(&messages)),
+                None => PromptInput::Chat(messages),
+            }
+        }
         Endpoint::Completion => parse_prompt(obj.get("prompt"))?,
     };
     let n = match f.integer("n")? {
@@ -222,7 +250,116 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
         logprobs,
         echo,
         grammar,
+        tools,
+        tool_choice,
     })
+}
+
+/// `tools` (functions with a `name`) and `tool_choice`; chat only.
+fn parse_tools(f: &Fields, endpoint: Endpoint) -> Result<(Vec<Value>, ToolChoice), ApiError> {
+    let tools = match f.get("tools") {
+        None => Vec::new(),
+        Some(_) if endpoint == Endpoint::Completion => {
+            return Err(ApiError::invalid("tools", "`tools` is a chat completions parameter"))
+        }
+        Some(Value::Array(items)) => {
+            for (i, t) in items.iter().enumerate() {
+                let ok = t.get("type").and_then(Value::as_str) == Some("function")
+                    && t.pointer("/function/name").and_then(Value::as_str).is_some_and(|n| !n.is_empty())
+                    && t.pointer("/function/parameters").is_none_or(|p| p.is_object() || p.is_null());
+                if !ok {
+                    return Err(ApiError::invalid(
+                        &format!("tools[{i}]"),
+                        "each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}",
+                    ));
+                }
+            }
+            items.clone()
+        }
+        Some(_) => return Err(ApiError::invalid("tools", "`tools` must be an array")),
+    };
+    let choice = match f.get("tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` must be auto, none, required or a function; got `{other}`"),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => match o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
+            Some(name) => ToolChoice::Function(name.to_string()),
+            None => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "`tool_choice` as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        },
+        Some(_) => return Err(ApiError::invalid("tool_choice", "`tool_choice` must be a string or an object")),
+    };
+    if tools.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        return Err(ApiError::invalid("tool_choice", "`tool_choice` asks for a call but `tools` is empty"));
+    }
+    Ok((tools, choice))
+}
+
+/// Messages as the template sees them: role and content (text) of each.
+fn messages_json(messages: &[ChatMessage]) -> Value {
+    Value::Array(messages.iter().map(|m| json!({"role": m.role, "content": m.content})).collect())
+}
+
+/// When the conversation holds tool calls or tool results: the messages as JSON with them
+/// (`tool_calls` of assistant turns, `tool_call_id` and `name` of tool turns).
+fn tool_messages(raw: Option<&Value>, parsed: &[ChatMessage]) -> Result<Option<Value>, ApiError> {
+    let Some(Value::Array(items)) = raw else { return Ok(None) };
+    let has_tools = items.iter().any(|m| m.get("tool_calls").is_some_and(|t| !t.is_null()) || m["role"] == "tool");
+    if !has_tools {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(parsed.len());
+    for (i, (item, m)) in items.iter().zip(parsed).enumerate() {
+        let mut v = json!({"role": m.role, "content": m.content});
+        match item.get("tool_calls") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(calls)) => {
+                let mut fixed = Vec::with_capacity(calls.len());
+                for (j, call) in calls.iter().enumerate() {
+                    let param = format!("messages[{i}].tool_calls[{j}]");
+                    let name = call.pointer("/function/name").and_then(Value::as_str);
+                    let arguments = call.pointer("/function/arguments");
+                    let (Some(name), Some(arguments)) = (name, arguments) else {
+                        return Err(ApiError::invalid(
+                            &param,
+                            format!("`{param}` needs function.name and function.arguments"),
+                        ));
+                    };
+                    // Templates print arguments as JSON: a string holding JSON becomes that JSON.
+                    let arguments = match arguments {
+                        Value::String(s) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+                        other => other.clone(),
+                    };
+                    fixed.push(json!({"id": call.get("id").cloned().unwrap_or(Value::Null), "type": "function",
+                                      "function": {"name": name, "arguments": arguments}}));
+                }
+                v["tool_calls"] = Value::Array(fixed);
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(&format!("messages[{i}].tool_calls"), "`tool_calls` must be an array"))
+            }
+        }
+        for key in ["tool_call_id", "name"] {
+            if let Some(Value::String(s)) = item.get(key) {
+                v[key] = json!(s);
+            }
+        }
+        out.push(v);
+    }
+    Ok(Some(Value::Array(out)))
 }
 
 /// `response_format` (OpenAI) or `structured_outputs` (vLLM's extension), at most one.
@@ -498,6 +635,8 @@ pub struct Choice {
     pub finish: FinishReason,
     /// The choice's `logprobs` object, when asked for.
     pub logprobs: Option<Value>,
+    /// Chat: the tool calls parsed from the output (`text` is then what came before them).
+    pub tool_calls: Vec<Value>,
 }
 
 /// A log-prob as JSON: OpenAI's −9999 for a token the distribution rules out.
@@ -613,6 +752,13 @@ impl ResponseMeta {
             .map(|(index, c)| {
                 let logprobs = c.logprobs.clone().unwrap_or(Value::Null);
                 match self.endpoint {
+                    Endpoint::Chat if !c.tool_calls.is_empty() => json!({
+                        "index": index,
+                        "message": {"role": "assistant", "content": if c.text.is_empty() { Value::Null } else { json!(c.text) },
+                                    "tool_calls": c.tool_calls},
+                        "logprobs": logprobs,
+                        "finish_reason": "tool_calls",
+                    }),
                     Endpoint::Chat => json!({
                         "index": index,
                         "message": {"role": "assistant", "content": c.text},
@@ -685,6 +831,19 @@ impl ResponseMeta {
             chunk["specula"] = json!({"token_ids": t.ids, "pieces": t.pieces, "sources": sources});
         }
         chunk
+    }
+
+    /// A streamed chunk with choice `index`'s tool calls and its end (`finish_reason`
+    /// `tool_calls`).
+    pub fn tool_calls_chunk(&self, index: usize, tool_calls: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": [{"index": index, "delta": {"tool_calls": tool_calls}, "logprobs": null, "finish_reason": "tool_calls"}],
+        })
     }
 
     /// The usage chunk sent after the last one when `stream_options.include_usage` is set.

@@ -3,10 +3,12 @@
 use super::api_error::ApiError;
 use super::openai_types::{
     chat_logprobs, parse_request, unix_now, Choice, CompletionLogprobs, CompletionRequest, Endpoint, PromptInput,
-    ResponseMeta,
+    ResponseMeta, ToolChoice,
 };
+use super::tool_calls;
 use super::AppState;
 use crate::engine::{EngineEvent, EngineRequest, SubmitError, TokenLogprob, Usage};
+use crate::tokenize::ChatTemplate;
 use crate::tokenize::Tokenizer;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -230,7 +232,8 @@ async fn start(
         model: state.config.model_id.clone(),
         endpoint,
     };
-    let shape = ResponseShape { meta, logprobs: req.logprobs.is_some(), echo };
+    let tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
+    let shape = ResponseShape { meta, logprobs: req.logprobs.is_some(), echo, tools };
     if req.stream {
         Ok(stream_response(state.clone(), receivers, shape, req.include_usage, arrived))
     } else {
@@ -245,6 +248,8 @@ struct ResponseShape {
     logprobs: bool,
     /// Completions with `echo`: the prompt (text and ids) comes before each choice's output.
     echo: Option<(String, Vec<u32>)>,
+    /// Chat with `tools`: calls in the output become `tool_calls`.
+    tools: bool,
 }
 
 /// The prompt's text as echoed: the text given, or the ids decoded.
@@ -322,14 +327,40 @@ fn add_usage(total: &mut Option<Usage>, u: &Usage) {
     }
 }
 
+/// The server's chat template variables, overridden key by key by the request's.
+fn template_kwargs(state: &AppState, req: &CompletionRequest) -> crate::tokenize::TemplateKwargs {
+    let mut kwargs = state.config.chat_template_kwargs.clone();
+    kwargs.extend(req.chat_template_kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+    kwargs
+}
+
+/// A conversation rendered with the server's chat template (`--chat-template`) or the model's,
+/// then tokenized.
+fn encode_chat(
+    state: &AppState,
+    render: impl FnOnce(&ChatTemplate) -> anyhow::Result<String>,
+) -> Result<Vec<u32>, ApiError> {
+    let loaded = state.engine.model();
+    let template = state.config.chat_template.as_deref().or(loaded.template.as_ref()).ok_or_else(|| {
+        ApiError::invalid("messages", "this model has no chat template; use /v1/completions or --chat-template")
+    })?;
+    let text = render(template).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+    loaded.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))
+}
+
 /// Tokenizes the prompt and checks it and `max_tokens` against the context.
 fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, ApiError> {
     let loaded = state.engine.model();
     let prompt = match &req.prompt {
         PromptInput::Chat(messages) => {
-            let mut kwargs = state.config.chat_template_kwargs.clone();
-            kwargs.extend(req.chat_template_kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
-            loaded.encode_chat_with(messages, &kwargs).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?
+            let kwargs = template_kwargs(state, req);
+            encode_chat(state, |t| t.render_with(messages, true, &kwargs))?
+        }
+        PromptInput::ChatJson(messages) => {
+            let kwargs = template_kwargs(state, req);
+            let offered = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
+            let tools = offered.then(|| Value::Array(req.tools.clone()));
+            encode_chat(state, |t| t.render_json(messages, tools.as_ref(), true, &kwargs))?
         }
         PromptInput::Text(text) => {
             loaded.encode_prompt(text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?
@@ -377,7 +408,22 @@ fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, A
         None => Some(room),
     };
     let prompt_logprobs = if req.echo { req.logprobs } else { None };
-    let constraint = match &req.grammar {
+    let forced_call = match &req.tool_choice {
+        ToolChoice::Required => Some(tool_calls::forced_call_grammar(&req.tools, None)),
+        ToolChoice::Function(name) => Some(tool_calls::forced_call_grammar(&req.tools, Some(name))),
+        ToolChoice::Auto | ToolChoice::None => None,
+    };
+    let grammar = match (forced_call, &req.grammar) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a forced tool call cannot be combined with a response format",
+            ))
+        }
+        (Some(call), None) => Some((call.map_err(|e| ApiError::invalid("tool_choice", e))?, "tool_choice")),
+        (None, g) => g.clone(),
+    };
+    let constraint = match &grammar {
         None => None,
         Some((spec, param)) => {
             let compiler = state.grammars().map_err(|e| {
@@ -451,7 +497,9 @@ async fn collect_response(
                 None => text,
             };
             lp.push(&items, tokenizer);
-            Choice { text, finish, logprobs: shape.logprobs.then(|| lp.to_json(tokenizer)) }
+            let (text, calls) = if shape.tools { tool_calls::parse(&text) } else { (text, Vec::new()) };
+            let tool_calls = tool_calls::to_json(&calls, &shape.meta.id, false);
+            Choice { text, finish, logprobs: shape.logprobs.then(|| lp.to_json(tokenizer)), tool_calls }
         })
         .collect();
     let usage = usage.unwrap_or_default();
@@ -503,6 +551,8 @@ fn stream_response(
         let mut last: Option<Instant> = None;
         let mut logprobs: Vec<ChoiceLogprobs> = (0..n).map(|_| ChoiceLogprobs::new(meta.endpoint, 0)).collect();
         let mut started = vec![false; n];
+        // With tools: each choice's text so far and how much of it went out as content.
+        let mut texts: Vec<(String, usize)> = vec![(String::new(), 0); n];
         let mut usage = None;
         let mut finished = 0;
         if meta.endpoint == Endpoint::Chat {
@@ -538,13 +588,40 @@ fn stream_response(
                     observe_tokens(&state, &mut last, arrived, chunk.ids.len());
                     logprobs[i].push(&chunk.logprobs, tokenizer);
                     let lp = shape.logprobs.then(|| logprobs[i].take_json(tokenizer));
-                    out.push(sse(&meta.chunk(i, &chunk.text(), Some(&chunk), lp, None, false)));
+                    let text = if shape.tools {
+                        // Text that may start a tool call waits for the end.
+                        let (all, shown) = &mut texts[i];
+                        all.push_str(&chunk.text());
+                        let safe = tool_calls::shown_len(all);
+                        let delta = all[*shown..safe.max(*shown)].to_string();
+                        *shown = safe.max(*shown);
+                        delta
+                    } else {
+                        chunk.text()
+                    };
+                    out.push(sse(&meta.chunk(i, &text, Some(&chunk), lp, None, false)));
                 }
                 Some((i, EngineEvent::Done(done))) => {
-                    if !done.tail.is_empty() {
-                        out.push(sse(&meta.chunk(i, &done.tail, None, None, None, false)));
+                    let mut calls = Vec::new();
+                    let tail = if shape.tools {
+                        let (all, shown) = &mut texts[i];
+                        all.push_str(&done.tail);
+                        let (content, parsed) = tool_calls::parse(all);
+                        calls = parsed;
+                        let end = if calls.is_empty() { all.len() } else { content.len() };
+                        all.get(*shown..end.max(*shown)).unwrap_or_default().to_string()
+                    } else {
+                        done.tail.clone()
+                    };
+                    if !tail.is_empty() {
+                        out.push(sse(&meta.chunk(i, &tail, None, None, None, false)));
                     }
-                    out.push(sse(&meta.chunk(i, "", None, None, Some(done.finish), false)));
+                    if calls.is_empty() {
+                        out.push(sse(&meta.chunk(i, "", None, None, Some(done.finish), false)));
+                    } else {
+                        let id = format!("{}_{i}", meta.id);
+                        out.push(sse(&meta.tool_calls_chunk(i, tool_calls::to_json(&calls, &id, true))));
+                    }
                     add_usage(&mut usage, &done.usage);
                     finished += 1;
                     if finished == n {

@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--tiny-url", required=True)
     ap.add_argument("--cases", required=True)
+    ap.add_argument("--tools-url", required=True)
     args = ap.parse_args()
     cases = json.load(open(args.cases))
     client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=300)
@@ -215,7 +216,7 @@ def main():
         expect_error(lambda: chat(model=MODEL, messages=msgs, max_tokens=5000), openai.BadRequestError, 400,
                      param="max_tokens", code="context_length_exceeded")
         expect_error(lambda: chat(model=MODEL, messages=msgs, temperature="hot"), openai.BadRequestError, 400, param="temperature")
-        expect_error(lambda: chat(model=MODEL, messages=msgs, n=2), openai.BadRequestError, 400, param="n")
+        expect_error(lambda: chat(model=MODEL, messages=msgs, n=17), openai.BadRequestError, 400, param="n")
         expect_error(lambda: chat(model=MODEL, messages=[{"role": "wizard", "content": "x"}]), openai.BadRequestError, 400,
                      param="messages[0].role")
         expect_error(lambda: chat(model="gpt-99", messages=msgs), openai.NotFoundError, 404, param="model", code="model_not_found")
@@ -291,6 +292,57 @@ def main():
         while health(args.tiny_url)["waiting"] != 0:
             assert time.time() < deadline, "the queued request never started"
             time.sleep(0.05)
+
+    tools_client = openai.OpenAI(base_url=args.tools_url, api_key="unused", max_retries=0, timeout=300)
+    weather = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                       "required": ["city"], "additionalProperties": False}}}]
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    @check("tool calls: required, named and streamed, then a tool result round trip")
+    def _():
+        r = tools_client.chat.completions.create(model=MODEL, messages=question, tools=weather,
+                                                 tool_choice="required", temperature=0, max_tokens=64)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather", call
+        assert isinstance(json.loads(call.function.arguments)["city"], str), call
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        stream = tools_client.chat.completions.create(model=MODEL, messages=question, tools=weather,
+                                                      tool_choice=named, temperature=0, max_tokens=64, stream=True)
+        names, args_text, finish = [], "", None
+        for c in stream:
+            if not c.choices:
+                continue
+            for d in c.choices[0].delta.tool_calls or []:
+                if d.function and d.function.name:
+                    names.append(d.function.name)
+                args_text += (d.function.arguments or "") if d.function else ""
+            finish = c.choices[0].finish_reason or finish
+        assert names == ["get_weather"] and finish == "tool_calls", (names, finish)
+        assert json.loads(args_text) == json.loads(call.function.arguments), (args_text, call)
+        followup = question + [choice.message.model_dump(exclude_none=True),
+                               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+        r = tools_client.chat.completions.create(model=MODEL, messages=followup, tools=weather,
+                                                 tool_choice="none", temperature=0, max_tokens=16)
+        assert r.choices[0].message.content and not r.choices[0].message.tool_calls, r.choices[0]
+
+    @check("log-probs, n choices and a JSON schema response format")
+    def _():
+        r = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=8,
+                                           logprobs=True, top_logprobs=2, n=2)
+        assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+        lps = r.choices[0].logprobs.content
+        assert len(lps) == r.usage.completion_tokens // 2, (len(lps), r.usage)
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lps)
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                  "required": ["city"], "additionalProperties": False}
+        r = client.chat.completions.create(
+            model=MODEL, messages=question, temperature=0, max_tokens=48,
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+        assert isinstance(json.loads(r.choices[0].message.content)["city"], str), r.choices[0].message
 
     failed = [n for n, e in RESULTS if e]
     print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")

@@ -70,6 +70,12 @@ fn serve_loadtest_and_sigterm() {
             assert!((total * wall - tokens as f64).abs() < 1e-6 * tokens as f64, "{r}");
             assert!(total > r["tokens_per_s"].as_f64().unwrap(), "{r}");
             assert!(r["ttft_p50_ms"].as_f64().unwrap() > 0.0);
+            // vLLM's serving benchmark keys.
+            assert_eq!(r["output_throughput"], r["tokens_per_s"]);
+            assert!(r["request_throughput"].as_f64().unwrap() > 0.0);
+            assert!(r["median_ttft_ms"] == r["ttft_p50_ms"] && r["mean_ttft_ms"].as_f64().unwrap() > 0.0);
+            assert!(r["mean_tpot_ms"].as_f64().unwrap() > 0.0 && r["p99_tpot_ms"].as_f64().is_some(), "{r}");
+            assert!(r["median_itl_ms"] == r["itl_p50_ms"], "{r}");
             assert!(r["ttft_p99_ms"].as_f64().unwrap() >= r["ttft_p50_ms"].as_f64().unwrap());
             if extra.is_empty() {
                 assert!(r["draft_n"].as_u64().is_some());

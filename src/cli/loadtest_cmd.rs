@@ -1,6 +1,6 @@
 //! `specula loadtest`: concurrent streaming clients against a running server on this machine.
 
-use crate::server::loadtest::{run as run_load, LoadConfig, LoadReport};
+use crate::server::loadtest::{run as run_load, LoadConfig, LoadPrompt, LoadReport};
 use anyhow::Result;
 use std::time::Duration;
 
@@ -33,13 +33,24 @@ pub struct LoadtestArgs {
     /// Generate exactly --max-tokens per request (the server ignores end-of-sequence tokens).
     #[arg(long)]
     ignore_eos: bool,
-    /// Print the reports as JSON.
+    /// Print the reports as JSON (vLLM's serving benchmark keys among them).
     #[arg(long)]
     json: bool,
+    /// Prompts from a real prompt set instead of the built-in eight (e.g. sharegpt, mt-bench,
+    /// humaneval: code completions go to /v1/completions), as many as --requests.
+    #[arg(long)]
+    dataset: Option<String>,
 }
 
 pub fn run(args: LoadtestArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let prompts = match &args.dataset {
+        Some(key) => crate::datasets::load(key, Some(args.requests))?
+            .into_iter()
+            .map(|p| LoadPrompt { text: p.text, chat: p.kind == crate::datasets::PromptKind::Chat })
+            .collect(),
+        None => LoadConfig::default().prompts,
+    };
     let mut reports: Vec<LoadReport> = Vec::new();
     for &clients in &args.clients {
         let cfg = LoadConfig {
@@ -53,7 +64,7 @@ pub fn run(args: LoadtestArgs) -> Result<()> {
             no_speculate: args.no_speculate,
             model: args.model.clone(),
             ignore_eos: args.ignore_eos,
-            ..LoadConfig::default()
+            prompts: prompts.clone(),
         };
         let report = rt.block_on(run_load(&cfg))?;
         if !args.json {

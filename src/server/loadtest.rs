@@ -1,10 +1,14 @@
-//! Load generator: N concurrent streaming chat clients against a server on this machine, for
-//! a bounded number of requests and time. Reports aggregate tokens/s, time to first token
-//! and inter-token latency percentiles, and errors.
+//! Load generator: N concurrent streaming clients against any OpenAI-compatible server on
+//! this machine (specula, llama.cpp's, vLLM's), for a bounded number of requests and time.
+//! Reports what vLLM's serving benchmark reports, under its names: request and output-token
+//! throughput, TTFT, TPOT (time per output token after the first, per request) and ITL
+//! (inter-token latency), mean, median and p99; plus errors and, from specula, drafted and
+//! accepted tokens.
 //!
-//! Inter-token latency is counted per token: when a chunk brings several tokens at once (an
-//! accepted draft), the gap since the previous chunk is shared among them, as the server's
-//! `/metrics` histogram does.
+//! Tokens per chunk: specula's `specula.token_ids` extension when present (a chunk brings
+//! several tokens at once when a draft is accepted, and the gap since the previous chunk is
+//! shared among them, as the server's `/metrics` histogram does); otherwise each chunk with
+//! text counts as one token, as vLLM's benchmark counts them.
 
 use super::http_client::{loopback_addr, send};
 use anyhow::{bail, Result};
@@ -44,7 +48,20 @@ pub struct LoadConfig {
     pub model: Option<String>,
     /// Send `"ignore_eos": true`: every request generates exactly `max_tokens`.
     pub ignore_eos: bool,
-    pub prompts: Vec<String>,
+    pub prompts: Vec<LoadPrompt>,
+}
+
+/// One prompt: a chat message, or raw text for `/v1/completions`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadPrompt {
+    pub text: String,
+    pub chat: bool,
+}
+
+impl LoadPrompt {
+    pub fn chat(text: impl Into<String>) -> Self {
+        Self { text: text.into(), chat: true }
+    }
 }
 
 impl Default for LoadConfig {
@@ -60,7 +77,7 @@ impl Default for LoadConfig {
             no_speculate: false,
             model: None,
             ignore_eos: false,
-            prompts: DEFAULT_PROMPTS.iter().map(|s| s.to_string()).collect(),
+            prompts: DEFAULT_PROMPTS.iter().map(|&s| LoadPrompt::chat(s)).collect(),
         }
     }
 }
@@ -86,6 +103,23 @@ pub struct LoadReport {
     pub itl_p99_ms: f64,
     pub draft_n: u64,
     pub draft_n_accepted: u64,
+    // vLLM's serving benchmark names (`benchmark_serving.py --save-result`).
+    /// Finished requests per second.
+    pub request_throughput: f64,
+    /// Completion tokens per second (the same as `tokens_per_s`).
+    pub output_throughput: f64,
+    /// Prompt and completion tokens per second (the same as `total_tokens_per_s`).
+    pub total_token_throughput: f64,
+    pub mean_ttft_ms: f64,
+    pub median_ttft_ms: f64,
+    pub p99_ttft_ms: f64,
+    /// Per request: (last token − first token) / (completion tokens − 1).
+    pub mean_tpot_ms: f64,
+    pub median_tpot_ms: f64,
+    pub p99_tpot_ms: f64,
+    pub mean_itl_ms: f64,
+    pub median_itl_ms: f64,
+    pub p99_itl_ms: f64,
 }
 
 #[derive(Default)]
@@ -95,6 +129,7 @@ struct Samples {
     prompt_tokens: u64,
     completion_tokens: u64,
     ttft: Vec<f64>,
+    tpot: Vec<f64>,
     itl: Vec<f64>,
     draft_n: u64,
     draft_n_accepted: u64,
@@ -104,6 +139,10 @@ struct Samples {
 struct OneResult {
     ttft: Option<f64>,
     itl: Vec<f64>,
+    /// From the first token to the last.
+    decode_secs: f64,
+    /// Tokens counted in the stream (for servers that send no usage).
+    counted_tokens: u64,
     usage: Value,
 }
 
@@ -143,8 +182,13 @@ pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
                         s.ttft.extend(r.ttft);
                         s.itl.extend(r.itl);
                         let u = |k: &str| r.usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+                        let completion =
+                            r.usage.get("completion_tokens").and_then(Value::as_u64).unwrap_or(r.counted_tokens);
+                        if completion > 1 {
+                            s.tpot.push(r.decode_secs / (completion - 1) as f64);
+                        }
                         s.prompt_tokens += u("prompt_tokens");
-                        s.completion_tokens += u("completion_tokens");
+                        s.completion_tokens += completion;
                         s.draft_n += u("draft_n");
                         s.draft_n_accepted += u("draft_n_accepted");
                     }
@@ -161,7 +205,22 @@ pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
     let mut s = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
     s.ttft.sort_by(f64::total_cmp);
     s.itl.sort_by(f64::total_cmp);
+    s.tpot.sort_by(f64::total_cmp);
+    let ms = |v: &[f64], q: f64| percentile(v, q) * 1e3;
+    let mean_ms = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 * 1e3 };
     Ok(LoadReport {
+        request_throughput: s.ok as f64 / wall.max(1e-9),
+        output_throughput: s.completion_tokens as f64 / wall.max(1e-9),
+        total_token_throughput: (s.prompt_tokens + s.completion_tokens) as f64 / wall.max(1e-9),
+        mean_ttft_ms: mean_ms(&s.ttft),
+        median_ttft_ms: ms(&s.ttft, 0.5),
+        p99_ttft_ms: ms(&s.ttft, 0.99),
+        mean_tpot_ms: mean_ms(&s.tpot),
+        median_tpot_ms: ms(&s.tpot, 0.5),
+        p99_tpot_ms: ms(&s.tpot, 0.99),
+        mean_itl_ms: mean_ms(&s.itl),
+        median_itl_ms: ms(&s.itl, 0.5),
+        p99_itl_ms: ms(&s.itl, 0.99),
         clients: cfg.clients,
         requests_ok: s.ok,
         errors: s.errors.len(),
@@ -189,14 +248,20 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &str) -> Result<OneResult> {
+async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &LoadPrompt) -> Result<OneResult> {
     let mut body = json!({
-        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    let path = if prompt.chat {
+        body["messages"] = json!([{"role": "user", "content": prompt.text}]);
+        "/v1/chat/completions"
+    } else {
+        body["prompt"] = json!(prompt.text);
+        "/v1/completions"
+    };
     if let Some(m) = &cfg.model {
         body["model"] = json!(m);
     }
@@ -212,13 +277,15 @@ async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &str) -> Result<OneRe
         headers.push(("Authorization", a.as_str()));
     }
     let sent = Instant::now();
-    let mut stream = send(addr, "POST", "/v1/chat/completions", &headers, body.to_string().as_bytes()).await?;
+    let mut stream = send(addr, "POST", path, &headers, body.to_string().as_bytes()).await?;
     if stream.status != 200 {
         let status = stream.status;
         let resp = stream.into_response().await?;
         bail!("HTTP {status}: {}", resp.text());
     }
     let mut ttft = None;
+    let mut first = sent;
+    let mut counted = 0u64;
     let mut last = sent;
     let mut itl = Vec::new();
     let mut usage = Value::Null;
@@ -235,13 +302,15 @@ async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &str) -> Result<OneRe
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             usage = u.clone();
         }
-        let tokens = v.pointer("/specula/token_ids").and_then(Value::as_array).map_or(0, Vec::len);
+        let tokens = chunk_tokens(&v);
         if tokens == 0 {
             continue;
         }
+        counted += tokens as u64;
         let now = Instant::now();
         if ttft.is_none() {
             ttft = Some((now - sent).as_secs_f64());
+            first = now;
         } else {
             let each = (now - last).as_secs_f64() / tokens as f64;
             itl.extend(std::iter::repeat_n(each, tokens));
@@ -251,7 +320,19 @@ async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &str) -> Result<OneRe
     if !finished {
         bail!("the stream ended without [DONE]");
     }
-    Ok(OneResult { ttft, itl, usage })
+    Ok(OneResult { ttft, itl, decode_secs: (last - first).as_secs_f64(), counted_tokens: counted, usage })
+}
+
+/// Tokens one streamed chunk brings: specula's `token_ids`, or one for a chunk with text
+/// (chat `delta.content` or completion `text`) from any other server.
+fn chunk_tokens(chunk: &Value) -> usize {
+    match chunk.pointer("/specula/token_ids").and_then(Value::as_array) {
+        Some(ids) => ids.len(),
+        None => {
+            let text = chunk.pointer("/choices/0/delta/content").or_else(|| chunk.pointer("/choices/0/text"));
+            usize::from(text.and_then(Value::as_str).is_some_and(|t| !t.is_empty()))
+        }
+    }
 }
 
 impl LoadReport {
@@ -259,14 +340,16 @@ impl LoadReport {
     pub fn render(&self) -> String {
         let accept = if self.draft_n > 0 { self.draft_n_accepted as f64 / self.draft_n as f64 } else { 0.0 };
         let mut s = format!(
-            "clients {:>3} | ok {:>4} | errors {:>3} | {:>8.1} tok/s ({:.1} with prompts) | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>7.1} ms p99 {:>7.1} ms | drafted {} accepted {} ({:.0}%) | {} tokens in {:.1} s",
+            "clients {:>3} | ok {:>4} | errors {:>3} | {:.2} req/s | {:>8.1} tok/s ({:.1} with prompts) | TTFT median {:>8.1} ms p99 {:>8.1} ms | TPOT median {:>7.1} ms | ITL median {:>7.1} ms p99 {:>7.1} ms | drafted {} accepted {} ({:.0}%) | {} tokens in {:.1} s",
             self.clients,
             self.requests_ok,
             self.errors,
+            self.request_throughput,
             self.tokens_per_s,
             self.total_tokens_per_s,
             self.ttft_p50_ms,
             self.ttft_p99_ms,
+            self.median_tpot_ms,
             self.itl_p50_ms,
             self.itl_p99_ms,
             self.draft_n,
@@ -294,6 +377,17 @@ mod tests {
         assert_eq!(percentile(&v, 1.0), 100.0);
         assert_eq!(percentile(&[3.0], 0.99), 3.0);
         assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn chunks_count_tokens_from_specula_or_from_their_text() {
+        let specula = json!({"choices": [{"delta": {"content": " the cat"}}], "specula": {"token_ids": [1, 2]}});
+        assert_eq!(chunk_tokens(&specula), 2);
+        // llama.cpp's and vLLM's chunks: one token each.
+        assert_eq!(chunk_tokens(&json!({"choices": [{"delta": {"content": " the"}}]})), 1);
+        assert_eq!(chunk_tokens(&json!({"choices": [{"text": "x", "index": 0}]})), 1);
+        assert_eq!(chunk_tokens(&json!({"choices": [{"delta": {"role": "assistant", "content": ""}}]})), 0);
+        assert_eq!(chunk_tokens(&json!({"choices": [], "usage": {"completion_tokens": 3}})), 0);
     }
 
     #[test]

@@ -15,6 +15,8 @@ fn specula() -> Command {
 fn serve_loadtest_and_sigterm() {
     let mut server = specula()
         .args(["serve", "--port", "0", "--drafter", "ngram", "--shutdown-grace-secs", "1", "--kv-tokens", "2048"])
+        .env("SPECULA_LOG_FORMAT", "json")
+        .env_remove("RUST_LOG")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -120,4 +122,16 @@ fn serve_loadtest_and_sigterm() {
     let mut rest = String::new();
     let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
     assert!(rest.contains("shutting down") && rest.contains("stopped"), "{rest}");
+    // One JSON log line per finished request: the 12 of the load rounds.
+    let finished: Vec<Value> = rest
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["message"] == "finished" && v["target"] == "specula::request")
+        .collect();
+    assert!(finished.len() >= 12, "{rest}");
+    for v in &finished {
+        assert_eq!(v["status"], 200, "{v}");
+        assert!(v["completion_tokens"].as_u64().unwrap() > 0 && v["latency_ms"].as_f64().unwrap() > 0.0, "{v}");
+        assert!(v.get("drafted").is_some() && v.get("ttft_ms").is_some(), "{v}");
+    }
 }

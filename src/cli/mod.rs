@@ -44,6 +44,7 @@ pub fn main() -> i32 {
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
+    init_logging(matches!(cli.command, Command::Serve(_)));
     let result = match cli.command {
         Command::Fetch(a) => fetch_cmd::run(a),
         Command::Inspect(a) => inspect_cmd::run(a),
@@ -60,6 +61,18 @@ pub fn main() -> i32 {
             1
         }
     }
+}
+
+/// Logs through `tracing` to stderr, filtered by `RUST_LOG` (default: `info` for `serve`, whose
+/// info lines are one per request, `warn` otherwise; `RUST_LOG=specula::engine=debug` adds a
+/// line per engine step). `SPECULA_LOG_FORMAT=json` writes one JSON object per line.
+fn init_logging(serving: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(if serving { "info" } else { "warn" }));
+    let json = std::env::var("SPECULA_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(true);
+    let _ = if json { builder.json().flatten_event(true).try_init() } else { builder.with_ansi(false).try_init() };
 }
 
 /// The error and its causes on one line.

@@ -238,8 +238,21 @@ impl<'a> EngineCore<'a> {
         let started = Instant::now();
         if let Some(plan) = self.plan() {
             let mut drafts = self.draft(&plan);
+            let drafted: usize = drafts.iter().map(|d| d.tokens.len()).sum();
+            let accepted_before = self.totals.accepted;
             if let Some(fwd) = self.forward(&plan, &drafts) {
                 self.verify_and_commit(&plan, &mut drafts, &fwd);
+                tracing::debug!(
+                    target: "specula::engine",
+                    seqs = plan.slots.len(),
+                    rows = fwd.out.row_ranges.iter().map(|r| r.len()).sum::<usize>(),
+                    drafted,
+                    accepted = self.totals.accepted - accepted_before,
+                    forward_ms = fwd.secs * 1e3,
+                    step_ms = started.elapsed().as_secs_f64() * 1e3,
+                    waiting = self.sched.waiting.len(),
+                    "step"
+                );
             }
         }
         self.remove_done();

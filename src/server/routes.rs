@@ -124,6 +124,15 @@ async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bo
         }
         Err(e) => {
             state.metrics.request(endpoint.label(), e.status.as_u16());
+            tracing::warn!(
+                target: "specula::request",
+                endpoint = endpoint.label(),
+                status = e.status.as_u16(),
+                param = e.param.as_deref().unwrap_or(""),
+                latency_ms = arrived.elapsed().as_secs_f64() * 1e3,
+                "{}",
+                e.message
+            );
             e.into_response()
         }
     }
@@ -312,6 +321,32 @@ impl ChoiceLogprobs {
     }
 }
 
+/// The one info line per finished request.
+fn log_finished(
+    meta: &ResponseMeta,
+    status: u16,
+    usage: &Usage,
+    arrived: Instant,
+    first_token: Option<Instant>,
+    choices: usize,
+) {
+    tracing::info!(
+        target: "specula::request",
+        id = meta.id.as_str(),
+        endpoint = meta.endpoint.label(),
+        status,
+        choices,
+        prompt_tokens = usage.prompt_tokens,
+        completion_tokens = usage.completion_tokens,
+        cached_tokens = usage.cached_prompt_tokens,
+        drafted = usage.draft_n,
+        accepted = usage.draft_n_accepted,
+        ttft_ms = first_token.map_or(0.0, |t| (t - arrived).as_secs_f64() * 1e3),
+        latency_ms = arrived.elapsed().as_secs_f64() * 1e3,
+        "finished"
+    );
+}
+
 /// Usage of a request with several choices: the prompt once, everything generated summed.
 fn add_usage(total: &mut Option<Usage>, u: &Usage) {
     match total {
@@ -457,6 +492,7 @@ async fn collect_response(
     let mut usage = None;
     let mut prompt_logprobs: Option<Vec<TokenLogprob>> = None;
     let mut last: Option<Instant> = None;
+    let mut first_token: Option<Instant> = None;
     // The choices run together in the engine; collecting them one after another waits no longer.
     for mut rx in receivers {
         let mut text = String::new();
@@ -465,6 +501,7 @@ async fn collect_response(
             match rx.recv().await {
                 Some(EngineEvent::Tokens(chunk)) => {
                     observe_tokens(state, &mut last, arrived, chunk.ids.len());
+                    first_token.get_or_insert_with(Instant::now);
                     text.push_str(&chunk.text());
                     logprobs.extend(chunk.logprobs.iter().cloned());
                     if !chunk.prompt_logprobs.is_empty() {
@@ -503,6 +540,7 @@ async fn collect_response(
         })
         .collect();
     let usage = usage.unwrap_or_default();
+    log_finished(&shape.meta, 200, &usage, arrived, first_token, choices.len());
     Ok(json_response(StatusCode::OK, &shape.meta.response(&choices, &usage)))
 }
 
@@ -549,6 +587,7 @@ fn stream_response(
             events.insert(i, tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
         }
         let mut last: Option<Instant> = None;
+        let mut first_token: Option<Instant> = None;
         let mut logprobs: Vec<ChoiceLogprobs> = (0..n).map(|_| ChoiceLogprobs::new(meta.endpoint, 0)).collect();
         let mut started = vec![false; n];
         // With tools: each choice's text so far and how much of it went out as content.
@@ -586,6 +625,7 @@ fn stream_response(
             match event {
                 Some((i, EngineEvent::Tokens(chunk))) => {
                     observe_tokens(&state, &mut last, arrived, chunk.ids.len());
+                    first_token.get_or_insert_with(Instant::now);
                     logprobs[i].push(&chunk.logprobs, tokenizer);
                     let lp = shape.logprobs.then(|| logprobs[i].take_json(tokenizer));
                     let text = if shape.tools {
@@ -625,6 +665,7 @@ fn stream_response(
                     add_usage(&mut usage, &done.usage);
                     finished += 1;
                     if finished == n {
+                        log_finished(meta, 200, &usage.unwrap_or_default(), arrived, first_token, n);
                         if include_usage {
                             out.push(sse(&meta.usage_chunk(&usage.unwrap_or_default())));
                         }
@@ -632,6 +673,7 @@ fn stream_response(
                     }
                 }
                 Some((_, EngineEvent::Failed(message))) => {
+                    tracing::warn!(target: "specula::request", id = meta.id.as_str(), "failed mid-stream: {message}");
                     out.push(sse(&failure(&state, message).body()));
                     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 }

@@ -1,14 +1,12 @@
-//! A minimal HTTP/1.1 client over tokio's `TcpStream`, for the load tool and the tests: one
-//! request per connection (`Connection: close`), bodies framed by Content-Length, chunked
-//! transfer encoding or the connection's end, and server-sent events read as they arrive.
+//! The HTTP client of the load tool and the tests: hyper's (the client half of the library the
+//! server runs on), one connection per request, plus server-sent events read as they arrive.
 
 use anyhow::{bail, Context, Result};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpStream;
-
-/// Largest response head accepted.
-const MAX_HEAD_BYTES: usize = 64 * 1024;
 
 /// A whole response.
 #[derive(Debug, Clone)]
@@ -36,20 +34,11 @@ fn find_header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a st
     headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
 
-enum Framing {
-    Length(usize),
-    Chunked,
-    UntilClose,
-}
-
 /// A response whose body is read on demand.
 pub struct ResponseStream {
     pub status: u16,
     pub headers: Vec<(String, String)>,
-    reader: BufReader<TcpStream>,
-    framing: Framing,
-    /// Bytes left in the current chunk (chunked framing).
-    chunk_left: usize,
+    body: hyper::body::Incoming,
     done: bool,
     /// Body bytes read but not yet consumed as SSE events.
     pending: Vec<u8>,
@@ -63,56 +52,22 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Result<ResponseStream> {
-    let mut stream = TcpStream::connect(addr).await.with_context(|| format!("cannot connect to {addr}"))?;
-    stream.set_nodelay(true)?;
-    let mut head =
-        format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build_http();
+    let mut req = hyper::Request::builder()
+        .method(hyper::Method::from_bytes(method.as_bytes()).with_context(|| format!("bad method `{method}`"))?)
+        .uri(format!("http://{addr}{path}"));
     for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
+        req = req.header(*k, *v);
     }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body).await?;
-    stream.flush().await?;
-
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    let mut head_bytes = reader.read_line(&mut line).await?;
-    if head_bytes == 0 {
-        bail!("the server closed the connection without answering");
-    }
-    let status = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse::<u16>().ok())
-        .with_context(|| format!("bad status line `{}`", line.trim_end()))?;
-    let mut resp_headers = Vec::new();
-    loop {
-        line.clear();
-        let n = reader.read_line(&mut line).await?;
-        head_bytes += n;
-        if n == 0 || head_bytes > MAX_HEAD_BYTES {
-            bail!("truncated or oversized response head");
-        }
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        if let Some((k, v)) = l.split_once(':') {
-            resp_headers.push((k.trim().to_string(), v.trim().to_string()));
-        }
-    }
-    let framing = if find_header(&resp_headers, "transfer-encoding")
-        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"))
-    {
-        Framing::Chunked
-    } else if let Some(n) = find_header(&resp_headers, "content-length").and_then(|v| v.parse().ok()) {
-        Framing::Length(n)
-    } else {
-        Framing::UntilClose
-    };
-    let done = matches!(framing, Framing::Length(0)) || method == "HEAD";
-    Ok(ResponseStream { status, headers: resp_headers, reader, framing, chunk_left: 0, done, pending: Vec::new() })
+    let req = req.body(Full::new(Bytes::copy_from_slice(body))).context("building the request")?;
+    let resp = client.request(req).await.with_context(|| format!("cannot reach {addr}"))?;
+    let status = resp.status().as_u16();
+    let headers = resp
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+        .collect();
+    Ok(ResponseStream { status, headers, body: resp.into_body(), done: method == "HEAD", pending: Vec::new() })
 }
 
 /// Sends one request and reads the whole response.
@@ -135,69 +90,17 @@ impl ResponseStream {
 
     /// The next piece of the body, or None at its end.
     pub async fn read_some(&mut self) -> Result<Option<Vec<u8>>> {
-        if self.done {
-            return Ok(None);
-        }
-        match self.framing {
-            Framing::Length(ref mut left) => {
-                let mut buf = vec![0u8; (*left).min(16 * 1024)];
-                let n = self.reader.read(&mut buf).await?;
-                if n == 0 {
-                    bail!("the connection closed with {left} body bytes missing");
-                }
-                *left -= n;
-                if *left == 0 {
-                    self.done = true;
-                }
-                buf.truncate(n);
-                Ok(Some(buf))
-            }
-            Framing::UntilClose => {
-                let mut buf = vec![0u8; 16 * 1024];
-                let n = self.reader.read(&mut buf).await?;
-                if n == 0 {
-                    self.done = true;
-                    return Ok(None);
-                }
-                buf.truncate(n);
-                Ok(Some(buf))
-            }
-            Framing::Chunked => {
-                if self.chunk_left == 0 {
-                    let mut line = String::new();
-                    if self.reader.read_line(&mut line).await? == 0 {
-                        bail!("the connection closed inside a chunked body");
+        while !self.done {
+            match self.body.frame().await {
+                None => self.done = true,
+                Some(frame) => {
+                    if let Ok(data) = frame.context("reading the response body")?.into_data() {
+                        return Ok(Some(data.to_vec()));
                     }
-                    let size_text = line.trim().split(';').next().unwrap_or("");
-                    let size = usize::from_str_radix(size_text, 16)
-                        .with_context(|| format!("bad chunk size `{}`", line.trim()))?;
-                    if size == 0 {
-                        // Trailers, then the empty line.
-                        loop {
-                            line.clear();
-                            if self.reader.read_line(&mut line).await? == 0 || line.trim().is_empty() {
-                                break;
-                            }
-                        }
-                        self.done = true;
-                        return Ok(None);
-                    }
-                    self.chunk_left = size;
                 }
-                let mut buf = vec![0u8; self.chunk_left.min(16 * 1024)];
-                let n = self.reader.read(&mut buf).await?;
-                if n == 0 {
-                    bail!("the connection closed inside a chunk");
-                }
-                self.chunk_left -= n;
-                if self.chunk_left == 0 {
-                    let mut crlf = [0u8; 2];
-                    self.reader.read_exact(&mut crlf).await?;
-                }
-                buf.truncate(n);
-                Ok(Some(buf))
             }
         }
+        Ok(None)
     }
 
     /// Reads the rest of the body.
@@ -289,6 +192,7 @@ mod tests {
 
     #[test]
     fn reads_chunked_sse_and_length_bodies_from_a_socket() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

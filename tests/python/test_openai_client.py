@@ -329,20 +329,62 @@ def main():
                                                  tool_choice="none", temperature=0, max_tokens=16)
         assert r.choices[0].message.content and not r.choices[0].message.tool_calls, r.choices[0]
 
-    @check("log-probs, n choices and a JSON schema response format")
-    def _():
-        r = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=8,
-                                           logprobs=True, top_logprobs=2, n=2)
-        assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
-        lps = r.choices[0].logprobs.content
-        assert len(lps) == r.usage.completion_tokens // 2, (len(lps), r.usage)
-        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lps)
-        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
-                  "required": ["city"], "additionalProperties": False}
-        r = client.chat.completions.create(
-            model=MODEL, messages=question, temperature=0, max_tokens=48,
-            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
-        assert isinstance(json.loads(r.choices[0].message.content)["city"], str), r.choices[0].message
+    def collect_stream(stream):
+        """Per choice index: text, log-prob entries, tool-call names and arguments, finish."""
+        out = {}
+        for c in stream:
+            for ch in c.choices:
+                o = out.setdefault(ch.index, {"text": "", "lps": [], "names": [], "args": "", "finish": None})
+                o["text"] += ch.delta.content or ""
+                if ch.logprobs and ch.logprobs.content:
+                    o["lps"] += ch.logprobs.content
+                for d in ch.delta.tool_calls or []:
+                    if d.function and d.function.name:
+                        o["names"].append(d.function.name)
+                    o["args"] += (d.function.arguments or "") if d.function else ""
+                o["finish"] = ch.finish_reason or o["finish"]
+        return out
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+              "required": ["city"], "additionalProperties": False}
+    for speculate in (True, False):
+        extra = {"speculate": speculate}
+
+        @check(f"log-probs and n = 3, streamed and not (speculate={speculate})")
+        def _():
+            kw = dict(model=MODEL, messages=question, temperature=0, max_tokens=8, logprobs=True,
+                      top_logprobs=2, n=3, extra_body=extra)
+            r = client.chat.completions.create(**kw)
+            assert len(r.choices) == 3 and len({c.message.content for c in r.choices}) == 1, r.choices
+            lps = r.choices[0].logprobs.content
+            assert len(lps) == r.usage.completion_tokens // 3, (len(lps), r.usage)
+            assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lps)
+            streamed = collect_stream(client.chat.completions.create(stream=True, **kw))
+            assert sorted(streamed) == [0, 1, 2], streamed.keys()
+            for i in range(3):
+                assert streamed[i]["text"] == r.choices[i].message.content, (streamed[i], r.choices[i])
+                got = [(t.token, round(t.logprob, 5)) for t in streamed[i]["lps"]]
+                want = [(t.token, round(t.logprob, 5)) for t in r.choices[i].logprobs.content]
+                assert got == want, (got, want)
+
+        @check(f"JSON schema response format, streamed and not (speculate={speculate})")
+        def _():
+            kw = dict(model=MODEL, messages=question, temperature=0, max_tokens=48, extra_body=extra,
+                      response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+            r = client.chat.completions.create(**kw)
+            assert isinstance(json.loads(r.choices[0].message.content)["city"], str), r.choices[0].message
+            streamed = collect_stream(client.chat.completions.create(stream=True, **kw))
+            assert streamed[0]["text"] == r.choices[0].message.content, (streamed[0], r.choices[0])
+
+        @check(f"a required tool call, streamed and not (speculate={speculate})")
+        def _():
+            kw = dict(model=MODEL, messages=question, tools=weather, tool_choice="required", temperature=0,
+                      max_tokens=64, extra_body=extra)
+            r = tools_client.chat.completions.create(**kw)
+            call = r.choices[0].message.tool_calls[0]
+            streamed = collect_stream(tools_client.chat.completions.create(stream=True, **kw))
+            assert streamed[0]["names"] == [call.function.name] and streamed[0]["finish"] == "tool_calls", streamed
+            assert json.loads(streamed[0]["args"]) == json.loads(call.function.arguments)
 
     failed = [n for n, e in RESULTS if e]
     print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")

@@ -37,8 +37,10 @@ fn serve_loadtest_and_sigterm() {
     assert_eq!(health["drafter"], "ngram:3");
     assert!(health["step_cost_ms"].as_array().is_some_and(|a| !a.is_empty()), "{health}");
 
-    // The load tool, with and without speculation, as JSON.
-    for extra in [&[][..], &["--no-speculate"][..]] {
+    // The load tool, with and without speculation, as JSON, with its chart.
+    let chart_dir = tempfile::tempdir().unwrap();
+    let chart = chart_dir.path().join("load.svg");
+    for extra in [&["--chart", chart.to_str().unwrap()][..], &["--no-speculate"][..]] {
         let out = specula()
             .args([
                 "loadtest",
@@ -79,13 +81,15 @@ fn serve_loadtest_and_sigterm() {
             assert!(r["mean_tpot_ms"].as_f64().unwrap() > 0.0 && r["p99_tpot_ms"].as_f64().is_some(), "{r}");
             assert!(r["median_itl_ms"] == r["itl_p50_ms"], "{r}");
             assert!(r["ttft_p99_ms"].as_f64().unwrap() >= r["ttft_p50_ms"].as_f64().unwrap());
-            if extra.is_empty() {
+            if extra[0] == "--chart" {
                 assert!(r["draft_n"].as_u64().is_some());
             } else {
                 assert_eq!(r["draft_n"], 0, "speculate: false turns the drafter off");
             }
         }
     }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("output tokens/s"), "{svg}");
     // Only loopback targets.
     let out = specula().args(["loadtest", "--url", "http://10.1.2.3:8080", "--requests", "1"]).output().unwrap();
     assert!(!out.status.success());

@@ -4,6 +4,8 @@
 
 use super::spec::{CellSummary, ModelReport, SpecBenchReport};
 use anyhow::{Context, Result};
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -94,15 +96,15 @@ pub struct WrittenReport {
     pub chart: PathBuf,
 }
 
-/// Writes `report.md`, `report.json` and `chart.png` into `dir` (created if missing).
+/// Writes `report.md`, `report.json` and `chart.svg` into `dir` (created if missing).
 pub fn write_all(report: &SpecBenchReport, markdown: &str, dir: &Path) -> Result<WrittenReport> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let out =
-        WrittenReport { markdown: dir.join("report.md"), json: dir.join("report.json"), chart: dir.join("chart.png") };
+        WrittenReport { markdown: dir.join("report.md"), json: dir.join("report.json"), chart: dir.join("chart.svg") };
     std::fs::write(&out.markdown, markdown).with_context(|| format!("writing {}", out.markdown.display()))?;
     std::fs::write(&out.json, serde_json::to_string_pretty(report)?)
         .with_context(|| format!("writing {}", out.json.display()))?;
-    std::fs::write(&out.chart, render_chart_png(report)?)
+    std::fs::write(&out.chart, render_chart_svg(report)?)
         .with_context(|| format!("writing {}", out.chart.display()))?;
     Ok(out)
 }
@@ -110,169 +112,20 @@ pub fn write_all(report: &SpecBenchReport, markdown: &str, dir: &Path) -> Result
 // ---------------------------------------------------------------------------------------
 // Chart
 
-type Rgb = [u8; 3];
-
-const WHITE: Rgb = [255, 255, 255];
-const BLACK: Rgb = [0, 0, 0];
-const GRID: Rgb = [222, 222, 222];
-const AXIS: Rgb = [90, 90, 90];
-const PLAIN_LINE: Rgb = [200, 0, 0];
-const PALETTE: [Rgb; 8] = [
-    [31, 119, 180],
-    [255, 127, 14],
-    [44, 160, 44],
-    [214, 39, 40],
-    [148, 103, 189],
-    [140, 86, 75],
-    [227, 119, 194],
-    [23, 190, 207],
-];
-
-/// An RGB image being drawn; everything outside is clipped.
-struct Canvas {
-    width: usize,
-    height: usize,
-    pixels: Vec<u8>,
-}
-
-impl Canvas {
-    fn new(width: usize, height: usize) -> Self {
-        Self { width, height, pixels: WHITE.repeat(width * height) }
-    }
-
-    fn set(&mut self, x: i64, y: i64, c: Rgb) {
-        if x >= 0 && y >= 0 && (x as usize) < self.width && (y as usize) < self.height {
-            let i = (y as usize * self.width + x as usize) * 3;
-            self.pixels[i..i + 3].copy_from_slice(&c);
-        }
-    }
-
-    fn fill_rect(&mut self, x: i64, y: i64, w: i64, h: i64, c: Rgb) {
-        for yy in y..y + h {
-            for xx in x..x + w {
-                self.set(xx, yy, c);
-            }
-        }
-    }
-
-    /// Horizontal line; `dash` > 0 draws dashes of that length.
-    fn hline(&mut self, x0: i64, x1: i64, y: i64, thickness: i64, c: Rgb, dash: i64) {
-        for x in x0..=x1 {
-            if dash == 0 || ((x - x0) / dash) % 2 == 0 {
-                self.fill_rect(x, y, 1, thickness, c);
-            }
-        }
-    }
-
-    /// Text in the 5×7 font at `scale`, top-left at (x, y). Lowercase prints as uppercase.
-    fn text(&mut self, x: i64, y: i64, s: &str, scale: i64, c: Rgb) {
-        for (i, ch) in s.chars().enumerate() {
-            let rows = glyph(ch);
-            let gx = x + i as i64 * GLYPH_ADVANCE * scale;
-            for (ry, row) in rows.iter().enumerate() {
-                for (rx, bit) in row.bytes().enumerate() {
-                    if bit == b'#' {
-                        self.fill_rect(gx + rx as i64 * scale, y + ry as i64 * scale, scale, scale, c);
-                    }
-                }
-            }
-        }
-    }
-
-    fn encode_png(&self) -> Result<Vec<u8>> {
-        let mut bytes = Vec::new();
-        {
-            let mut enc = png::Encoder::new(&mut bytes, self.width as u32, self.height as u32);
-            enc.set_color(png::ColorType::Rgb);
-            enc.set_depth(png::BitDepth::Eight);
-            let mut writer = enc.write_header().context("encoding the chart")?;
-            writer.write_image_data(&self.pixels).context("encoding the chart")?;
-        }
-        Ok(bytes)
-    }
-}
-
-/// Horizontal pixels per character at scale 1 (5 columns + 1 space).
-const GLYPH_ADVANCE: i64 = 6;
-const GLYPH_HEIGHT: i64 = 7;
-
-fn text_width(s: &str, scale: i64) -> i64 {
-    let n = s.chars().count() as i64;
-    if n == 0 {
-        0
-    } else {
-        (n * GLYPH_ADVANCE - 1) * scale
-    }
-}
-
-/// 5×7 glyphs, one string per row, `#` = ink.
-const FONT: &[(char, [&str; 7])] = &[
-    (' ', [".....", ".....", ".....", ".....", ".....", ".....", "....."]),
-    ('A', [".###.", "#...#", "#...#", "#####", "#...#", "#...#", "#...#"]),
-    ('B', ["####.", "#...#", "#...#", "####.", "#...#", "#...#", "####."]),
-    ('C', [".###.", "#...#", "#....", "#....", "#....", "#...#", ".###."]),
-    ('D', ["####.", "#...#", "#...#", "#...#", "#...#", "#...#", "####."]),
-    ('E', ["#####", "#....", "#....", "####.", "#....", "#....", "#####"]),
-    ('F', ["#####", "#....", "#....", "####.", "#....", "#....", "#...."]),
-    ('G', [".###.", "#...#", "#....", "#.###", "#...#", "#...#", ".####"]),
-    ('H', ["#...#", "#...#", "#...#", "#####", "#...#", "#...#", "#...#"]),
-    ('I', [".###.", "..#..", "..#..", "..#..", "..#..", "..#..", ".###."]),
-    ('J', ["..###", "...#.", "...#.", "...#.", "...#.", "#..#.", ".##.."]),
-    ('K', ["#...#", "#..#.", "#.#..", "##...", "#.#..", "#..#.", "#...#"]),
-    ('L', ["#....", "#....", "#....", "#....", "#....", "#....", "#####"]),
-    ('M', ["#...#", "##.##", "#.#.#", "#.#.#", "#...#", "#...#", "#...#"]),
-    ('N', ["#...#", "#...#", "##..#", "#.#.#", "#..##", "#...#", "#...#"]),
-    ('O', [".###.", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."]),
-    ('P', ["####.", "#...#", "#...#", "####.", "#....", "#....", "#...."]),
-    ('Q', [".###.", "#...#", "#...#", "#...#", "#.#.#", "#..#.", ".##.#"]),
-    ('R', ["####.", "#...#", "#...#", "####.", "#.#..", "#..#.", "#...#"]),
-    ('S', [".####", "#....", "#....", ".###.", "....#", "....#", "####."]),
-    ('T', ["#####", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."]),
-    ('U', ["#...#", "#...#", "#...#", "#...#", "#...#", "#...#", ".###."]),
-    ('V', ["#...#", "#...#", "#...#", "#...#", "#...#", ".#.#.", "..#.."]),
-    ('W', ["#...#", "#...#", "#...#", "#.#.#", "#.#.#", "#.#.#", ".#.#."]),
-    ('X', ["#...#", "#...#", ".#.#.", "..#..", ".#.#.", "#...#", "#...#"]),
-    ('Y', ["#...#", "#...#", ".#.#.", "..#..", "..#..", "..#..", "..#.."]),
-    ('Z', ["#####", "....#", "...#.", "..#..", ".#...", "#....", "#####"]),
-    ('0', [".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."]),
-    ('1', ["..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."]),
-    ('2', [".###.", "#...#", "....#", "...#.", "..#..", ".#...", "#####"]),
-    ('3', ["####.", "....#", "....#", ".###.", "....#", "....#", "####."]),
-    ('4', ["...#.", "..##.", ".#.#.", "#..#.", "#####", "...#.", "...#."]),
-    ('5', ["#####", "#....", "####.", "....#", "....#", "#...#", ".###."]),
-    ('6', ["..##.", ".#...", "#....", "####.", "#...#", "#...#", ".###."]),
-    ('7', ["#####", "....#", "...#.", "..#..", ".#...", ".#...", ".#..."]),
-    ('8', [".###.", "#...#", "#...#", ".###.", "#...#", "#...#", ".###."]),
-    ('9', [".###.", "#...#", "#...#", ".####", "....#", "...#.", ".##.."]),
-    ('.', [".....", ".....", ".....", ".....", ".....", ".##..", ".##.."]),
-    (',', [".....", ".....", ".....", ".....", ".##..", "..#..", ".#..."]),
-    (':', [".....", ".##..", ".##..", ".....", ".##..", ".##..", "....."]),
-    ('-', [".....", ".....", ".....", "#####", ".....", ".....", "....."]),
-    ('_', [".....", ".....", ".....", ".....", ".....", ".....", "#####"]),
-    ('/', ["....#", "....#", "...#.", "..#..", ".#...", "#....", "#...."]),
-    ('(', ["...#.", "..#..", ".#...", ".#...", ".#...", "..#..", "...#."]),
-    (')', [".#...", "..#..", "...#.", "...#.", "...#.", "..#..", ".#..."]),
-    ('[', [".###.", ".#...", ".#...", ".#...", ".#...", ".#...", ".###."]),
-    (']', [".###.", "...#.", "...#.", "...#.", "...#.", "...#.", ".###."]),
-    ('=', [".....", ".....", "#####", ".....", "#####", ".....", "....."]),
-    ('+', [".....", "..#..", "..#..", "#####", "..#..", "..#..", "....."]),
-    ('%', ["##..#", "##..#", "...#.", "..#..", ".#...", "#..##", "#..##"]),
-    ('<', ["...#.", "..#..", ".#...", "#....", ".#...", "..#..", "...#."]),
-    ('>', [".#...", "..#..", "...#.", "....#", "...#.", "..#..", ".#..."]),
-    ('|', ["..#..", "..#..", "..#..", "..#..", "..#..", "..#..", "..#.."]),
-    ('*', [".....", "..#..", "#.#.#", ".###.", "#.#.#", "..#..", "....."]),
-    ('\'', ["..#..", "..#..", ".#...", ".....", ".....", ".....", "....."]),
-    ('?', [".###.", "#...#", "....#", "...#.", "..#..", ".....", "..#.."]),
-    ('×', [".....", "#...#", ".#.#.", "..#..", ".#.#.", "#...#", "....."]),
-    ('τ', [".....", ".....", "#####", "..#..", "..#..", "..#..", "...##"]),
-];
-
-/// Characters without a glyph print as an outlined box.
-const UNKNOWN_GLYPH: [&str; 7] = ["#####", "#...#", "#...#", "#...#", "#...#", "#...#", "#####"];
-
-fn glyph(c: char) -> &'static [&'static str; 7] {
-    let c = if c.is_ascii_lowercase() { c.to_ascii_uppercase() } else { c };
-    FONT.iter().find(|(g, _)| *g == c).map_or(&UNKNOWN_GLYPH, |(_, rows)| rows)
+/// Bar colours by mode (plotters' palette of clearly distinct colours).
+fn mode_colour(i: usize) -> RGBColor {
+    const PALETTE: [(u8, u8, u8); 8] = [
+        (31, 119, 180),
+        (255, 127, 14),
+        (44, 160, 44),
+        (148, 103, 189),
+        (140, 86, 75),
+        (227, 119, 194),
+        (127, 127, 127),
+        (23, 190, 207),
+    ];
+    let (r, g, b) = PALETTE[i % PALETTE.len()];
+    RGBColor(r, g, b)
 }
 
 struct Bar {
@@ -333,136 +186,222 @@ fn short_model(m: &ModelReport) -> String {
     m.model.rsplit('/').next().unwrap_or(&m.model).trim_end_matches(".gguf").to_string()
 }
 
-/// Grid step for an axis up to `max`.
-fn grid_step(max: f64) -> f64 {
-    if max <= 2.0 {
-        0.25
-    } else if max <= 5.0 {
-        0.5
-    } else {
-        (max / 8.0).ceil()
-    }
-}
-
 /// Bars of end-to-end speedup over plain decoding for every data set × temperature ×
-/// speculative mode, with the verify-cost bound of each as a dashed tick and the 1× line
-/// (plain decoding) marked. Returns PNG bytes.
-pub fn render_chart_png(report: &SpecBenchReport) -> Result<Vec<u8>> {
-    const S: i64 = 2; // text scale
-    const BAR_W: i64 = 64;
-    const BAR_GAP: i64 = 8;
-    const GROUP_GAP: i64 = 40;
-    const PLOT_H: i64 = 380;
-    const LEFT: i64 = 90;
-    const RIGHT: i64 = 30;
-    let line_h = (GLYPH_HEIGHT + 4) * S;
-
+/// speculative mode, each labelled with its speedup and τ, the verify-cost bound τ/cost(k+1)
+/// of each as a black tick, and plain decoding (1×) as a red line. Drawn with plotters as SVG.
+pub fn render_chart_svg(report: &SpecBenchReport) -> Result<String> {
+    const BAR: u32 = 56;
+    const GAP: u32 = 28;
     let modes: Vec<String> = report.modes.iter().filter(|m| *m != "plain").cloned().collect();
     let groups = bar_groups(report, &modes);
-    let title = "SPEEDUP OVER PLAIN DECODING (END TO END)";
+    let n_bars: usize = groups.iter().map(|g| g.bars.len()).sum();
+    let width = (120 + n_bars as u32 * BAR + groups.len() as u32 * GAP).max(640);
+    let label_lines = groups.iter().map(|g| g.label.len()).max().unwrap_or(1) as u32;
+    let height = 480 + 18 * label_lines;
+    let y_top =
+        groups.iter().flat_map(|g| g.bars.iter().flat_map(|b| [b.speedup, b.bound])).fold(1.0f64, f64::max) * 1.2;
     let subtitle: String = report
         .models
         .iter()
-        .map(|m| format!("{} ({}), {} TOKENS", short_model(m), m.weights, report.max_tokens))
+        .map(|m| format!("{} ({}), {} tokens", short_model(m), m.weights, report.max_tokens))
         .collect::<Vec<_>>()
         .join("; ");
 
-    // Legend entries: one per mode, then the bound tick.
-    let legend: Vec<(String, Option<Rgb>)> = modes
-        .iter()
-        .enumerate()
-        .map(|(i, m)| (m.clone(), Some(PALETTE[i % PALETTE.len()])))
-        .chain(std::iter::once(("bound τ/cost(k+1)".to_string(), None)))
-        .collect();
-    let legend_w: i64 = legend.iter().map(|(l, _)| 20 + 8 + text_width(l, S) + 24).sum();
-
-    let label_lines = groups.iter().map(|g| g.label.len()).max().unwrap_or(1) as i64;
-    let group_w: Vec<i64> = groups
-        .iter()
-        .map(|g| {
-            let bars = g.bars.len() as i64 * BAR_W + (g.bars.len() as i64 - 1).max(0) * BAR_GAP;
-            bars.max(g.label.iter().map(|l| text_width(l, S)).max().unwrap_or(0))
-        })
-        .collect();
-    let groups_w = group_w.iter().map(|w| w + GROUP_GAP).sum::<i64>();
-    let width = (LEFT + groups_w.max(300) + RIGHT)
-        .max(text_width(title, S) + 40)
-        .max(legend_w + 40)
-        .max(text_width(&subtitle, S) + 40);
-    // The plot takes the whole width; the groups sit in its middle.
-    let plot_w = width - LEFT - RIGHT;
-    let top = 20 + 3 * line_h + 20;
-    let height = top + PLOT_H + 16 + label_lines * line_h + 20;
-    let mut cv = Canvas::new(width as usize, height as usize);
-
-    cv.text(20, 20, title, S, BLACK);
-    cv.text(20, 20 + line_h, &subtitle, S, AXIS);
-    let mut x = 20;
-    let ly = 20 + 2 * line_h;
-    for (label, color) in &legend {
-        match color {
-            Some(c) => cv.fill_rect(x, ly, 20, GLYPH_HEIGHT * S, *c),
-            None => cv.hline(x, x + 19, ly + GLYPH_HEIGHT * S / 2 - 1, 3, BLACK, 4),
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+        let err = |e: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("drawing the chart: {e:?}");
+        root.fill(&WHITE).map_err(err)?;
+        // x: one unit per bar, a gap of half a unit between groups.
+        let x_max = n_bars as f64 + 0.5 * groups.len() as f64 + 0.5;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(format!("Speedup over plain decoding (end to end) — {subtitle}"), ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(18 * label_lines + 12)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0f64..x_max.max(1.0), 0f64..y_top)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .disable_x_axis()
+            .y_desc("speedup (×)")
+            .y_label_formatter(&|v| format!("{v:.2}×"))
+            .draw()
+            .map_err(err)?;
+        chart
+            .draw_series(LineSeries::new([(0.0, 1.0), (x_max, 1.0)], RED.stroke_width(2)))
+            .map_err(err)?
+            .label("plain decoding (1×)")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], RED.stroke_width(2)));
+        for (i, mode) in modes.iter().enumerate() {
+            // Empty series, for the legend entry of each mode.
+            chart
+                .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
+                .map_err(err)?
+                .label(mode.as_str())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], mode_colour(i).filled()));
         }
-        cv.text(x + 28, ly, label, S, BLACK);
-        x += 20 + 8 + text_width(label, S) + 24;
-    }
-
-    let y_max_value =
-        groups.iter().flat_map(|g| g.bars.iter().flat_map(|b| [b.speedup, b.bound])).fold(1.0f64, f64::max);
-    let step = grid_step(y_max_value * 1.1);
-    let y_max = ((y_max_value * 1.1) / step).ceil() * step;
-    let y_of = |v: f64| top + PLOT_H - ((v / y_max) * PLOT_H as f64).round() as i64;
-
-    // Grid and axis labels.
-    let mut v = 0.0;
-    while v <= y_max + 1e-9 {
-        let y = y_of(v);
-        cv.hline(LEFT, LEFT + plot_w, y, 1, GRID, 0);
-        let label = format!("{v:.2}X");
-        cv.text(LEFT - 10 - text_width(&label, S), y - GLYPH_HEIGHT * S / 2, &label, S, AXIS);
-        v += step;
-    }
-    cv.fill_rect(LEFT, top, 2, PLOT_H + 1, AXIS);
-    cv.hline(LEFT, LEFT + plot_w, y_of(0.0), 2, AXIS, 0);
-    // Plain decoding (1×), under the bars; their value labels are drawn on a white ground.
-    cv.hline(LEFT, LEFT + plot_w, y_of(1.0), 2, PLAIN_LINE, 10);
-    cv.text(LEFT + plot_w - text_width("PLAIN", S), y_of(1.0) - 6 - GLYPH_HEIGHT * S, "PLAIN", S, PLAIN_LINE);
-
-    // Bars.
-    let mut gx = LEFT + (plot_w - groups_w) / 2 + GROUP_GAP / 2;
-    for (g, gw) in groups.iter().zip(&group_w) {
-        let bars_w = g.bars.len() as i64 * BAR_W + (g.bars.len() as i64 - 1).max(0) * BAR_GAP;
-        let mut bx = gx + (gw - bars_w) / 2;
-        for bar in &g.bars {
-            let y = y_of(bar.speedup);
-            cv.fill_rect(bx, y, BAR_W, y_of(0.0) - y, PALETTE[bar.mode % PALETTE.len()]);
-            if bar.bound > 0.0 {
-                cv.hline(bx - 4, bx + BAR_W + 3, y_of(bar.bound) - 1, 3, BLACK, 6);
+        chart
+            .draw_series(std::iter::empty::<PathElement<(f64, f64)>>())
+            .map_err(err)?
+            .label("bound τ / cost(k+1)")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], BLACK.stroke_width(3)));
+        let mut x = 0.5;
+        for g in &groups {
+            let start = x;
+            for bar in &g.bars {
+                let (x0, x1) = (x + 0.08, x + 0.92);
+                let colour = mode_colour(bar.mode);
+                chart.draw_series([Rectangle::new([(x0, 0.0), (x1, bar.speedup)], colour.filled())]).map_err(err)?;
+                if bar.bound > 0.0 {
+                    chart
+                        .draw_series([PathElement::new(
+                            [(x0 - 0.05, bar.bound), (x1 + 0.05, bar.bound)],
+                            BLACK.stroke_width(3),
+                        )])
+                        .map_err(err)?;
+                }
+                let label = format!("{:.2}× τ{:.2}", bar.speedup, bar.tau);
+                chart
+                    .draw_series([Text::new(
+                        label,
+                        (x + 0.5, bar.speedup.max(bar.bound) + y_top * 0.02),
+                        ("sans-serif", 12).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Bottom)),
+                    )])
+                    .map_err(err)?;
+                x += 1.0;
             }
-            let value = format!("{:.2}X", bar.speedup);
-            let vy = y_of(bar.speedup.max(bar.bound)) - 10 - GLYPH_HEIGHT * S;
-            let vx = bx + (BAR_W - text_width(&value, S)) / 2;
-            cv.fill_rect(vx - 3, vy - 3, text_width(&value, S) + 6, GLYPH_HEIGHT * S + 6, WHITE);
-            cv.text(vx, vy, &value, S, BLACK);
-            // τ inside the bar's foot, where the bar is tall enough to hold it.
-            let tau = format!("τ{:.2}", bar.tau);
-            if y_of(0.0) - y >= (GLYPH_HEIGHT + 8) * S {
-                let ty = y_of(0.0) - 6 - GLYPH_HEIGHT * S;
-                cv.text(bx + (BAR_W - text_width(&tau, S)) / 2, ty, &tau, S, WHITE);
+            for (i, line) in g.label.iter().enumerate() {
+                chart
+                    .draw_series([Text::new(
+                        line.clone(),
+                        ((start + x) / 2.0, -y_top * (0.03 + 0.045 * i as f64)),
+                        ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top)),
+                    )])
+                    .map_err(err)?;
             }
-            bx += BAR_W + BAR_GAP;
+            x += 0.5;
         }
-        for (i, line) in g.label.iter().enumerate() {
-            let ty = top + PLOT_H + 16 + i as i64 * line_h;
-            cv.text(gx + (gw - text_width(line, S)) / 2, ty, line, S, BLACK);
+        if groups.is_empty() {
+            chart
+                .draw_series([Text::new("no speculative runs", (0.3, y_top / 2.0), ("sans-serif", 16).into_font())])
+                .map_err(err)?;
         }
-        gx += gw + GROUP_GAP;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
     }
-    if groups.is_empty() {
-        cv.text(LEFT + 20, top + PLOT_H / 2, "NO SPECULATIVE RUNS", S, AXIS);
+    Ok(svg)
+}
+
+/// The verify-cost curve of each (label, points): cost(m)/cost(1) against the rows m verified
+/// in one forward, with the ideal of a GPU (flat at 1) and of pure arithmetic (m) for scale.
+/// Drawn with plotters as SVG.
+pub fn render_cost_curve_svg(curves: &[(String, Vec<(usize, f64)>)]) -> Result<String> {
+    let m_max = curves.iter().flat_map(|(_, p)| p.iter().map(|&(m, _)| m)).max().unwrap_or(16).max(2) as f64;
+    let y_max = curves.iter().flat_map(|(_, p)| p.iter().map(|&(_, r)| r)).fold(2.0f64, f64::max) * 1.1;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (720, 460)).into_drawing_area();
+        let err = |e: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("drawing the chart: {e:?}");
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("Verify cost: one forward over m rows, relative to one row", ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(56)
+            .build_cartesian_2d(1f64..m_max, 0f64..y_max)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("rows verified together (m = draft length + 1)")
+            .y_desc("cost(m) / cost(1)")
+            .draw()
+            .map_err(err)?;
+        chart
+            .draw_series(LineSeries::new([(1.0, 1.0), (y_max.min(m_max), y_max.min(m_max))], RGBColor(180, 180, 180)))
+            .map_err(err)?
+            .label("cost ∝ m (arithmetic-bound)")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], RGBColor(180, 180, 180)));
+        chart
+            .draw_series(LineSeries::new([(1.0, 1.0), (m_max, 1.0)], RED.stroke_width(2)))
+            .map_err(err)?
+            .label("flat (an idle GPU)")
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], RED.stroke_width(2)));
+        for (i, (label, points)) in curves.iter().enumerate() {
+            let colour = mode_colour(i);
+            let pts: Vec<(f64, f64)> = points.iter().map(|&(m, r)| (m as f64, r)).collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)).point_size(3))
+                .map_err(err)?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], colour.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
     }
-    cv.encode_png()
+    Ok(svg)
+}
+
+/// Serving throughput against concurrent clients: output tokens per second (left axis) and the
+/// median inter-token latency (right axis) per round of `specula loadtest`. Drawn with plotters
+/// as SVG. `rounds`: (clients, output tok/s, median ITL ms).
+pub fn render_throughput_svg(title: &str, rounds: &[(usize, f64, f64)]) -> Result<String> {
+    let c_max = rounds.iter().map(|r| r.0).max().unwrap_or(1).max(2) as f64;
+    let tps_max = rounds.iter().map(|r| r.1).fold(1.0f64, f64::max) * 1.15;
+    let itl_max = rounds.iter().map(|r| r.2).fold(1.0f64, f64::max) * 1.15;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (720, 440)).into_drawing_area();
+        let err = |e: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("drawing the chart: {e:?}");
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .right_y_label_area_size(60)
+            .build_cartesian_2d(0f64..c_max * 1.05, 0f64..tps_max)
+            .map_err(err)?
+            .set_secondary_coord(0f64..c_max * 1.05, 0f64..itl_max);
+        chart.configure_mesh().x_desc("concurrent clients").y_desc("output tokens/s").draw().map_err(err)?;
+        chart.configure_secondary_axes().y_desc("median inter-token latency (ms)").draw().map_err(err)?;
+        let blue = mode_colour(0);
+        let orange = mode_colour(1);
+        chart
+            .draw_series(LineSeries::new(rounds.iter().map(|r| (r.0 as f64, r.1)), blue.stroke_width(2)).point_size(4))
+            .map_err(err)?
+            .label("output tokens/s")
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], blue.stroke_width(2)));
+        chart
+            .draw_secondary_series(
+                LineSeries::new(rounds.iter().map(|r| (r.0 as f64, r.2)), orange.stroke_width(2)).point_size(4),
+            )
+            .map_err(err)?
+            .label("median ITL (ms)")
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], orange.stroke_width(2)));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
 }
 
 #[cfg(test)]
@@ -566,48 +505,48 @@ mod tests {
     }
 
     #[test]
-    fn chart_is_a_png_of_the_size_its_layout_asks_for() {
+    fn chart_draws_a_bar_per_mode_and_group_with_its_labels() {
         for (datasets, temps, models) in
             [(vec!["humaneval"], vec![0.0], 1), (vec!["humaneval", "gsm8k-100", "mt-bench"], vec![0.0, 1.0], 2)]
         {
             let r = report(&datasets, &temps, &modes(), models);
-            let bytes = render_chart_png(&r).unwrap();
-            assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-            let decoder = png::Decoder::new(std::io::Cursor::new(&bytes));
-            let mut reader = decoder.read_info().unwrap();
-            let mut buf = vec![0; reader.output_buffer_size().unwrap()];
-            let info = reader.next_frame(&mut buf).unwrap();
-            assert_eq!(info.color_type, png::ColorType::Rgb);
-            // Wide enough for every group, tall enough for the plot; bars of both modes drawn.
+            let svg = render_chart_svg(&r).unwrap();
+            assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
             let groups = datasets.len() * temps.len() * models;
-            assert!(info.width as usize >= 90 + groups * (2 * 64 + 8), "width {}", info.width);
-            assert!(info.height >= 380);
-            let pixels = &buf[..info.buffer_size()];
-            for color in [PALETTE[0], PALETTE[1]] {
-                assert!(pixels.chunks(3).any(|p| p == color), "no bar in {color:?}");
+            // Two speculative modes per group, each a filled bar in its colour.
+            for i in 0..2 {
+                let c = mode_colour(i);
+                let fill = format!("fill=\"#{:02X}{:02X}{:02X}\"", c.0, c.1, c.2);
+                assert!(svg.matches(&fill).count() >= groups, "mode {i}: {fill}");
             }
+            for ds in &datasets {
+                assert!(svg.contains(ds), "{ds}");
+            }
+            assert!(svg.contains("plain decoding") && svg.contains("bound τ / cost(k+1)"));
         }
+    }
+
+    #[test]
+    fn throughput_chart_has_both_series() {
+        let svg = render_throughput_svg("load", &[(1, 150.0, 6.0), (4, 400.0, 9.0), (8, 520.0, 14.0)]).unwrap();
+        assert!(svg.contains("output tokens/s") && svg.contains("median ITL (ms)") && svg.contains("load"));
+    }
+
+    #[test]
+    fn cost_curve_chart_has_a_line_per_model() {
+        let curves = vec![
+            ("smollm2-135m native".to_string(), vec![(1, 1.0), (2, 1.1), (4, 1.4), (8, 2.2)]),
+            ("qwen2.5-coder-1.5b native".to_string(), vec![(1, 1.0), (2, 1.0), (4, 1.3), (8, 1.8)]),
+        ];
+        let svg = render_cost_curve_svg(&curves).unwrap();
+        assert!(svg.contains("smollm2-135m native") && svg.contains("qwen2.5-coder-1.5b native"));
+        assert!(svg.matches("<polyline").count() >= 4, "two reference lines and two curves");
     }
 
     #[test]
     fn chart_without_speculative_modes_still_renders() {
         let r = report(&["humaneval"], &[0.0], &[Mode::plain()], 1);
-        let bytes = render_chart_png(&r).unwrap();
-        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-    }
-
-    #[test]
-    fn font_glyphs_are_five_by_seven_and_case_insensitive() {
-        for (c, rows) in FONT {
-            assert!(rows.iter().all(|r| r.len() == 5 && r.bytes().all(|b| b == b'#' || b == b'.')), "{c}");
-        }
-        assert_eq!(glyph('a'), glyph('A'));
-        assert_eq!(glyph('\u{2603}'), &UNKNOWN_GLYPH);
-        assert_eq!(text_width("ab", 2), 22);
-        // Every character a report label can contain has a glyph of its own.
-        for c in "abcdefghijklmnopqrstuvwxyz0123456789 .,:-_/()=+%×".chars() {
-            assert_ne!(glyph(c), &UNKNOWN_GLYPH, "{c}");
-        }
+        assert!(render_chart_svg(&r).unwrap().contains("no speculative runs"));
     }
 
     #[test]
@@ -621,6 +560,6 @@ mod tests {
         assert_eq!(json["models"][0]["cells"].as_array().unwrap().len(), 3);
         assert_eq!(json["models"][0]["verify_curve"].as_array().unwrap().len(), 16);
         assert!(json["models"][0]["cells"][1]["bound"].as_f64().unwrap() > 1.0);
-        assert!(std::fs::read(&out.chart).unwrap().starts_with(b"\x89PNG"));
+        assert!(std::fs::read_to_string(&out.chart).unwrap().starts_with("<svg"));
     }
 }

@@ -32,7 +32,8 @@ pub struct BenchArgs {
     /// Cached tokens per sequence when the batched decode starts (`ar`).
     #[arg(long, default_value_t = 128)]
     batch_context: usize,
-    /// Write every number as JSON here (`ar`).
+    /// Write every number as JSON here (`ar`), and the verify-cost curve as an SVG chart beside
+    /// it (the same name, `.svg`).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
 
@@ -66,7 +67,7 @@ pub struct BenchArgs {
     /// Prompt i samples with seed SEED + i (temperature > 0), the same in every mode.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Where `spec` writes report.md, report.json and chart.png.
+    /// Where `spec` writes report.md, report.json and chart.svg.
     #[arg(long, default_value = "bench-out")]
     out_dir: std::path::PathBuf,
 }
@@ -140,6 +141,7 @@ fn run_ar(args: BenchArgs) -> Result<()> {
     let threads =
         std::env::var("CANDLE_NUM_THREADS").or_else(|_| std::env::var("RAYON_NUM_THREADS")).unwrap_or("all".into());
     let mut results = Vec::new();
+    let mut curves: Vec<(String, Vec<(usize, f64)>)> = Vec::new();
     // The batched decode column, and its ratio to prefill: how close decoding `batch`
     // sequences at once comes to the compute-bound prefill rate.
     let batch_col = format!("decode ×{} tok/s | ×{} / prefill", settings.batch, settings.batch);
@@ -155,6 +157,10 @@ fn run_ar(args: BenchArgs) -> Result<()> {
             let weights = w.as_deref().map(crate::model::WeightFormat::parse).transpose()?;
             let loaded = crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)?;
             let r = ar::run(&loaded.model, &settings)?;
+            curves.push((
+                format!("{model} {}", loaded.model.weight_format.name()),
+                r.verify.iter().map(|p| (p.m, p.ratio)).collect(),
+            ));
             let at = |m: usize| r.verify.get(m - 1).map_or("-".to_string(), |p| format!("{:.2}", p.ratio));
             let batched =
                 r.batch_decode_tps.map_or("- | -".to_string(), |b| format!("{b:.1} | {:.2}", b / r.prefill_tps));
@@ -180,6 +186,9 @@ fn run_ar(args: BenchArgs) -> Result<()> {
     if let Some(out) = &args.out {
         std::fs::write(out, serde_json::to_string_pretty(&results)?)?;
         eprintln!("wrote {}", out.display());
+        let chart = out.with_extension("svg");
+        std::fs::write(&chart, report::render_cost_curve_svg(&curves)?)?;
+        eprintln!("wrote {}", chart.display());
     }
     Ok(())
 }

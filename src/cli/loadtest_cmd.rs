@@ -40,6 +40,9 @@ pub struct LoadtestArgs {
     /// humaneval: code completions go to /v1/completions), as many as --requests.
     #[arg(long)]
     dataset: Option<String>,
+    /// Write an SVG chart of output tokens/s and median inter-token latency against clients.
+    #[arg(long)]
+    chart: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: LoadtestArgs) -> Result<()> {
@@ -74,6 +77,13 @@ pub fn run(args: LoadtestArgs) -> Result<()> {
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&reports)?);
+    }
+    if let Some(path) = &args.chart {
+        let rounds: Vec<(usize, f64, f64)> =
+            reports.iter().map(|r| (r.clients, r.output_throughput, r.median_itl_ms)).collect();
+        let title = format!("specula loadtest against {} ({} tokens per request)", args.url, args.max_tokens);
+        std::fs::write(path, crate::bench::report::render_throughput_svg(&title, &rounds)?)?;
+        eprintln!("wrote {}", path.display());
     }
     if reports.iter().any(|r| r.requests_ok == 0) {
         anyhow::bail!("a round completed no request");

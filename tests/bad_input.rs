@@ -94,3 +94,30 @@ fn bad_arguments() {
     assert_clean_error(&["generate", "-m", &model, "-p", "hi", "--weights", "q3"], "unknown weight format");
     assert_clean_error(&["generate", "-m", &model, "--prompt-ids", "1,999999"], "outside the vocabulary");
 }
+
+/// A tensor dimension set to 2^63 in SmolLM2's header: the element count wraps to 0 in
+/// unchecked arithmetic, which passed the bounds check and later sized an allocation (capacity
+/// overflow) or a slice (out of range) — panics found by mutating header fields.
+#[test]
+fn tensor_dimensions_that_overflow() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = std::fs::read(common::smollm2_path()).unwrap();
+    let head = &real[..real.len().min(4 << 20)];
+    for (tensor, dims) in [("blk.28.ffn_norm.weight", vec![576u64]), ("blk.12.ffn_down.weight", vec![1536, 576])] {
+        // The tensor info: name, number of dimensions, the dimensions.
+        let mut pattern = (tensor.len() as u64).to_le_bytes().to_vec();
+        pattern.extend_from_slice(tensor.as_bytes());
+        pattern.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+        for d in &dims {
+            pattern.extend_from_slice(&d.to_le_bytes());
+        }
+        let at = head.windows(pattern.len()).position(|w| w == pattern).unwrap_or_else(|| panic!("{tensor} info"));
+        let last_dim = at + pattern.len() - 8;
+        let mut bad = real.clone();
+        bad[last_dim..last_dim + 8].copy_from_slice(&(1u64 << 63).to_le_bytes());
+        let p = dir.path().join(format!("{tensor}.gguf"));
+        std::fs::write(&p, &bad).unwrap();
+        assert_clean_error(&["generate", "-m", path_str(&p), "-p", "hi"], "impossible dimensions");
+        assert_clean_error(&["inspect", path_str(&p)], "impossible dimensions");
+    }
+}

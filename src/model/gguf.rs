@@ -90,13 +90,21 @@ impl GgufFile {
         let content = Content::read(&mut reader)
             .map_err(|e| anyhow::anyhow!("{} has a corrupt or truncated GGUF header: {e}", path.display()))?;
         for (name, info) in &content.tensor_infos {
-            let elems = info.shape.elem_count();
+            // Checked: the dimensions are untrusted, and a wrapped product (2^63 × 576 is 0)
+            // would pass the bounds check below and size an allocation later.
+            let elems = info.shape.dims().iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            let Some(elems) = elems.filter(|&e| e as u64 <= file_len.saturating_mul(8)) else {
+                bail!("{}: tensor `{name}` has impossible dimensions {:?}", path.display(), info.shape.dims());
+            };
             let block = info.ggml_dtype.block_size();
             if elems % block != 0 {
                 bail!("{}: tensor `{name}` has {elems} elements, not a multiple of its block size", path.display());
             }
             let bytes = (elems / block) as u64 * info.ggml_dtype.type_size() as u64;
-            let end = content.tensor_data_offset + info.offset + bytes;
+            let end = content.tensor_data_offset.checked_add(info.offset).and_then(|o| o.checked_add(bytes));
+            let Some(end) = end else {
+                bail!("{}: tensor `{name}` lies past any file size (offset {})", path.display(), info.offset);
+            };
             if end > file_len {
                 bail!(
                     "{} is truncated: tensor `{name}` ends at byte {end} but the file has {file_len} bytes",

@@ -182,14 +182,17 @@ impl PackedMatrix {
         }
         let data = q.data()?;
         let kb = k / BLOCK;
-        let expected = match q.dtype() {
-            GgmlDType::Q8_0 => n * kb * Q8_0_BYTES,
-            GgmlDType::Q5_0 => n * kb * Q5_0_BYTES,
-            GgmlDType::Q4K => n * (k / SUPER_BLOCK) * Q4K_BYTES,
-            GgmlDType::Q6K => n * (k / SUPER_BLOCK) * Q6K_BYTES,
-            _ => n * kb * Q4_1_BYTES,
+        let (blocks, block_bytes) = match q.dtype() {
+            GgmlDType::Q8_0 => (kb, Q8_0_BYTES),
+            GgmlDType::Q5_0 => (kb, Q5_0_BYTES),
+            GgmlDType::Q4K => (k / SUPER_BLOCK, Q4K_BYTES),
+            GgmlDType::Q6K => (k / SUPER_BLOCK, Q6K_BYTES),
+            _ => (kb, Q4_1_BYTES),
         };
-        if data.len() != expected {
+        // Checked: a file's dimensions are untrusted, and a wrapped product could match a
+        // wrapped byte count.
+        let expected = n.checked_mul(blocks).and_then(|x| x.checked_mul(block_bytes));
+        if expected != Some(data.len()) || n.checked_mul(k).is_none() {
             bail!("{:?} tensor of {n}×{k} has {} bytes", q.dtype(), data.len());
         }
         let sb_n = k / SUPER_BLOCK;

@@ -440,6 +440,9 @@ impl QuantizedRows {
 /// `d` satisfies `d² ≥ LARGE_REMAINDER_RATIO × mean d²` over its row.
 const LARGE_REMAINDER_RATIO: f32 = 2.0;
 
+/// Quantises whole blocks in one or two levels: [`quantize_range`] or its portable twin.
+type QuantizeBlocks = fn(&[f32], &mut [i8], &mut [i8], &mut [ActBlock], bool);
+
 /// Adds the second level to one row's blocks whose first-level rounding error is large next
 /// to the row's (see the module docs), re-quantising each such block in two levels with
 /// `quantize` (the same first level again, and its remainder). Depends on the row alone, so
@@ -449,7 +452,7 @@ fn add_large_remainders(
     q: &mut [i8],
     r: &mut [i8],
     blocks: &mut [ActBlock],
-    quantize: fn(&[f32], &mut [i8], &mut [i8], &mut [ActBlock], bool),
+    quantize: QuantizeBlocks,
 ) {
     let mean_d2 = blocks.iter().map(|b| b.d * b.d).sum::<f32>() / blocks.len() as f32;
     for (b, block) in blocks.iter_mut().enumerate() {

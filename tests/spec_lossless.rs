@@ -12,6 +12,8 @@
 
 mod common;
 
+use common::{chi_square, chi_square_critical_001, StochasticDrafter};
+
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use specula::engine::{generate, GenerateOptions, Generation, LoadedModel};
@@ -129,30 +131,6 @@ impl Proposer for CheckedDraftModel {
     }
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
         self.0.propose(tokens, max_len)
-    }
-}
-
-/// Samples each draft token from a fixed distribution `q` over the first 8 ids (not the
-/// target's), reporting `q`: exercises the verifier's non-one-hot path.
-struct StochasticDrafter {
-    rng: SamplerRng,
-    q: Vec<f32>,
-}
-
-impl Proposer for StochasticDrafter {
-    fn name(&self) -> &str {
-        "stochastic"
-    }
-    fn begin(&mut self, _prompt: &[u32]) -> anyhow::Result<()> {
-        Ok(())
-    }
-    fn observe(&mut self, _tokens: &[u32], _cached: Range<usize>, _taps: &[Tensor]) -> anyhow::Result<()> {
-        Ok(())
-    }
-    fn propose(&mut self, _tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
-        let tokens: Vec<u32> =
-            (0..max_len).map(|_| sample::sample_from_weights(&self.q, &mut self.rng).unwrap()).collect();
-        Ok(Draft { probs: Some(vec![self.q.clone(); tokens.len()]), tokens })
     }
 }
 
@@ -466,13 +444,6 @@ fn draft_model_with_another_vocabulary_is_refused() {
 // T > 0: the distribution of the first tokens
 // ---------------------------------------------------------------------------------------------
 
-/// Critical value of the chi-square distribution with `df` degrees of freedom at upper tail
-/// probability 0.001 (Wilson–Hilferty; within 1% for df >= 3).
-fn chi_square_critical_001(df: usize) -> f64 {
-    let (d, z) = (df as f64, 3.090_232);
-    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
-}
-
 /// The exact distribution of the first `n` sampled tokens: chains of `sample::probabilities`
 /// over the target's logits, one forward per prefix.
 fn exact_joint(model: &Transformer, prompt: &[u32], params: &SamplingParams, n: usize) -> HashMap<Vec<u32>, f64> {
@@ -499,32 +470,6 @@ fn exact_joint(model: &Transformer, prompt: &[u32], params: &SamplingParams, n: 
         }
     }
     out
-}
-
-/// Chi-square statistic and degrees of freedom of `counts` against `exact`; cells expected
-/// fewer than 5 times are pooled. Panics on a sample the target can never produce.
-fn chi_square(counts: &HashMap<Vec<u32>, usize>, exact: &HashMap<Vec<u32>, f64>, n: usize) -> (f64, usize) {
-    for seq in counts.keys() {
-        assert!(exact.contains_key(seq), "sampled {seq:?}, which has probability 0");
-    }
-    let (mut stat, mut cells) = (0.0, 0);
-    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
-    for (seq, &p) in exact {
-        let expected = p * n as f64;
-        let observed = counts.get(seq).copied().unwrap_or(0) as f64;
-        if expected < 5.0 {
-            pooled_obs += observed;
-            pooled_exp += expected;
-        } else {
-            stat += (observed - expected).powi(2) / expected;
-            cells += 1;
-        }
-    }
-    if pooled_exp > 0.0 {
-        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp;
-        cells += 1;
-    }
-    (stat, cells - 1)
 }
 
 #[test]

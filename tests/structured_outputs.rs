@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::{chi_square, chi_square_critical_001, StochasticDrafter};
+
 use candle_core::Tensor;
 use serde_json::{json, Value};
 use specula::engine::{generate, EngineModel, GenerateOptions, Generation, LoadedModel};
@@ -221,30 +223,6 @@ fn bad_grammars_are_refused_with_the_reason() {
     }
 }
 
-/// Samples each draft token from a fixed `q` over a few ids, reporting `q` (the verifier's
-/// non-one-hot path): some drafts are allowed by the grammar and likely, some not.
-struct StochasticDrafter {
-    rng: SamplerRng,
-    q: Vec<f32>,
-}
-
-impl Proposer for StochasticDrafter {
-    fn name(&self) -> &str {
-        "stochastic"
-    }
-    fn begin(&mut self, _prompt: &[u32]) -> anyhow::Result<()> {
-        Ok(())
-    }
-    fn observe(&mut self, _tokens: &[u32], _cached: Range<usize>, _taps: &[Tensor]) -> anyhow::Result<()> {
-        Ok(())
-    }
-    fn propose(&mut self, _tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
-        let tokens: Vec<u32> =
-            (0..max_len).map(|_| specula::sample::sample_from_weights(&self.q, &mut self.rng).unwrap()).collect();
-        Ok(Draft { probs: Some(vec![self.q.clone(); tokens.len()]), tokens })
-    }
-}
-
 /// The exact distribution of whole constrained outputs (without the stop token that ends
 /// them): chains of the masked target rows, one forward per prefix.
 fn exact_constrained(prompt: &[u32], spec: &GrammarSpec, params: &SamplingParams) -> HashMap<Vec<u32>, f64> {
@@ -339,38 +317,6 @@ fn run_k(
     };
     let target = EngineModel { model: &m.model, tokenizer: Some(&m.tokenizer) };
     generate(target, &pool, prompt, params, proposer, &opts, &mut |_| {}).unwrap()
-}
-
-/// Wilson–Hilferty approximation of the chi-square 0.999 quantile.
-fn chi_square_critical_001(df: usize) -> f64 {
-    let (d, z) = (df as f64, 3.090_232);
-    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
-}
-
-/// Chi-square statistic and degrees of freedom of `counts` against `exact`; cells expected
-/// fewer than 5 times are pooled. Panics on a sample the target can never produce.
-fn chi_square(counts: &HashMap<Vec<u32>, usize>, exact: &HashMap<Vec<u32>, f64>, n: usize) -> (f64, usize) {
-    for seq in counts.keys() {
-        assert!(exact.contains_key(seq), "sampled {seq:?}, which has probability 0");
-    }
-    let (mut stat, mut cells) = (0.0, 0usize);
-    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
-    for (seq, &p) in exact {
-        let expected = p * n as f64;
-        let observed = counts.get(seq).copied().unwrap_or(0) as f64;
-        if expected < 5.0 {
-            pooled_obs += observed;
-            pooled_exp += expected;
-        } else {
-            stat += (observed - expected).powi(2) / expected;
-            cells += 1;
-        }
-    }
-    if pooled_exp > 0.0 {
-        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp;
-        cells += 1;
-    }
-    (stat, cells.saturating_sub(1))
 }
 
 #[test]

@@ -447,13 +447,7 @@ type QuantizeBlocks = fn(&[f32], &mut [i8], &mut [i8], &mut [ActBlock], bool);
 /// to the row's (see the module docs), re-quantising each such block in two levels with
 /// `quantize` (the same first level again, and its remainder). Depends on the row alone, so
 /// rows stay invariant to the batch they run in.
-fn add_large_remainders(
-    x: &[f32],
-    q: &mut [i8],
-    r: &mut [i8],
-    blocks: &mut [ActBlock],
-    quantize: QuantizeBlocks,
-) {
+fn add_large_remainders(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], quantize: QuantizeBlocks) {
     let mean_d2 = blocks.iter().map(|b| b.d * b.d).sum::<f32>() / blocks.len() as f32;
     for (b, block) in blocks.iter_mut().enumerate() {
         if block.d * block.d >= LARGE_REMAINDER_RATIO * mean_d2 && block.d != 0.0 {

@@ -744,6 +744,18 @@ impl ResponseMeta {
         }
     }
 
+    /// What every response and chunk carries around its choices.
+    fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": choices,
+        })
+    }
+
     /// The whole (non-streamed) response.
     pub fn response(&self, choices: &[Choice], usage: &Usage) -> Value {
         let choices: Vec<Value> = choices
@@ -774,15 +786,9 @@ impl ResponseMeta {
                 }
             })
             .collect();
-        json!({
-            "id": self.id,
-            "object": self.object(false),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": null,
-            "choices": choices,
-            "usage": usage_json(usage),
-        })
+        let mut response = self.envelope(false, choices);
+        response["usage"] = usage_json(usage);
+        response
     }
 
     /// A streamed chunk of choice `index` carrying text (and, as the `specula` extension, each
@@ -811,14 +817,7 @@ impl ResponseMeta {
                 json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
             }
         };
-        let mut chunk = json!({
-            "id": self.id,
-            "object": self.object(true),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": null,
-            "choices": [choice],
-        });
+        let mut chunk = self.envelope(true, vec![choice]);
         if let Some(t) = tokens.filter(|t| !t.is_empty()) {
             let sources: Vec<&str> = t
                 .sources
@@ -836,27 +835,15 @@ impl ResponseMeta {
     /// A streamed chunk with choice `index`'s tool calls and its end (`finish_reason`
     /// `tool_calls`).
     pub fn tool_calls_chunk(&self, index: usize, tool_calls: Vec<Value>) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(true),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": null,
-            "choices": [{"index": index, "delta": {"tool_calls": tool_calls}, "logprobs": null, "finish_reason": "tool_calls"}],
-        })
+        let choice = json!({"index": index, "delta": {"tool_calls": tool_calls}, "logprobs": null, "finish_reason": "tool_calls"});
+        self.envelope(true, vec![choice])
     }
 
     /// The usage chunk sent after the last one when `stream_options.include_usage` is set.
     pub fn usage_chunk(&self, usage: &Usage) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(true),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": null,
-            "choices": [],
-            "usage": usage_json(usage),
-        })
+        let mut chunk = self.envelope(true, Vec::new());
+        chunk["usage"] = usage_json(usage);
+        chunk
     }
 }
 

@@ -198,3 +198,69 @@ fn random_weight(rng: &mut specula::sample::SamplerRng, shape: &[usize]) -> cand
     let v: Vec<f32> = (0..n).map(|_| (offset + (rng.next_f64() * 2.0 - 1.0) * scale) as f32).collect();
     candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu).unwrap()
 }
+
+/// Samples each draft token from a fixed distribution `q` (not the target's), reporting `q`:
+/// exercises the verifier's non-one-hot path.
+pub struct StochasticDrafter {
+    pub rng: specula::sample::SamplerRng,
+    pub q: Vec<f32>,
+}
+
+impl specula::speculative::Proposer for StochasticDrafter {
+    fn name(&self) -> &str {
+        "stochastic"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn observe(
+        &mut self,
+        _tokens: &[u32],
+        _cached: std::ops::Range<usize>,
+        _taps: &[candle_core::Tensor],
+    ) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn propose(&mut self, _tokens: &[u32], max_len: usize) -> anyhow::Result<specula::speculative::Draft> {
+        let tokens: Vec<u32> =
+            (0..max_len).map(|_| specula::sample::sample_from_weights(&self.q, &mut self.rng).unwrap()).collect();
+        Ok(specula::speculative::Draft { probs: Some(vec![self.q.clone(); tokens.len()]), tokens })
+    }
+}
+
+/// Critical value of the chi-square distribution with `df` degrees of freedom at upper tail
+/// probability 0.001 (Wilson–Hilferty; within 1% for df >= 3).
+pub fn chi_square_critical_001(df: usize) -> f64 {
+    let (d, z) = (df as f64, 3.090_232);
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+/// Chi-square statistic and degrees of freedom of `counts` against `exact`; cells expected
+/// fewer than 5 times are pooled. Panics on a sample the target can never produce.
+pub fn chi_square(
+    counts: &std::collections::HashMap<Vec<u32>, usize>,
+    exact: &std::collections::HashMap<Vec<u32>, f64>,
+    n: usize,
+) -> (f64, usize) {
+    for seq in counts.keys() {
+        assert!(exact.contains_key(seq), "sampled {seq:?}, which has probability 0");
+    }
+    let (mut stat, mut cells) = (0.0, 0usize);
+    let (mut pooled_obs, mut pooled_exp) = (0.0, 0.0);
+    for (seq, &p) in exact {
+        let expected = p * n as f64;
+        let observed = counts.get(seq).copied().unwrap_or(0) as f64;
+        if expected < 5.0 {
+            pooled_obs += observed;
+            pooled_exp += expected;
+        } else {
+            stat += (observed - expected).powi(2) / expected;
+            cells += 1;
+        }
+    }
+    if pooled_exp > 0.0 {
+        stat += (pooled_obs - pooled_exp).powi(2) / pooled_exp;
+        cells += 1;
+    }
+    (stat, cells.saturating_sub(1))
+}

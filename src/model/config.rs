@@ -132,6 +132,49 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Refuses sizes no real model has: the configuration comes from an untrusted file, and
+    /// buffers (RoPE tables, KV caches, per-layer vectors) are sized by it before any tensor
+    /// is read. The bounds are well above every supported family's largest model.
+    pub fn check(&self) -> Result<()> {
+        let within = |what: &str, v: usize, lo: usize, hi: usize| -> Result<()> {
+            if v < lo || v > hi {
+                bail!("model configuration: {what} {v} is outside {lo}..={hi}");
+            }
+            Ok(())
+        };
+        within("layer count", self.n_layers, 1, 1024)?;
+        within("hidden size", self.hidden, 1, 1 << 16)?;
+        within("feed-forward size", self.ffn, 1, 1 << 20)?;
+        within("query heads", self.n_heads, 1, 1024)?;
+        within("KV heads", self.n_kv_heads, 1, self.n_heads)?;
+        within("head dimension", self.head_dim, 2, 1024)?;
+        within("RoPE dimension", self.rope_dim, 0, self.head_dim)?;
+        within("vocabulary", self.vocab, 1, 1 << 22)?;
+        within("context length", self.context_len, 1, 1 << 24)?;
+        if self.n_heads % self.n_kv_heads != 0 || self.head_dim % 2 != 0 || self.rope_dim % 2 != 0 {
+            bail!(
+                "model configuration: {} query heads, {} KV heads, head dimension {}, RoPE dimension {}",
+                self.n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                self.rope_dim
+            );
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            bail!("model configuration: RoPE base {} is not a positive number", self.rope_theta);
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0 && self.rms_eps < 1.0) {
+            bail!("model configuration: RMSNorm epsilon {} is outside (0, 1)", self.rms_eps);
+        }
+        if let Some(sw) = self.extras.sliding_window {
+            within("sliding window", sw.window, 1, 1 << 24)?;
+            if !(sw.rope_theta.is_finite() && sw.rope_theta > 0.0) {
+                bail!("model configuration: local RoPE base {} is not a positive number", sw.rope_theta);
+            }
+        }
+        Ok(())
+    }
+
     /// The attention window of layer `layer`, `None` for global attention.
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
         let sw = self.extras.sliding_window?;
@@ -232,7 +275,7 @@ impl ModelConfig {
                 ),
             }
         }
-        Ok(Self {
+        let config = Self {
             arch,
             n_layers,
             hidden,
@@ -253,7 +296,9 @@ impl ModelConfig {
             qkv_bias: content.tensor_infos.contains_key("blk.0.attn_q.bias"),
             qk_norm: content.tensor_infos.contains_key("blk.0.attn_q_norm.weight"),
             extras,
-        })
+        };
+        config.check()?;
+        Ok(config)
     }
 }
 

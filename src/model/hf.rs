@@ -156,7 +156,7 @@ impl HfModelDir {
                 other => bail!("config.json: unsupported rope_scaling type `{other}` (supported: linear, llama3)"),
             }
         }
-        Ok(ModelConfig {
+        let config = ModelConfig {
             arch,
             n_layers: usize_of("num_hidden_layers")?,
             hidden,
@@ -174,7 +174,9 @@ impl HfModelDir {
             qkv_bias: self.has_hf_tensor("model.layers.0.self_attn.q_proj.bias"),
             qk_norm: self.has_hf_tensor("model.layers.0.self_attn.q_norm.weight"),
             extras,
-        })
+        };
+        config.check().context("config.json")?;
+        Ok(config)
     }
 }
 

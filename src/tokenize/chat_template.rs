@@ -94,6 +94,11 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
+/// Instructions one render may run: real templates take a few thousand per message, so a
+/// conversation of thousands of messages fits, and a template that loops for ever stops
+/// with an error within about a second.
+const TEMPLATE_FUEL: u64 = 20_000_000;
+
 impl ChatTemplate {
     /// Reads `tokenizer.chat_template`; without one, falls back to ChatML only if the
     /// vocabulary has `<|im_start|>`.
@@ -130,6 +135,8 @@ impl ChatTemplate {
                 .map_err(|e| anyhow!("configuring template syntax: {e}"))?,
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // Templates are code from a downloaded file: nested loops could run for hours.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| anyhow!("chat template does not compile: {e:#}"))?;

@@ -43,9 +43,21 @@ pub struct LoadtestArgs {
     /// Write an SVG chart of output tokens/s and median inter-token latency against clients.
     #[arg(long)]
     chart: Option<std::path::PathBuf>,
+    /// Hang up this fraction of requests mid-stream, after a random number of tokens.
+    #[arg(long, default_value_t = 0.0)]
+    disconnect_fraction: f64,
+    /// Send this fraction of requests malformed; each must get a 4xx OpenAI error.
+    #[arg(long, default_value_t = 0.0)]
+    malformed_fraction: f64,
 }
 
 pub fn run(args: LoadtestArgs) -> Result<()> {
+    if !(0.0..=1.0).contains(&(args.disconnect_fraction + args.malformed_fraction))
+        || args.disconnect_fraction < 0.0
+        || args.malformed_fraction < 0.0
+    {
+        anyhow::bail!("--disconnect-fraction and --malformed-fraction must be ≥ 0 and sum to at most 1");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let prompts = match &args.dataset {
         Some(key) => crate::datasets::load(key, Some(args.requests))?
@@ -68,6 +80,8 @@ pub fn run(args: LoadtestArgs) -> Result<()> {
             model: args.model.clone(),
             ignore_eos: args.ignore_eos,
             prompts: prompts.clone(),
+            disconnect_fraction: args.disconnect_fraction,
+            malformed_fraction: args.malformed_fraction,
         };
         let report = rt.block_on(run_load(&cfg))?;
         if !args.json {

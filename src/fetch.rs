@@ -1150,7 +1150,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let wheelhouse = local_wheelhouse(dir.path());
         let pip_log = dir.path().join("pip.log");
-        let wrapper = python_wrapper(dir.path(), "if [ \"$1 $2\" = \"-m pip\" ]; then echo \"$$\" >> \"$SPECULA_TEST_PIP_CALLS\"; sleep 1; fi\n");
+        let wrapper = python_wrapper(
+            dir.path(),
+            "if [ \"$1 $2\" = \"-m pip\" ]; then echo \"$$\" >> \"$SPECULA_TEST_PIP_CALLS\"; sleep 1; fi\n",
+        );
         let home = dir.path().join("home");
 
         let children: Vec<_> = (0..2).map(|_| spawn_fetch_child(&home, &wrapper, &wheelhouse, &pip_log)).collect();

@@ -88,7 +88,9 @@ impl GrammarCompiler {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
         let mut factory = ParserFactory::new_simple(&env)?;
         factory.quiet();
-        Ok(Self { factory, stop_ids: stop_ids.to_vec(), vocab })
+        // Only ids with a logits column (the mask is `vocab` wide and unchecked).
+        let stop_ids = stop_ids.iter().copied().filter(|&s| (s as usize) < vocab).collect();
+        Ok(Self { factory, stop_ids, vocab })
     }
 
     /// A fresh constraint for one request; an error names what is wrong with the grammar.

@@ -121,3 +121,27 @@ fn tensor_dimensions_that_overflow() {
         assert_clean_error(&["inspect", path_str(&p)], "impossible dimensions");
     }
 }
+
+/// `general.alignment` = 0: candle's header reader divides by it (a panic); refused first.
+#[test]
+fn zero_alignment() {
+    use candle_core::quantized::gguf_file::{write, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("aligned-to-zero.gguf");
+    let t = QTensor::quantize(
+        &candle_core::Tensor::zeros((2, 32), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap();
+    let arch = Value::String("llama".into());
+    let zero = Value::U32(0);
+    write(
+        &mut std::fs::File::create(&p).unwrap(),
+        &[("general.architecture", &arch), ("general.alignment", &zero)],
+        &[("token_embd.weight", &t)],
+    )
+    .unwrap();
+    assert_clean_error(&["inspect", path_str(&p)], "general.alignment");
+    assert_clean_error(&["generate", "-m", path_str(&p), "-p", "hi"], "general.alignment");
+}

@@ -139,3 +139,72 @@ fn serve_loadtest_and_sigterm() {
         assert!(v.get("drafted").is_some() && v.get("ttft_ms").is_some(), "{v}");
     }
 }
+
+/// Starts `specula serve` on a free port with `args`; returns the process, its stderr and
+/// the address it announced.
+fn spawn_server(args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStderr>, String) {
+    let mut server = specula()
+        .args(["serve", "--port", "0"])
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(server.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "the server exited before listening");
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    (server, stderr, addr)
+}
+
+/// SIGKILL in the middle of streams, then a restart: the new server loads from the cache
+/// (which holds no partial file), serves, and has every KV block free after its requests.
+#[test]
+fn sigkill_mid_stream_then_restart() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (mut server, _stderr, addr) = spawn_server(&["--drafter", "ngram", "--kv-tokens", "2048"]);
+    let body =
+        json!({"prompt": "Write a long essay about clouds.", "max_tokens": 1500, "stream": true, "ignore_eos": true});
+    rt.block_on(async {
+        let mut streams = Vec::new();
+        for _ in 0..4 {
+            let mut s =
+                http_client::send(&addr, "POST", "/v1/completions", &[], body.to_string().as_bytes()).await.unwrap();
+            assert!(s.next_event().await.unwrap().is_some());
+            streams.push(s);
+        }
+        server.kill().unwrap(); // SIGKILL
+        server.wait().unwrap();
+        for mut s in streams {
+            // Each stream ends, cut short: no [DONE].
+            let mut done = false;
+            while let Ok(Some(data)) = s.next_event().await {
+                done |= data == "[DONE]";
+            }
+            assert!(!done, "a killed server cannot finish its streams");
+        }
+    });
+    let models = specula::fetch::specula_home().join("models");
+    let partial: Vec<_> = std::fs::read_dir(&models)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.to_string_lossy().ends_with(".partial"))
+        .collect();
+    assert!(partial.is_empty(), "partial files in the cache: {partial:?}");
+
+    let (mut server, _stderr, addr) = spawn_server(&["--drafter", "ngram", "--kv-tokens", "2048"]);
+    let r = rt
+        .block_on(http_client::post_json(&addr, "/v1/completions", &[], &json!({"prompt": "Hello", "max_tokens": 8})))
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let health: Value = rt.block_on(http_client::request(&addr, "GET", "/health", &[], b"")).unwrap().json().unwrap();
+    assert_eq!(health["kv"]["used_blocks"], 0, "{health}");
+    server.kill().unwrap();
+    server.wait().unwrap();
+}

@@ -179,6 +179,20 @@ fn completions_logprobs_and_echo_with_prompt_logprobs() {
         .cloned()
         .collect();
     assert_eq!(&streamed_lps, token_lps, "streamed echo log-probs equal the whole response's");
+    // With n = 3, streamed: every choice echoes the prompt with its log-probs.
+    streamed["n"] = json!(3);
+    let s = server.stream(COMPLETIONS, &streamed);
+    for i in 0..3 {
+        let lps: Vec<Value> = s
+            .events
+            .iter()
+            .flat_map(|e| e["choices"].as_array().cloned().unwrap_or_default())
+            .filter(|c| c["index"] == i)
+            .filter_map(|c| c.pointer("/logprobs/token_logprobs").and_then(Value::as_array).cloned())
+            .flatten()
+            .collect();
+        assert_eq!(&lps, token_lps, "choice {i}: streamed echo log-probs");
+    }
 }
 
 #[test]

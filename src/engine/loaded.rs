@@ -35,14 +35,7 @@ impl LoadedModel {
         let template = ChatTemplate::from_gguf(&file.content).ok();
         let model = Transformer::load(&mut file, kernels, device)?.with_source_path(path);
         model.warm_up()?;
-        if tokenizer.vocab_size() > model.config.vocab {
-            anyhow::bail!(
-                "{}: the tokenizer has {} tokens but the embedding only {} rows",
-                path.display(),
-                tokenizer.vocab_size(),
-                model.config.vocab
-            );
-        }
+        check_vocab_fits(path, &tokenizer, &model)?;
         Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
     }
 
@@ -58,6 +51,7 @@ impl LoadedModel {
             Transformer::load_from(&mut dir, config, kernels.weights.unwrap_or(WeightFormat::Native), kernels, device)?
                 .with_source_path(path);
         model.warm_up()?;
+        check_vocab_fits(path, &tokenizer, &model)?;
         Ok(Self { path: path.to_path_buf(), model, tokenizer, template })
     }
 
@@ -100,4 +94,18 @@ impl LoadedModel {
     pub fn stop_ids(&self) -> Vec<u32> {
         self.tokenizer.stop_ids().to_vec()
     }
+}
+
+/// Every token id the tokenizer can produce (prompts, stop tokens) must have a logits column:
+/// the files come from different places and nothing else ties them together.
+fn check_vocab_fits(path: &Path, tokenizer: &Tokenizer, model: &Transformer) -> Result<()> {
+    if tokenizer.vocab_size() > model.config.vocab {
+        anyhow::bail!(
+            "{}: the tokenizer has {} tokens but the embedding only {} rows",
+            path.display(),
+            tokenizer.vocab_size(),
+            model.config.vocab
+        );
+    }
+    Ok(())
 }

@@ -77,6 +77,73 @@ pub struct GgufFile {
 
 const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 
+/// The integer value of `general.alignment`, found by walking the metadata with every length
+/// bounded by the file: candle's reader divides by it unchecked, so a 0 there would panic.
+/// `None` when the key is absent or the header does not parse (candle then says why).
+fn find_alignment(r: &mut (impl Read + Seek), file_len: u64) -> Option<u64> {
+    fn int(r: &mut impl Read, bytes: usize) -> Option<u64> {
+        let mut b = [0u8; 8];
+        r.read_exact(&mut b[..bytes]).ok()?;
+        Some(u64::from_le_bytes(b))
+    }
+    // Fixed sizes of GGUF value types 0..=12 (8: string, 9: array are variable).
+    const SIZES: [u64; 13] = [1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8];
+    struct Walk<'a, R> {
+        r: &'a mut R,
+        wide: bool,
+        file_len: u64,
+    }
+    impl<R: Read + Seek> Walk<'_, R> {
+        fn len(&mut self) -> Option<u64> {
+            int(self.r, if self.wide { 8 } else { 4 })
+        }
+        fn skip(&mut self, n: u64) -> Option<()> {
+            let at = self.r.stream_position().ok()?;
+            let to = at.checked_add(n).filter(|&to| to <= self.file_len)?;
+            self.r.seek_relative(to.checked_sub(at)? as i64).ok()
+        }
+        fn value(&mut self, ty: u64, depth: usize) -> Option<()> {
+            match ty {
+                8 => {
+                    let n = self.len()?;
+                    self.skip(n)
+                }
+                9 if depth < 4 => {
+                    let elem = int(self.r, 4)?;
+                    let n = self.len()?;
+                    match SIZES.get(elem as usize) {
+                        Some(&size) if size > 0 => self.skip(n.checked_mul(size)?),
+                        _ => (0..n).try_for_each(|_| self.value(elem, depth + 1)),
+                    }
+                }
+                _ => self.skip(*SIZES.get(ty as usize).filter(|&&s| s > 0)?),
+            }
+        }
+    }
+    r.seek(SeekFrom::Start(4)).ok()?;
+    let version = int(r, 4)?;
+    let mut w = Walk { r, wide: version >= 2, file_len };
+    let _tensors = w.len()?;
+    let kvs = w.len()?;
+    for _ in 0..kvs {
+        let key_len = w.len()?;
+        if key_len == "general.alignment".len() as u64 {
+            let mut key = [0u8; 17];
+            w.r.read_exact(&mut key).ok()?;
+            let ty = int(w.r, 4)?;
+            if &key == b"general.alignment" && matches!(ty, 0..=5 | 10 | 11) {
+                return int(w.r, SIZES[ty as usize] as usize);
+            }
+            w.value(ty, 0)?;
+        } else {
+            w.skip(key_len)?;
+            let ty = int(w.r, 4)?;
+            w.value(ty, 0)?;
+        }
+    }
+    None
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).with_context(|| format!("cannot open model file {}", path.display()))?;
@@ -85,6 +152,9 @@ impl GgufFile {
         let mut magic = [0u8; 4];
         if reader.read_exact(&mut magic).is_err() || &magic != GGUF_MAGIC {
             bail!("{} is not a GGUF file (bad magic bytes)", path.display());
+        }
+        if let Some(0) = find_alignment(&mut reader, file_len) {
+            bail!("{} has `general.alignment` = 0", path.display());
         }
         reader.seek(SeekFrom::Start(0))?;
         let content = Content::read(&mut reader)

@@ -221,8 +221,10 @@ async fn start(
         // Each choice samples on its own; with a seed, choice i is reproducible as seed + i.
         choice.params.seed = engine_req.params.seed.map(|s| s.wrapping_add(i as u64));
         // The prompt's log-probs are the same for every choice: the first computes them, the
-        // others reuse its prompt blocks through the prefix cache.
-        if i > 0 {
+        // others reuse its prompt blocks through the prefix cache. A stream sends each
+        // choice's echo with its first event, which may come before the first choice's, so
+        // there every choice computes them.
+        if i > 0 && !req.stream {
             choice.prompt_logprobs = None;
         }
         // A refused choice drops the receivers of those already queued, which cancels them.

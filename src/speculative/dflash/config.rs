@@ -133,6 +133,18 @@ impl DflashConfig {
         if hidden == 0 || n_layers == 0 {
             bail!("`hidden_size` ({hidden}) and `num_hidden_layers` ({n_layers}) must be positive");
         }
+        // Untrusted sizes: bounded before anything (layer lists, weight shapes) is sized by them.
+        for (name, v, max) in [
+            ("hidden_size", hidden, 1 << 16),
+            ("num_hidden_layers", n_layers, 1024),
+            ("num_attention_heads", n_heads, 1024),
+            ("num_key_value_heads", n_kv_heads, 1024),
+            ("head_dim", head_dim, 1024),
+        ] {
+            if v > max {
+                bail!("`{name}` is {v}, more than {max}");
+            }
+        }
         if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
             bail!("invalid head counts: {n_heads} query heads, {n_kv_heads} key/value heads");
         }
@@ -140,6 +152,9 @@ impl DflashConfig {
             bail!("invalid `head_dim` {head_dim} (must be positive and even for RoPE)");
         }
         let ffn = req_usize("intermediate_size")?;
+        if ffn > 1 << 20 {
+            bail!("`intermediate_size` is {ffn}, more than {}", 1 << 20);
+        }
         if let Some(act) = top("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
                 bail!("`hidden_act` is `{act}`; DFlash drafters use silu");
@@ -158,11 +173,14 @@ impl DflashConfig {
                 bail!("RoPE scaling `{kind}` is not supported (only plain RoPE)");
             }
         }
+        if !(rms_eps.is_finite() && rms_eps > 0.0 && rope_theta.is_finite() && rope_theta > 0.0) {
+            bail!("`rms_norm_eps` ({rms_eps}) and `rope_theta` ({rope_theta}) must be positive");
+        }
         let attention_bias = top("attention_bias").and_then(Value::as_bool).unwrap_or(false);
 
         let block_size = draft_value("block_size").map(|v| as_usize(v, "block_size")).transpose()?.unwrap_or(16);
-        if block_size < 2 {
-            bail!("`block_size` is {block_size}; a block needs the anchor and at least one mask");
+        if !(2..=1024).contains(&block_size) {
+            bail!("`block_size` is {block_size}; a block needs the anchor and at least one mask, and at most 1024");
         }
         let mask_token_id = draft_value("mask_token_id")
             .context("config.json has no `mask_token_id` (in `dflash_config` or at the top level)")?;
@@ -178,8 +196,8 @@ impl DflashConfig {
                 .map(|x| as_usize(x, "target_layer_ids"))
                 .collect::<Result<Vec<_>>>()?,
             None => {
-                let n = num_target_layers.context(
-                    "config.json has neither `target_layer_ids` nor `num_target_layers` to derive them from",
+                let n = num_target_layers.filter(|&n| n <= 1024).context(
+                    "config.json has neither `target_layer_ids` nor a `num_target_layers` (at most 1024) to derive them from",
                 )?;
                 if n < 4 && n_layers > 1 {
                     bail!("`num_target_layers` is {n}: too shallow for the default tapped layers (1..=N−3); give `target_layer_ids`");
@@ -187,8 +205,8 @@ impl DflashConfig {
                 default_target_layer_ids(n, n_layers)
             }
         };
-        if target_layer_ids.is_empty() {
-            bail!("`target_layer_ids` is empty");
+        if target_layer_ids.is_empty() || target_layer_ids.len() > 1024 {
+            bail!("`target_layer_ids` has {} entries (1 to 1024)", target_layer_ids.len());
         }
 
         let layer_attention = Self::parse_layer_attention(c, n_layers)?;
@@ -384,6 +402,28 @@ impl DflashConfig {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Sizes no drafter has are refused before anything is allocated for them (a layer count
+    /// of 10^14 once sized the per-layer attention list).
+    #[test]
+    fn sizes_beyond_any_model_are_refused() {
+        for (key, value, needle) in [
+            ("num_hidden_layers", json!(100_000_000_000_000u64), "num_hidden_layers"),
+            ("hidden_size", json!(1u64 << 40), "hidden_size"),
+            ("head_dim", json!(1u64 << 20), "head_dim"),
+            ("intermediate_size", json!(1u64 << 40), "intermediate_size"),
+            ("block_size", json!(1u64 << 40), "block_size"),
+            ("rope_theta", json!(-1.0), "rope_theta"),
+        ] {
+            let mut c = base();
+            c[key] = value;
+            let err = format!("{:#}", DflashConfig::from_json(&c).unwrap_err());
+            assert!(err.contains(needle), "{key}: {err}");
+        }
+        let mut c = base();
+        c["dflash_config"] = json!({"mask_token_id": 5, "num_target_layers": 1u64 << 50});
+        assert!(DflashConfig::from_json(&c).is_err());
+    }
 
     fn base() -> Value {
         json!({

@@ -122,6 +122,11 @@ impl Engine {
         self.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The engine thread is still running (it ends on `shutdown`, or if a step panicked).
+    pub fn is_running(&self) -> bool {
+        self.thread.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     /// Ends every queued and running request with `Failed(message)`.
     pub fn abort_all(&self, message: &str) {
         let _ = self.commands.send(Command::AbortAll(message.to_string()));

@@ -63,8 +63,16 @@ async fn method_not_allowed() -> ApiError {
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let s = state.engine.snapshot();
     let shutting_down = state.shutting_down.load(Ordering::SeqCst);
+    // A bug that ended the engine thread leaves a server that refuses everything: say so, so
+    // that a supervisor restarts it.
+    let engine_stopped = !state.engine.is_running();
+    let status = match (shutting_down, engine_stopped) {
+        (true, _) => "shutting_down",
+        (false, true) => "engine_stopped",
+        (false, false) => "ok",
+    };
     let body = json!({
-        "status": if shutting_down { "shutting_down" } else { "ok" },
+        "status": status,
         "model": state.config.model_id,
         "drafter": state.engine.config().drafter.as_ref().map(|d| d.label()),
         "context_length": state.engine.context_limit(),
@@ -78,7 +86,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             "block_size": s.kv_block_size,
         },
     });
-    json_response(if shutting_down { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK }, &body)
+    json_response(if status == "ok" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {

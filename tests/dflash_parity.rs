@@ -343,7 +343,14 @@ fn the_factory_builds_dflash_from_a_drafter_string() {
     let spec = DrafterSpec::parse(&format!("dflash:{}", other.join("drafter").display())).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     write_target(&tmp.path().join("target"), 9);
-    std::fs::copy(case.join("target/tokenizer.json"), tmp.path().join("target/tokenizer.json")).unwrap();
+    // The fixture's byte-level tokenizer, cut to the narrow target's vocabulary.
+    let mut tok: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("target/tokenizer.json")).unwrap()).unwrap();
+    tok["model"]["vocab"].as_object_mut().unwrap().retain(|_, id| id.as_u64().unwrap() < VOCAB as u64);
+    if let Some(added) = tok["added_tokens"].as_array_mut() {
+        added.retain(|t| t["id"].as_u64().unwrap() < VOCAB as u64);
+    }
+    std::fs::write(tmp.path().join("target/tokenizer.json"), tok.to_string()).unwrap();
     let narrow = LoadedModel::load(&tmp.path().join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();
     let err = build_proposer(&spec, narrow.target()).err().expect("hidden sizes differ");
     assert!(format!("{err:#}").contains("hidden size mismatch"), "{err:#}");

@@ -302,8 +302,8 @@ fn mutate_template(rng: &mut Rng, data: &[u8]) -> Vec<u8> {
 /// What a mutated input is written as: the whole file, or a header followed by `total_len`
 /// bytes of zeros (the real models' tensor data, which the header checks are against).
 enum Seed {
-    /// A whole file.
-    File { name: &'static str, bytes: Vec<u8>, kind: Kind },
+    /// A whole file (`fields`: its GGUF header fields, for GGUF files).
+    File { name: &'static str, bytes: Vec<u8>, kind: Kind, fields: Vec<Field> },
     /// A GGUF header (`bytes`, its fields) and the length of the real file it came from.
     GgufHeader { bytes: Vec<u8>, fields: Vec<Field>, file_len: u64 },
 }
@@ -329,9 +329,9 @@ struct Target {
 
 fn mutate(rng: &mut Rng, seed: &Seed) -> (Vec<u8>, Option<u64>) {
     match seed {
-        Seed::File { bytes, kind, .. } => {
+        Seed::File { bytes, kind, fields, .. } => {
             let out = match kind {
-                Kind::Gguf => mutate_gguf(rng, bytes, &gguf_fields(bytes)),
+                Kind::Gguf => mutate_gguf(rng, bytes, fields),
                 Kind::Json => mutate_json_bytes(rng, bytes),
                 Kind::Safetensors => mutate_safetensors(rng, bytes),
                 Kind::Template => mutate_template(rng, bytes),
@@ -441,7 +441,9 @@ fn fixtures() -> PathBuf {
 }
 
 fn file_seed(path: &Path, name: &'static str, kind: Kind) -> Seed {
-    Seed::File { name, bytes: std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())), kind }
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let fields = if matches!(kind, Kind::Gguf) { gguf_fields(&bytes) } else { Vec::new() };
+    Seed::File { name, bytes, kind, fields }
 }
 
 fn dir_files(dir: &Path) -> Vec<PathBuf> {
@@ -638,7 +640,7 @@ fn targets(scratch: &Path) -> Vec<Target> {
             name: format!("prompt set: {key}"),
             weight: 8,
             siblings: vec![],
-            seed: Seed::File { name: "prompts.jsonl", bytes: head.into_bytes(), kind: Kind::Lines },
+            seed: Seed::File { name: "prompts.jsonl", bytes: head.into_bytes(), kind: Kind::Lines, fields: Vec::new() },
             run: Box::new(move |path| {
                 specula::datasets::load_from_path(key, path, None)?;
                 Ok(())

@@ -13,24 +13,8 @@ fn specula() -> Command {
 
 #[test]
 fn serve_loadtest_and_sigterm() {
-    let mut server = specula()
-        .args(["serve", "--port", "0", "--drafter", "ngram", "--shutdown-grace-secs", "1", "--kv-tokens", "2048"])
-        .env("SPECULA_LOG_FORMAT", "json")
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // The address is announced on stderr once the model is loaded.
-    let mut stderr = BufReader::new(server.stderr.take().unwrap());
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "the server exited before listening");
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
+    let (mut server, mut stderr, addr) =
+        spawn_server(&["--drafter", "ngram", "--shutdown-grace-secs", "1", "--kv-tokens", "2048"]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let health: Value = rt.block_on(http_client::request(&addr, "GET", "/health", &[], b"")).unwrap().json().unwrap();
     assert_eq!(health["status"], "ok");
@@ -140,12 +124,13 @@ fn serve_loadtest_and_sigterm() {
     }
 }
 
-/// Starts `specula serve` on a free port with `args`; returns the process, its stderr and
-/// the address it announced.
+/// Starts `specula serve` on a free port with `args` and JSON logs; returns the process, its
+/// stderr and the address it announced (on stderr once the model is loaded).
 fn spawn_server(args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStderr>, String) {
     let mut server = specula()
         .args(["serve", "--port", "0"])
         .args(args)
+        .env("SPECULA_LOG_FORMAT", "json")
         .env_remove("RUST_LOG")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

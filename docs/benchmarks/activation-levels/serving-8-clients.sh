@@ -10,7 +10,7 @@ run() { local label=$1 port=$2 levels=$3
   python3 -c "import json,sys; r=json.load(open('$OUT/lt-$label.json')); r=r[0] if isinstance(r,list) else r; print('$label', r['requests_ok'], r['errors'], round(r['tokens_per_s'],1), round(r['ttft_p50_ms'],1), round(r['itl_p50_ms'],2), r['draft_n'], r['draft_n_accepted'])"
 }
 for r in 1 2; do
-  run selective-$r 8101 selective
+  run outliers-$r 8101 outliers
   run one-$r 8102 one
   run two-$r 8103 two
 done

@@ -316,7 +316,9 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     );
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     assert_error(&server.post("/v1/completions", &json!({"prompt": [999_999]})), 400, Some("prompt"), "vocabulary");
-    assert_error(&server.post("/v1/completions", &json!({"prompt": ["a", "b"]})), 400, Some("prompt"), "one prompt");
+    let many: Vec<&str> = vec!["a"; 65];
+    assert_error(&server.post("/v1/completions", &json!({"prompt": many})), 400, Some("prompt"), "at most 64");
+    assert_error(&server.post("/v1/completions", &json!({"prompt": ["a", 3]})), 400, Some("prompt"), "must be");
     // Over the 1 MiB limit: 413.
     let huge = format!(r#"{{"prompt":"{}"}}"#, "a".repeat((1 << 20) + 10));
     let v = assert_error(&raw("/v1/completions", huge.as_bytes()), 413, None, "larger than");

@@ -1,6 +1,7 @@
 //! OpenAI features on the real SmolLM2-135M server: log-probs (chat and completions, streamed
-//! and not) that are the target's own whatever was drafted, `echo` with prompt log-probs, and
-//! `n` choices that share the prompt's blocks and sample on their own.
+//! and not) that are the target's own whatever was drafted, `echo` with prompt log-probs,
+//! `n` choices that share the prompt's blocks and sample on their own, and several prompts in
+//! one completions request.
 
 mod server_support;
 
@@ -248,6 +249,59 @@ fn n_choices_share_the_prompt_and_sample_on_their_own() {
             .count();
         assert_eq!(finishes, 1, "choice {i} ends once");
     }
+    server.wait_idle(std::time::Duration::from_secs(10));
+}
+
+/// `prompt` as a list: each prompt gets `n` choices, prompt p's choice i at index p·n + i, each
+/// what the prompt alone with seed + index gives; usage sums the prompts.
+#[test]
+fn several_completion_prompts_each_get_n_choices() {
+    let server = start_default();
+    let prompts = ["The three primary colours are", "Once upon a time, in a small village,"];
+    let body = |prompt: Value, n: usize, seed: u64, stream: bool| {
+        json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": seed,
+               "n": n, "echo": true, "logprobs": 1, "stream": stream})
+    };
+    let v = server.post(COMPLETIONS, &body(json!(prompts), 2, 7, false)).json().unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{v}");
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (c, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], c);
+        let prompt = prompts[c / 2];
+        let alone = server.post(COMPLETIONS, &body(json!(prompt), 1, 7 + c as u64, false)).json().unwrap();
+        assert_eq!(choice["text"], alone["choices"][0]["text"], "choice {c}");
+        assert!(choice["text"].as_str().unwrap().starts_with(prompt));
+        assert_eq!(
+            choice["logprobs"]["token_logprobs"], alone["choices"][0]["logprobs"]["token_logprobs"],
+            "choice {c}"
+        );
+        if c % 2 == 0 {
+            prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+        }
+        completion_tokens += alone["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap(), prompt_tokens, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), completion_tokens, "{v}");
+    // Streamed: each index's text pieces make the same text, its prompt first.
+    let s = server.stream(COMPLETIONS, &body(json!(prompts), 2, 7, true));
+    assert!(s.done);
+    for (c, choice) in choices.iter().enumerate() {
+        let text: String = s
+            .events
+            .iter()
+            .flat_map(|e| e["choices"].as_array().cloned().unwrap_or_default())
+            .filter(|x| x["index"] == c)
+            .filter_map(|x| x["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(text, choice["text"].as_str().unwrap(), "streamed choice {c}");
+    }
+    // Token-id prompts too; a bad one refuses the whole request.
+    let ids = json!([completion_ids(prompts[0]), completion_ids(prompts[1])]);
+    let v = server.post(COMPLETIONS, &body(ids, 1, 7, false)).json().unwrap();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2, "{v}");
+    let r = server.post(COMPLETIONS, &body(json!(["fine", [999_999_999u64]]), 1, 7, false));
+    assert_eq!(r.status, 400);
     server.wait_idle(std::time::Duration::from_secs(10));
 }
 

@@ -56,7 +56,10 @@ pub enum ToolChoice {
 pub struct CompletionRequest {
     pub endpoint: Endpoint,
     pub model: Option<String>,
-    pub prompt: PromptInput,
+    /// Chat: one. Completions: one or more (`prompt` as a list of strings or of token-id
+    /// lists); each gets `n` choices, prompt `p`'s choice `i` at index `p·n + i`, as OpenAI
+    /// numbers them.
+    pub prompts: Vec<PromptInput>,
     /// `max_tokens` is `None` when not given.
     pub params: SamplingParams,
     pub stream: bool,
@@ -89,6 +92,8 @@ pub struct CompletionRequest {
 pub const MAX_STOP_STRINGS: usize = 16;
 /// Most choices per request (`n`).
 pub const MAX_CHOICES: usize = 16;
+/// Most choices over all of a request's prompts (prompts × `n`).
+pub const MAX_CHOICES_ALL_PROMPTS: usize = 64;
 
 /// Parses a request body (already known to be within the size limit).
 pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionRequest, ApiError> {
@@ -107,23 +112,33 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
 
     let model = f.string("model")?;
     let (tools, tool_choice) = parse_tools(&f, endpoint)?;
-    let prompt = match endpoint {
+    let prompts = match endpoint {
         Endpoint::Chat => {
             let messages = parse_messages(obj.get("messages"))?;
             let uses_tools = !tools.is_empty() && tool_choice != ToolChoice::None;
-            match tool_messages(obj.get("messages"), &messages)? {
+            vec![match tool_messages(obj.get("messages"), &messages)? {
                 Some(json) => PromptInput::ChatJson(json),
                 None if uses_tools => PromptInput::ChatJson(messages_json(&messages)),
                 None => PromptInput::Chat(messages),
-            }
+            }]
         }
-        Endpoint::Completion => parse_prompt(obj.get("prompt"))?,
+        Endpoint::Completion => parse_prompts(obj.get("prompt"))?,
     };
     let n = match f.integer("n")? {
         None => 1,
         Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
         Some(n) => return Err(ApiError::invalid("n", format!("`n` must be between 1 and {MAX_CHOICES}, got {n}"))),
     };
+    if prompts.len() * n > MAX_CHOICES_ALL_PROMPTS {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "{} prompts × n = {n} is {} choices; at most {MAX_CHOICES_ALL_PROMPTS} per request",
+                prompts.len(),
+                prompts.len() * n
+            ),
+        ));
+    }
     if let Some(b) = f.integer("best_of")? {
         if b != n as i64 {
             return Err(ApiError::invalid(
@@ -239,7 +254,7 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionReques
     Ok(CompletionRequest {
         endpoint,
         model,
-        prompt,
+        prompts,
         params,
         stream,
         include_usage: stream && include_usage,
@@ -585,11 +600,11 @@ fn parse_messages(value: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(out)
 }
 
-fn parse_prompt(value: Option<&Value>) -> Result<PromptInput, ApiError> {
+fn parse_prompts(value: Option<&Value>) -> Result<Vec<PromptInput>, ApiError> {
     let bad = || {
         ApiError::invalid(
             "prompt",
-            "`prompt` must be a string, an array of token ids, or an array holding one of these",
+            "`prompt` must be a string, an array of token ids, or an array of strings or of token-id arrays",
         )
     };
     let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
@@ -597,16 +612,18 @@ fn parse_prompt(value: Option<&Value>) -> Result<PromptInput, ApiError> {
     };
     match value {
         None | Some(Value::Null) => Err(ApiError::invalid("prompt", "Missing required parameter: `prompt`")),
-        Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
+        Some(Value::String(s)) => Ok(vec![PromptInput::Text(s.clone())]),
         Some(Value::Array(items)) => match items.first() {
             None => Err(ApiError::invalid("prompt", "`prompt` is empty")),
-            Some(Value::Number(_)) => Ok(PromptInput::Ids(ids(items)?)),
-            Some(_) if items.len() > 1 => {
-                Err(ApiError::invalid("prompt", "Only one prompt per request is supported (n = 1)"))
-            }
-            Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
-            Some(Value::Array(inner)) if !inner.is_empty() => Ok(PromptInput::Ids(ids(inner)?)),
-            Some(_) => Err(bad()),
+            Some(Value::Number(_)) => Ok(vec![PromptInput::Ids(ids(items)?)]),
+            Some(_) => items
+                .iter()
+                .map(|item| match item {
+                    Value::String(s) => Ok(PromptInput::Text(s.clone())),
+                    Value::Array(inner) if !inner.is_empty() => Ok(PromptInput::Ids(ids(inner)?)),
+                    _ => Err(bad()),
+                })
+                .collect(),
         },
         Some(_) => Err(bad()),
     }
@@ -870,7 +887,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.model.as_deref(), Some("m"));
-        assert_eq!(r.prompt, PromptInput::Chat(vec![ChatMessage::system("be brief"), ChatMessage::user("hi")]));
+        assert_eq!(r.prompts, vec![PromptInput::Chat(vec![ChatMessage::system("be brief"), ChatMessage::user("hi")])]);
         assert_eq!(r.params.max_tokens, Some(7));
         assert_eq!(r.params.top_k, 0);
         assert_eq!(r.params.seed, Some((-3i64) as u64));
@@ -880,12 +897,20 @@ mod tests {
 
     #[test]
     fn completion_prompts_in_every_shape() {
-        let p = |s: &str| parse(&format!(r#"{{"prompt":{s}}}"#), Endpoint::Completion).map(|r| r.prompt);
-        assert_eq!(p(r#""hi""#).unwrap(), PromptInput::Text("hi".into()));
-        assert_eq!(p(r#"["hi"]"#).unwrap(), PromptInput::Text("hi".into()));
-        assert_eq!(p("[1,2]").unwrap(), PromptInput::Ids(vec![1, 2]));
-        assert_eq!(p("[[1,2]]").unwrap(), PromptInput::Ids(vec![1, 2]));
-        assert!(p(r#"["a","b"]"#).is_err());
+        let p = |s: &str| parse(&format!(r#"{{"prompt":{s}}}"#), Endpoint::Completion).map(|r| r.prompts);
+        let text = |t: &str| PromptInput::Text(t.into());
+        assert_eq!(p(r#""hi""#).unwrap(), vec![text("hi")]);
+        assert_eq!(p(r#"["hi"]"#).unwrap(), vec![text("hi")]);
+        assert_eq!(p("[1,2]").unwrap(), vec![PromptInput::Ids(vec![1, 2])]);
+        assert_eq!(p("[[1,2]]").unwrap(), vec![PromptInput::Ids(vec![1, 2])]);
+        assert_eq!(p(r#"["a","b"]"#).unwrap(), vec![text("a"), text("b")]);
+        assert_eq!(p(r#"["a",[3]]"#).unwrap(), vec![text("a"), PromptInput::Ids(vec![3])]);
+        assert!(p(r#"["a",[]]"#).is_err());
+        assert!(p(r#"["a",3]"#).is_err());
+        let many = format!("[{}]", vec![r#""x""#; 65].join(","));
+        assert_eq!(param_of(&format!(r#"{{"prompt":{many}}}"#), Endpoint::Completion).as_deref(), Some("prompt"));
+        let eighty = r#"{"prompt":["a","b","c","d","e"],"n":16}"#;
+        assert_eq!(param_of(eighty, Endpoint::Completion).as_deref(), Some("prompt"));
         assert!(p("[]").is_err());
         assert!(p("[-1]").is_err());
         assert!(p("3").is_err());

@@ -216,30 +216,38 @@ async fn start(
         }
     }
     // Tokenizing (and rendering a chat template) can take a while for a long prompt: keep it
-    // off the async workers.
+    // off the async workers. Every prompt is checked before any is queued.
     let st = state.clone();
-    let engine_req = tokio::task::spawn_blocking(move || prepare(&st, &req).map(|r| (r, req)))
-        .await
-        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
-    let (engine_req, req) = engine_req;
-    let echo = req.echo.then(|| echo_prompt(state, &req, &engine_req.prompt));
-    let mut receivers = Vec::with_capacity(req.n);
-    for i in 0..req.n {
-        let mut choice = engine_req.clone();
-        // Each choice samples on its own; with a seed, choice i is reproducible as seed + i.
-        choice.params.seed = engine_req.params.seed.map(|s| s.wrapping_add(i as u64));
-        // The prompt's log-probs are the same for every choice: the first computes them, the
-        // others reuse its prompt blocks through the prefix cache. A stream sends each
-        // choice's echo with its first event, which may come before the first choice's, so
-        // there every choice computes them.
-        if i > 0 && !req.stream {
-            choice.prompt_logprobs = None;
+    let (prepared, req) = tokio::task::spawn_blocking(move || {
+        let prepared = req.prompts.iter().map(|p| prepare(&st, &req, p)).collect::<Result<Vec<_>, ApiError>>();
+        prepared.map(|r| (r, req))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
+    let echo = if req.echo {
+        req.prompts.iter().zip(&prepared).map(|(p, r)| echo_prompt(state, p, &r.prompt)).collect()
+    } else {
+        Vec::new()
+    };
+    let mut receivers = Vec::with_capacity(prepared.len() * req.n);
+    for (p, engine_req) in prepared.iter().enumerate() {
+        for i in 0..req.n {
+            let mut choice = engine_req.clone();
+            // Each choice samples on its own; with a seed, choice c is reproducible as seed + c.
+            choice.params.seed = engine_req.params.seed.map(|s| s.wrapping_add((p * req.n + i) as u64));
+            // A prompt's log-probs are the same for every choice of it: the first computes
+            // them, the others reuse its prompt blocks through the prefix cache. A stream
+            // sends each choice's echo with its first event, which may come before the first
+            // choice's, so there every choice computes them.
+            if i > 0 && !req.stream {
+                choice.prompt_logprobs = None;
+            }
+            // A refused choice drops the receivers of those already queued, which cancels them.
+            receivers.push(state.engine.submit(choice).map_err(|e| match e {
+                SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string()),
+                SubmitError::Stopped => ApiError::shutting_down(),
+            })?);
         }
-        // A refused choice drops the receivers of those already queued, which cancels them.
-        receivers.push(state.engine.submit(choice).map_err(|e| match e {
-            SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string()),
-            SubmitError::Stopped => ApiError::shutting_down(),
-        })?);
     }
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
     let meta = ResponseMeta {
@@ -252,7 +260,7 @@ async fn start(
         endpoint,
     };
     let tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
-    let shape = ResponseShape { meta, logprobs: req.logprobs.is_some(), echo, tools };
+    let shape = ResponseShape { meta, logprobs: req.logprobs.is_some(), echo, tools, n: req.n };
     if req.stream {
         Ok(stream_response(state.clone(), receivers, shape, req.include_usage, arrived))
     } else {
@@ -265,15 +273,18 @@ struct ResponseShape {
     meta: ResponseMeta,
     /// Log-probs were asked for.
     logprobs: bool,
-    /// Completions with `echo`: the prompt (text and ids) comes before each choice's output.
-    echo: Option<(String, Vec<u32>)>,
+    /// Completions with `echo`: per prompt, its text and ids, which come before the output of
+    /// each of its choices (empty without `echo`).
+    echo: Vec<(String, Vec<u32>)>,
     /// Chat with `tools`: calls in the output become `tool_calls`.
     tools: bool,
+    /// Choices per prompt: choice `c` answers prompt `c / n`.
+    n: usize,
 }
 
-/// The prompt's text as echoed: the text given, or the ids decoded.
-fn echo_prompt(state: &AppState, req: &CompletionRequest, ids: &[u32]) -> (String, Vec<u32>) {
-    let text = match &req.prompt {
+/// A prompt's text as echoed: the text given, or the ids decoded.
+fn echo_prompt(state: &AppState, prompt: &PromptInput, ids: &[u32]) -> (String, Vec<u32>) {
+    let text = match prompt {
         PromptInput::Text(t) => t.clone(),
         _ => state.engine.model().tokenizer.decode(ids, false),
     };
@@ -357,7 +368,7 @@ fn log_finished(
     );
 }
 
-/// Usage of a request with several choices: the prompt once, everything generated summed.
+/// Usage of one prompt's choices: the prompt once, everything generated summed.
 fn add_usage(total: &mut Option<Usage>, u: &Usage) {
     match total {
         None => *total = Some(*u),
@@ -370,6 +381,21 @@ fn add_usage(total: &mut Option<Usage>, u: &Usage) {
             t.cached_prompt_tokens = t.cached_prompt_tokens.max(u.cached_prompt_tokens);
         }
     }
+}
+
+/// Usage of a request: its prompts' usages summed.
+fn request_usage(per_prompt: &[Option<Usage>]) -> Usage {
+    let mut total = Usage::default();
+    for u in per_prompt.iter().flatten() {
+        total.prompt_tokens += u.prompt_tokens;
+        total.cached_prompt_tokens += u.cached_prompt_tokens;
+        total.completion_tokens += u.completion_tokens;
+        total.draft_n += u.draft_n;
+        total.draft_n_accepted += u.draft_n_accepted;
+        total.verify_steps += u.verify_steps;
+        total.preemptions += u.preemptions;
+    }
+    total
 }
 
 /// The server's chat template variables, overridden key by key by the request's.
@@ -394,9 +420,9 @@ fn encode_chat(
 }
 
 /// Tokenizes the prompt and checks it and `max_tokens` against the context.
-fn prepare(state: &AppState, req: &CompletionRequest) -> Result<EngineRequest, ApiError> {
+fn prepare(state: &AppState, req: &CompletionRequest, prompt: &PromptInput) -> Result<EngineRequest, ApiError> {
     let loaded = state.engine.model();
-    let prompt = match &req.prompt {
+    let prompt = match prompt {
         PromptInput::Chat(messages) => {
             let kwargs = template_kwargs(state, req);
             encode_chat(state, |t| t.render_with(messages, true, &kwargs))?
@@ -499,12 +525,14 @@ async fn collect_response(
 ) -> Result<Response, ApiError> {
     let tokenizer = &state.engine.model().tokenizer;
     let mut choices = Vec::with_capacity(receivers.len());
-    let mut usage = None;
-    let mut prompt_logprobs: Option<Vec<TokenLogprob>> = None;
+    let prompts = receivers.len().div_ceil(shape.n.max(1));
+    let mut usage: Vec<Option<Usage>> = vec![None; prompts];
+    let mut prompt_logprobs: Vec<Option<Vec<TokenLogprob>>> = vec![None; prompts];
     let mut last: Option<Instant> = None;
     let mut first_token: Option<Instant> = None;
     // The choices run together in the engine; collecting them one after another waits no longer.
-    for mut rx in receivers {
+    for (c, mut rx) in receivers.into_iter().enumerate() {
+        let p = c / shape.n.max(1);
         let mut text = String::new();
         let mut logprobs: Vec<TokenLogprob> = Vec::new();
         let finish = loop {
@@ -515,15 +543,15 @@ async fn collect_response(
                     text.push_str(&chunk.text());
                     logprobs.extend(chunk.logprobs.iter().cloned());
                     if !chunk.prompt_logprobs.is_empty() {
-                        prompt_logprobs = Some(chunk.prompt_logprobs);
+                        prompt_logprobs[p] = Some(chunk.prompt_logprobs);
                     }
                 }
                 Some(EngineEvent::Done(done)) => {
                     text.push_str(&done.tail);
                     if !done.prompt_logprobs.is_empty() {
-                        prompt_logprobs = Some(done.prompt_logprobs);
+                        prompt_logprobs[p] = Some(done.prompt_logprobs);
                     }
-                    add_usage(&mut usage, &done.usage);
+                    add_usage(&mut usage[p], &done.usage);
                     break done.finish;
                 }
                 Some(EngineEvent::Failed(message)) => return Err(failure(state, message)),
@@ -534,11 +562,13 @@ async fn collect_response(
     }
     let choices: Vec<Choice> = choices
         .into_iter()
-        .map(|(text, items, finish)| {
+        .enumerate()
+        .map(|(c, (text, items, finish))| {
+            let p = c / shape.n.max(1);
             let mut lp = ChoiceLogprobs::new(shape.meta.endpoint, 0);
-            let text = match &shape.echo {
+            let text = match shape.echo.get(p) {
                 Some((prompt_text, ids)) => {
-                    lp.push_prompt(ids, prompt_logprobs.as_deref().unwrap_or(&[]), tokenizer);
+                    lp.push_prompt(ids, prompt_logprobs[p].as_deref().unwrap_or(&[]), tokenizer);
                     format!("{prompt_text}{text}")
                 }
                 None => text,
@@ -549,7 +579,7 @@ async fn collect_response(
             Choice { text, finish, logprobs: shape.logprobs.then(|| lp.to_json(tokenizer)), tool_calls }
         })
         .collect();
-    let usage = usage.unwrap_or_default();
+    let usage = request_usage(&usage);
     log_finished(&shape.meta, 200, &usage, arrived, first_token, choices.len());
     Ok(json_response(StatusCode::OK, &shape.meta.response(&choices, &usage)))
 }
@@ -602,7 +632,7 @@ fn stream_response(
         let mut started = vec![false; n];
         // With tools: each choice's text so far and how much of it went out as content.
         let mut texts: Vec<(String, usize)> = vec![(String::new(), 0); n];
-        let mut usage = None;
+        let mut usage: Vec<Option<Usage>> = vec![None; n.div_ceil(shape.n.max(1))];
         let mut finished = 0;
         if meta.endpoint == Endpoint::Chat {
             for i in 0..n {
@@ -620,7 +650,7 @@ fn stream_response(
             // A choice's first event: the echoed prompt goes out before its output.
             if let Some((i, ev)) = &event {
                 if !std::mem::replace(&mut started[*i], true) {
-                    if let Some((prompt_text, ids)) = &shape.echo {
+                    if let Some((prompt_text, ids)) = shape.echo.get(*i / shape.n.max(1)) {
                         let prompt_lps = match ev {
                             EngineEvent::Tokens(c) => c.prompt_logprobs.as_slice(),
                             EngineEvent::Done(d) => d.prompt_logprobs.as_slice(),
@@ -672,12 +702,13 @@ fn stream_response(
                         let id = format!("{}_{i}", meta.id);
                         out.push(sse(&meta.tool_calls_chunk(i, tool_calls::to_json(&calls, &id, true))));
                     }
-                    add_usage(&mut usage, &done.usage);
+                    add_usage(&mut usage[i / shape.n.max(1)], &done.usage);
                     finished += 1;
                     if finished == n {
-                        log_finished(meta, 200, &usage.unwrap_or_default(), arrived, first_token, n);
+                        let usage = request_usage(&usage);
+                        log_finished(meta, 200, &usage, arrived, first_token, n);
                         if include_usage {
-                            out.push(sse(&meta.usage_chunk(&usage.unwrap_or_default())));
+                            out.push(sse(&meta.usage_chunk(&usage)));
                         }
                         out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                     }

@@ -381,7 +381,8 @@ struct ActBlock {
     taken: u32,
 }
 
-/// Activations quantised per 32 values in up to two levels (see the module docs).
+/// Activations quantised per 32 values: one level, one level with outliers taken out, or two
+/// levels (see the module docs).
 struct QuantizedRows {
     /// `[m][k]` first level.
     q: Vec<i8>,
@@ -392,9 +393,9 @@ struct QuantizedRows {
     k: usize,
     levels: ActivationLevels,
     /// [`ActivationLevels::Outliers`]: row `i`'s outliers, in increasing order of input, are
-    /// `outliers[i·k/32..][..outlier_count[i]]` (at most one per block).
+    /// `outliers[i·c..][..outlier_count[i]]`, `c = MAX_OUTLIERS_PER_BLOCK · k/32`.
     outliers: Vec<Outlier>,
-    outlier_count: Vec<u16>,
+    outlier_count: Vec<u32>,
     /// The same outliers per group of `MAX_ROWS` rows (the rows one kernel call takes):
     /// group `g`'s inputs with an outlier in any of its rows, as `(block, input)` in
     /// increasing order, are `group_inputs[group_at[g]..group_at[g + 1]]`, and `group_x`
@@ -425,7 +426,7 @@ impl QuantizedRows {
         let (mut q, r) = (vec![0i8; x.len()], Vec::new());
         let mut blocks = vec![ActBlock::default(); m * kb];
         let cap = kb * MAX_OUTLIERS_PER_BLOCK;
-        let (mut outliers, mut outlier_count) = (vec![Outlier::default(); m * cap], vec![0u16; m]);
+        let (mut outliers, mut outlier_count) = (vec![Outlier::default(); m * cap], vec![0u32; m]);
         let ptrs = (
             SyncPtr(q.as_mut_ptr()),
             SyncPtr(blocks.as_mut_ptr()),
@@ -443,7 +444,7 @@ impl QuantizedRows {
                     std::slice::from_raw_parts_mut(o_ptr.get().add(row * cap), cap),
                     quantize_range,
                     largest_untaken,
-                ) as u16;
+                ) as u32;
             }
         };
         if m * kb <= SERIAL_QUANT_BLOCKS {
@@ -477,8 +478,9 @@ impl QuantizedRows {
                 group.extend(listed.iter().map(|o| ((o.block, o.at), r, o.x)));
             }
             group.sort_unstable_by_key(|&(input, r, _)| (input, r));
+            let start = rows.group_inputs.len();
             for &(input, r, x) in &group {
-                if rows.group_inputs.len() == rows.group_at[g] as usize || *rows.group_inputs.last().unwrap() != input {
+                if rows.group_inputs.len() == start || rows.group_inputs.last() != Some(&input) {
                     rows.group_inputs.push(input);
                     rows.group_x.push([0.0; MAX_ROWS]);
                 }

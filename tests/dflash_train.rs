@@ -591,3 +591,77 @@ fn init_from_target_copies_the_target_layers() {
     let fc: Vec<Vec<f32>> = get("fc.weight").to_vec2().unwrap();
     assert!(fc[3][3] == 1.0 && fc[3][4] == 0.0 && fc[3][64 + 3] == 0.0, "fc passes the first tap through");
 }
+
+/// `--attention-bias`: before training, query head h attends mostly to the row 1 + h/2
+/// positions back; the drafter trains, exports with its biases, loads through the serving path
+/// with the same draft logits as the training forward, and stays lossless.
+#[test]
+fn an_attention_bias_drafter_starts_with_position_heads_trains_and_serves() {
+    let target = tiny_target();
+    let settings = TrainSettings { attention_bias: true, layers: 2, ..tiny_settings(20) };
+    let config = td::drafter_config(&target.model, &settings, 255).unwrap();
+    assert!(config.attention_bias);
+    let params = init_params(&config, 1, &Device::Cpu).unwrap();
+    td::init_relative_position_heads(&config, &params).unwrap();
+    let get = |n: &str| params.iter().find(|(name, _)| name == n).unwrap().1.as_tensor().clone();
+    // The pattern alone (the biases through the q/k norms and RoPE): head h's scores peak at
+    // offset 1 + h/2 among the 24 positions before the query.
+    let d = config.head_dim;
+    let q: Vec<f32> = get("layers.0.self_attn.q_proj.bias").to_vec1().unwrap();
+    let k: Vec<f32> = get("layers.0.self_attn.k_proj.bias").to_vec1().unwrap();
+    let rotate = |v: &[f32], pos: usize| -> Vec<f32> {
+        let mut out = v.to_vec();
+        for i in 0..d / 2 {
+            let a = pos as f64 * config.rope_theta.powf(-2.0 * i as f64 / d as f64);
+            let (c, s) = (a.cos() as f32, a.sin() as f32);
+            out[i] = v[i] * c - v[i + d / 2] * s;
+            out[i + d / 2] = v[i + d / 2] * c + v[i] * s;
+        }
+        out
+    };
+    for h in 0..config.n_heads {
+        let qh = rotate(&q[h * d..(h + 1) * d], 40);
+        let kv = h / (config.n_heads / config.n_kv_heads);
+        let best = (1..=24)
+            .max_by(|&a, &b| {
+                let score = |back: usize| -> f32 {
+                    rotate(&k[kv * d..(kv + 1) * d], 40 - back).iter().zip(&qh).map(|(x, y)| x * y).sum()
+                };
+                score(a).total_cmp(&score(b))
+            })
+            .unwrap();
+        assert_eq!(best, td::relative_position_head_offset(h), "head {h}");
+    }
+
+    let examples = tiny_examples(&target, 16, 8, 24, 9);
+    let out = tempfile::tempdir().unwrap();
+    run_training(&target, &examples, settings, out.path(), false, None);
+    let dir = out.path().join("drafter");
+    let exported: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(exported["attention_bias"], true);
+    let (config, params) = params_from_checkpoint(&dir);
+    let train_drafter = drafter_from_params(&config, &params, &Device::Cpu).unwrap();
+    let serving = Arc::new(dflash::load_for_target(&dir, &target.model, &Device::Cpu).unwrap());
+    let frozen = frozen_target(&target.model, None).unwrap();
+    let e = &examples[0];
+    let anchor = e.tokens.len() - 10;
+    let f = target_features(&target.model, &config.target_layer_ids, &e.tokens, KvDtype::F32).unwrap();
+    let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: &[anchor] };
+    let l = sequence_loss(&train_drafter, &frozen, &input, ObjectiveSettings { block: config.block_size, gamma: 4.0 })
+        .unwrap();
+    let train_loss = l.weighted_ce.to_scalar::<f32>().unwrap() as f64;
+    let logits = serving_draft_logits(&target.model, &serving, &e.tokens, anchor);
+    let lp = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
+    let mut serve_loss = 0.0;
+    for k in 1..config.block_size {
+        if anchor + k < e.tokens.len() && e.loss_mask[anchor + k] == 1 {
+            serve_loss -= (-((k - 1) as f64) / 4.0).exp() * lp[k - 1][e.tokens[anchor + k] as usize] as f64;
+        }
+    }
+    assert!((train_loss - serve_loss).abs() < 1e-4 * serve_loss.abs().max(1.0), "{train_loss} vs {serve_loss}");
+
+    let prompt = &tiny_examples(&target, 1, 8, 0, 77)[0].tokens;
+    let mut p = DflashProposer::new(serving, TargetHead::of(&target.model), DflashSettings::default()).unwrap();
+    let spec = greedy_run(&target.model, prompt, 32, Some(&mut p));
+    assert_eq!(spec.tokens, greedy(&target.model, prompt, 32, None));
+}

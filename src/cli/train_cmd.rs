@@ -190,6 +190,11 @@ pub struct DflashArgs {
     /// random weights.
     #[arg(long)]
     init_from_target: bool,
+    /// Give the drafter attention biases, the q/k ones starting as relative-position heads
+    /// (head h looks 1 + h/2 positions back): it learns where the anchor's token is in far
+    /// fewer steps.
+    #[arg(long)]
+    attention_bias: bool,
     /// Continue from OUT/checkpoint (same settings and data).
     #[arg(long)]
     resume: bool,
@@ -352,6 +357,7 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         checkpoint_every: args.checkpoint_every,
         init_from: args.init_from.clone(),
         init_from_target: args.init_from_target,
+        attention_bias: args.attention_bias,
     };
     settings.validate()?;
     let export_dtype = export_dtype(&args.dtype)?;

@@ -91,6 +91,10 @@ pub struct TrainSettings {
     /// a fresh initialisation (to train further with a new schedule or more data).
     #[serde(default)]
     pub init_from: Option<PathBuf>,
+    /// Give the drafter's attention q/k/v/o biases (`attention_bias` in its config), the q/k
+    /// ones starting as relative-position heads ([`init_relative_position_heads`]).
+    #[serde(default)]
+    pub attention_bias: bool,
 }
 
 impl Default for TrainSettings {
@@ -120,6 +124,7 @@ impl Default for TrainSettings {
             checkpoint_every: 200,
             init_from_target: false,
             init_from: None,
+            attention_bias: false,
         }
     }
 }
@@ -283,6 +288,7 @@ pub fn drafter_config(target: &Transformer, settings: &TrainSettings, mask_token
         mask_token,
     );
     config.draft_vocab_size = settings.draft_vocab;
+    config.attention_bias = settings.attention_bias;
     config.check_target(t)?;
     if !config.n_heads.is_multiple_of(config.n_kv_heads) || !config.head_dim.is_multiple_of(2) {
         bail!(
@@ -378,6 +384,56 @@ pub fn init_from_target_layers(config: &DflashConfig, params: &[(String, Var)], 
     set("hidden_norm.weight", target.read_dense("blk.0.attn_norm.weight")?)?;
     Ok(())
 }
+
+/// Query head `h` of every layer starts as a head that looks `1 + h/2` positions back.
+pub fn relative_position_head_offset(head: usize) -> usize {
+    1 + head / 2
+}
+
+/// Starts the q/k biases of a drafter with attention biases as relative-position heads. Why:
+/// from random weights every head spreads its attention evenly over the context and the block,
+/// so the one row that carries the anchor's token (and the context just before it) reaches a
+/// block row with a weight of about 1/(context length), and the drafter spends many steps
+/// learning where to look. Here, on the fastest [`POSITION_PAIRS`] RoPE pairs, every key bias
+/// is the same vector `a` and query head `h`'s bias is `a` rotated back by
+/// δ = [`relative_position_head_offset`]`(h)` positions, so a query at position m scores a key
+/// at n by Σ cos(θᵢ·(m − n − δ)), largest at n = m − δ; q/k norm weights start at 2 to make
+/// that peak sharp. The weights stay random, so content can take over as training proceeds.
+pub fn init_relative_position_heads(config: &DflashConfig, params: &[(String, Var)]) -> Result<()> {
+    const BIAS: f32 = 3.0;
+    const NORM: f32 = 2.0;
+    let d = config.head_dim;
+    let pairs = POSITION_PAIRS.min(d / 2);
+    let theta = |i: usize| config.rope_theta.powf(-2.0 * i as f64 / d as f64);
+    let mut q = vec![0f32; config.n_heads * d];
+    for h in 0..config.n_heads {
+        let delta = relative_position_head_offset(h) as f64;
+        for i in 0..pairs {
+            let angle = theta(i) * delta;
+            q[h * d + i] = BIAS * angle.cos() as f32;
+            q[h * d + d / 2 + i] = -BIAS * angle.sin() as f32;
+        }
+    }
+    let mut k = vec![0f32; config.n_kv_heads * d];
+    for h in 0..config.n_kv_heads {
+        k[h * d..h * d + pairs].fill(BIAS);
+    }
+    let set = |name: String, values: Vec<f32>| -> Result<()> {
+        let (_, v) = params.iter().find(|(n, _)| *n == name).with_context(|| format!("no parameter `{name}`"))?;
+        let len = values.len();
+        Ok(v.set(&Tensor::from_vec(values, len, v.device())?)?)
+    };
+    for l in 0..config.n_layers {
+        set(format!("layers.{l}.self_attn.q_proj.bias"), q.clone())?;
+        set(format!("layers.{l}.self_attn.k_proj.bias"), k.clone())?;
+        set(format!("layers.{l}.self_attn.q_norm.weight"), vec![NORM; d])?;
+        set(format!("layers.{l}.self_attn.k_norm.weight"), vec![NORM; d])?;
+    }
+    Ok(())
+}
+
+/// RoPE pairs (the fastest-turning) that carry [`init_relative_position_heads`]' pattern.
+pub const POSITION_PAIRS: usize = 12;
 
 /// A drafter whose weights are `params` (sharing their storage: updating a variable updates
 /// the drafter).
@@ -674,6 +730,9 @@ impl TrainRun<'_> {
             let params = init_params(&config, s.seed, &device)?;
             if s.init_from_target {
                 init_from_target_layers(&config, &params, self.target)?;
+            }
+            if config.attention_bias {
+                init_relative_position_heads(&config, &params)?;
             }
             (config, vocab, params, 0, Vec::new(), 0.0, None)
         };

@@ -42,6 +42,11 @@ impl RopeTable {
         Self { inv_freq }
     }
 
+    /// The inverse frequency of each rotated pair (θᵢ), fastest first.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// cos and sin tables `[rows, head_dim]` for absolute positions (f32 angles, as HF).
     pub fn tables(&self, positions: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
         let d = 2 * self.inv_freq.len();

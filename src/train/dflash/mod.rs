@@ -19,6 +19,7 @@ use super::features::{target_features, FeatureCache, FeatureKey};
 use crate::kv::KvDtype;
 use crate::model::Transformer;
 use crate::speculative::dflash::{default_target_layer_ids, expected_tensors, DflashConfig, DflashDrafter, TargetHead};
+use crate::speculative::nn::RopeTable;
 use crate::tokenize::{TokenKind, Tokenizer};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -346,13 +347,7 @@ pub fn init_from_target_layers(config: &DflashConfig, params: &[(String, Var)], 
             t.ffn
         );
     }
-    let set = |name: &str, value: Tensor| -> Result<()> {
-        let (_, v) = params.iter().find(|(n, _)| n == name).with_context(|| format!("no parameter `{name}`"))?;
-        if v.dims() != value.dims() {
-            bail!("`{name}`: target tensor of shape {:?}, drafter {:?}", value.dims(), v.dims());
-        }
-        Ok(v.set(&value)?)
-    };
+    let set = |name: &str, value: Tensor| set_param(params, name, &value);
     let unpermute = |w: Tensor, heads: usize| -> Result<Tensor> {
         if t.rope_style != crate::model::RopeStyle::Interleaved {
             return Ok(w);
@@ -385,6 +380,15 @@ pub fn init_from_target_layers(config: &DflashConfig, params: &[(String, Var)], 
     Ok(())
 }
 
+/// Sets the parameter `name` to `value`, which must have its shape.
+fn set_param(params: &[(String, Var)], name: &str, value: &Tensor) -> Result<()> {
+    let (_, v) = params.iter().find(|(n, _)| n == name).with_context(|| format!("no parameter `{name}`"))?;
+    if v.dims() != value.dims() {
+        bail!("`{name}`: a tensor of shape {:?} for a parameter of shape {:?}", value.dims(), v.dims());
+    }
+    Ok(v.set(value)?)
+}
+
 /// Query head `h` of every layer starts as a head that looks `1 + h/2` positions back.
 pub fn relative_position_head_offset(head: usize) -> usize {
     1 + head / 2
@@ -404,30 +408,29 @@ pub fn init_relative_position_heads(config: &DflashConfig, params: &[(String, Va
     const NORM: f32 = 2.0;
     let d = config.head_dim;
     let pairs = POSITION_PAIRS.min(d / 2);
-    let theta = |i: usize| config.rope_theta.powf(-2.0 * i as f64 / d as f64);
+    let rope = RopeTable::new(d, config.rope_theta);
     let mut q = vec![0f32; config.n_heads * d];
     for h in 0..config.n_heads {
-        let delta = relative_position_head_offset(h) as f64;
-        for i in 0..pairs {
-            let angle = theta(i) * delta;
-            q[h * d + i] = BIAS * angle.cos() as f32;
-            q[h * d + d / 2 + i] = -BIAS * angle.sin() as f32;
+        let delta = relative_position_head_offset(h) as f32;
+        for (i, theta) in rope.inv_freq()[..pairs].iter().enumerate() {
+            let angle = theta * delta;
+            q[h * d + i] = BIAS * angle.cos();
+            q[h * d + d / 2 + i] = -BIAS * angle.sin();
         }
     }
     let mut k = vec![0f32; config.n_kv_heads * d];
     for h in 0..config.n_kv_heads {
         k[h * d..h * d + pairs].fill(BIAS);
     }
-    let set = |name: String, values: Vec<f32>| -> Result<()> {
-        let (_, v) = params.iter().find(|(n, _)| *n == name).with_context(|| format!("no parameter `{name}`"))?;
-        let len = values.len();
-        Ok(v.set(&Tensor::from_vec(values, len, v.device())?)?)
-    };
+    let device = params.first().map_or(Device::Cpu, |(_, v)| v.device().clone());
+    let q = Tensor::from_vec(q, config.n_heads * d, &device)?;
+    let k = Tensor::from_vec(k, config.n_kv_heads * d, &device)?;
+    let norm = Tensor::full(NORM, d, &device)?;
     for l in 0..config.n_layers {
-        set(format!("layers.{l}.self_attn.q_proj.bias"), q.clone())?;
-        set(format!("layers.{l}.self_attn.k_proj.bias"), k.clone())?;
-        set(format!("layers.{l}.self_attn.q_norm.weight"), vec![NORM; d])?;
-        set(format!("layers.{l}.self_attn.k_norm.weight"), vec![NORM; d])?;
+        set_param(params, &format!("layers.{l}.self_attn.q_proj.bias"), &q)?;
+        set_param(params, &format!("layers.{l}.self_attn.k_proj.bias"), &k)?;
+        set_param(params, &format!("layers.{l}.self_attn.q_norm.weight"), &norm)?;
+        set_param(params, &format!("layers.{l}.self_attn.k_norm.weight"), &norm)?;
     }
     Ok(())
 }

@@ -134,11 +134,12 @@ impl<'a> EngineCore<'a> {
         let draft = match (&proposer, self.draft_len) {
             (None, _) => DraftChoice::None,
             (Some(_), DraftLen::Fixed(n)) => DraftChoice::Fixed(n),
-            (Some(_), DraftLen::Auto) => match &self.cost {
+            (Some(p), DraftLen::Auto) => match &self.cost {
                 Some(cost) => {
                     let max_tokens = req.params.max_tokens.unwrap_or(ctx.saturating_sub(req.prompt.len()));
-                    let probe = self.fleet.start_with_probe(cost, self.max_draft, req.prompt.len(), max_tokens);
-                    DraftChoice::Adaptive(AdaptiveState::new(self.max_draft, cost.clone(), probe))
+                    let shape = p.draft_cost_shape();
+                    let probe = self.fleet.start_with_probe(cost, shape, self.max_draft, req.prompt.len(), max_tokens);
+                    DraftChoice::Adaptive(AdaptiveState::new(self.max_draft, cost.clone(), shape, probe))
                 }
                 None => DraftChoice::None,
             },
@@ -282,8 +283,9 @@ impl<'a> EngineCore<'a> {
                 DraftChoice::Adaptive(policy) => {
                     let pending = a.proposer.as_ref().map_or(0, |p| p.pending_catch_up(&a.seq.tokens));
                     let want = policy.choose(&a.metrics, pending).min(room);
-                    let secs_per_token =
-                        if a.metrics.drafted > 0 { a.metrics.draft_secs / a.metrics.drafted as f64 } else { 0.0 };
+                    // A one-pass drafter's time is spread over the length its policy chose.
+                    let draft = policy.draft_cost();
+                    let secs_per_token = draft.of(want) / want.max(1) as f64 * policy.step_secs();
                     let (own_accepted, own_tried) = policy.acceptance_counts();
                     let alpha = self.fleet.alpha_for(own_accepted, own_tried);
                     DraftBid { alpha, max_len: want, secs_per_token, exact: false }
@@ -491,6 +493,9 @@ impl<'a> EngineCore<'a> {
             // The forward served every sequence at once; charge this one its rows' share.
             let total_rows = fwd.out.row_ranges.iter().map(|r| r.len()).sum::<usize>().max(1);
             a.metrics.verify_secs += fwd.secs * fwd.out.row_ranges[j].len() as f64 / total_rows as f64;
+            if fwd.out.row_ranges.len() > 1 {
+                a.metrics.shared_steps += 1;
+            }
             self.totals.verify_steps += 1;
             self.totals.drafted += draft.tokens.len() as u64;
             self.fleet.record(draft.tokens.len(), verdict.accepted);

@@ -1,7 +1,7 @@
 //! Acceptance seen across all requests: the prior for each new request's own estimate.
 
-use crate::speculative::policy::{alpha_estimate, best_len};
-use crate::speculative::StepCost;
+use crate::speculative::policy::{alpha_estimate, best_len, DraftCost};
+use crate::speculative::{DraftCostShape, StepCost};
 
 /// Decayed counts of accepted draft positions and positions tried, over every request the
 /// engine has verified. A new request has no acceptance history of its own; starting it from
@@ -12,9 +12,10 @@ use crate::speculative::StepCost;
 pub(super) struct FleetAcceptance {
     accepted: f64,
     tried: f64,
-    /// Decayed drafting seconds and drafted tokens.
+    /// Decayed drafting seconds, drafted tokens and drafts.
     draft_secs: f64,
     drafted: f64,
+    drafts: f64,
     /// Decayed catch-up seconds and caught-up tokens.
     catch_up_secs: f64,
     caught_up: f64,
@@ -50,6 +51,7 @@ impl FleetAcceptance {
             let decay = Self::DECAY.powf(drafted as f64);
             self.draft_secs = self.draft_secs * decay + draft_secs;
             self.drafted = self.drafted * decay + drafted as f64;
+            self.drafts = self.drafts * decay + 1.0;
         }
         if caught_up > 0 {
             let decay = Self::DECAY.powf(caught_up as f64);
@@ -61,15 +63,23 @@ impl FleetAcceptance {
     /// Whether a new request should start with a probe: never-tried drafters always do;
     /// otherwise only when the fleet's acceptance and draft cost make drafting pay by more
     /// than catching up on the prompt costs, spread over the request's output.
-    pub fn start_with_probe(&self, cost: &StepCost, max_draft: usize, prompt: usize, max_tokens: usize) -> bool {
+    pub fn start_with_probe(
+        &self,
+        cost: &StepCost,
+        shape: DraftCostShape,
+        max_draft: usize,
+        prompt: usize,
+        max_tokens: usize,
+    ) -> bool {
         if self.tried == 0.0 {
             return true;
         }
         let step = cost.secs(1).max(1e-12);
-        let per_token = |secs: f64, n: f64| if n > 0.0 { secs / n / step } else { 0.0 };
-        let draft_cost = per_token(self.draft_secs, self.drafted);
-        let catch_up = per_token(self.catch_up_secs, self.caught_up) * prompt as f64 / max_tokens.max(1) as f64;
-        best_len(cost, max_draft, self.alpha(), draft_cost).1 > 1.0 + catch_up
+        let per_unit = |secs: f64, n: f64| if n > 0.0 { secs / n / step } else { 0.0 };
+        let draft =
+            DraftCost { shape, r: per_unit(self.draft_secs, DraftCost::units(shape, self.drafted, self.drafts)) };
+        let catch_up = per_unit(self.catch_up_secs, self.caught_up) * prompt as f64 / max_tokens.max(1) as f64;
+        best_len(cost, max_draft, self.alpha(), draft, 1.0).1 > 1.0 + catch_up
     }
 
     /// A request's α: its own decayed counts, with the fleet estimate as prior.
@@ -81,7 +91,7 @@ impl FleetAcceptance {
 #[cfg(test)]
 mod tests {
     use super::FleetAcceptance;
-    use crate::speculative::StepCost;
+    use crate::speculative::{DraftCostShape, StepCost};
 
     #[test]
     fn fleet_acceptance_starts_optimistic_and_converges_on_what_it_sees() {
@@ -108,14 +118,14 @@ mod tests {
     fn new_requests_start_idle_once_the_fleet_knows_drafting_does_not_pay() {
         let steep = StepCost::from_points((1..=16).map(|m| (m, 0.01 * (1.0 + 0.3 * (m - 1) as f64))).collect());
         let mut fleet = FleetAcceptance::default();
-        assert!(fleet.start_with_probe(&steep, 15, 100, 128), "nothing known yet: probe");
+        assert!(fleet.start_with_probe(&steep, DraftCostShape::PerToken, 15, 100, 128), "nothing known yet: probe");
         // A draft model at a third of a decode step per token, rarely accepted.
         for _ in 0..200 {
             fleet.record(2, 0);
             fleet.record_costs(2, 0.007, 0, 0.0);
         }
         fleet.record_costs(0, 0.0, 100, 0.2);
-        assert!(!fleet.start_with_probe(&steep, 15, 100, 128));
+        assert!(!fleet.start_with_probe(&steep, DraftCostShape::PerToken, 15, 100, 128));
         // Accepted every time and cheap: worth a probe even with the prompt to catch up on.
         let mut good = FleetAcceptance::default();
         for _ in 0..200 {
@@ -123,6 +133,6 @@ mod tests {
             good.record_costs(4, 0.001, 0, 0.0);
         }
         good.record_costs(0, 0.0, 100, 0.05);
-        assert!(good.start_with_probe(&steep, 15, 100, 128));
+        assert!(good.start_with_probe(&steep, DraftCostShape::PerToken, 15, 100, 128));
     }
 }

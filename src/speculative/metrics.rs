@@ -32,6 +32,9 @@ pub struct SpecMetrics {
     /// (a draft model's catch-up), and the time it took.
     pub catch_up_tokens: u64,
     pub catch_up_secs: f64,
+    /// Steps whose forward also served other sequences (their `verify_secs` is a row share of
+    /// a batched forward, not this sequence's own step time).
+    pub shared_steps: u64,
 }
 
 impl SpecMetrics {
@@ -96,5 +99,6 @@ impl SpecMetrics {
         self.verify_secs += other.verify_secs;
         self.catch_up_tokens += other.catch_up_tokens;
         self.catch_up_secs += other.catch_up_secs;
+        self.shared_steps += other.shared_steps;
     }
 }

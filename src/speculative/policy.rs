@@ -1,12 +1,22 @@
 //! Draft-length policy: fixed, or adaptive from the verify-cost curve and acceptance.
 //!
 //! Adaptive: a step that drafts k tokens costs `cost(k+1)` target time (the measured curve,
-//! cost(1) = 1) plus `r·k` for drafting (r = draft time per drafted token relative to one target
-//! decode step, measured on the fly), and commits on average `E[k] = Σ_{i=0..k} α^i` tokens
+//! cost(1) = 1) plus `d(k)` for drafting, and commits on average `E[k] = Σ_{i=0..k} α^i` tokens
 //! when each draft position is accepted with probability α given the previous ones were (the
 //! geometric model of Leviathan et al.). The policy picks the k maximising
-//! `E[k] / (cost(k+1) + r·k)`; plain decoding (k = 0) scores 1, so k = 0 wins whenever
-//! speculation would not pay.
+//! `E[k] / (cost(k+1) + d(k))`; plain decoding (k = 0) scores 1, so k = 0 wins whenever
+//! speculation would not pay. Drafting time is measured on the fly, relative to one target
+//! decode step, in the shape the drafter declares: `d(k) = r·k` for a chain that runs once per
+//! token, `d(k) = r` for a drafter that drafts any length in one pass (DFlash). Modelling a
+//! one-pass drafter per token would price a 1-token draft at a fraction of what it costs.
+//!
+//! The curve is measured once, on a short context with nothing running between forwards. In a
+//! real decode a verify block can cost more than that (attention over a longer context, the
+//! drafter's work between forwards): SmolLM2's 2-row steps ran about 1.4× a plain step inside a
+//! DFlash decode where the curve said 1.06. So the policy also learns `x`, the ratio of what its
+//! drafting steps' forwards took to what the curve and its own plain steps predict, and scores
+//! `E[k] / (x·cost(k+1) + d(k))`: whatever the curve misses, speculation switches off once it
+//! stops paying.
 //! α is an exponentially weighted estimate from recent steps. While it stays at k = 0 it probes
 //! with a short draft now and then (with exponential back-off), otherwise it could never learn
 //! that acceptance has improved; a probe's outcome replaces the stale estimate.
@@ -17,6 +27,7 @@
 //! request starts with a probe only when its caller says drafting is expected to pay.
 
 use super::metrics::SpecMetrics;
+use super::proposer::DraftCostShape;
 use super::step_cost::{StepCost, MAX_DRAFT};
 use anyhow::{bail, Result};
 use std::sync::Arc;
@@ -27,20 +38,54 @@ pub fn alpha_estimate(accepted: f64, tried: f64, prior: f64, prior_trials: f64) 
     (accepted + prior * prior_trials) / (tried + prior_trials)
 }
 
+/// A drafter's time for a draft, in target decode steps: `r` per token or per draft.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DraftCost {
+    pub shape: DraftCostShape,
+    pub r: f64,
+}
+
+impl DraftCost {
+    pub fn per_token(r: f64) -> Self {
+        Self { shape: DraftCostShape::PerToken, r }
+    }
+
+    /// Decode steps spent drafting k tokens.
+    pub fn of(&self, k: usize) -> f64 {
+        match (k, self.shape) {
+            (0, _) => 0.0,
+            (_, DraftCostShape::PerToken) => self.r * k as f64,
+            (_, DraftCostShape::PerDraft) => self.r,
+        }
+    }
+
+    /// Observed units of `r` in a stretch that drafted `drafted` tokens over `drafts` drafts.
+    pub fn units(shape: DraftCostShape, drafted: f64, drafts: f64) -> f64 {
+        match shape {
+            DraftCostShape::PerToken => drafted,
+            DraftCostShape::PerDraft => drafts,
+        }
+    }
+}
+
 /// Expected speed of drafting k tokens relative to plain decoding, when each draft position is
-/// accepted with probability `alpha` and drafting costs `draft_cost` decode steps per token.
-pub fn speedup(cost: &StepCost, alpha: f64, draft_cost: f64, k: usize) -> f64 {
+/// accepted with probability `alpha`, drafting costs `draft`, and a verify block costs
+/// `verify_excess` times what the curve says.
+pub fn speedup(cost: &StepCost, alpha: f64, draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
+    if k == 0 {
+        return 1.0;
+    }
     let a = alpha.clamp(0.0, 1.0);
     let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
-    expected / (cost.relative(k + 1) + draft_cost * k as f64).max(1e-9)
+    expected / (cost.relative(k + 1) * verify_excess + draft.of(k)).max(1e-9)
 }
 
 /// The k in 0..=max with the best expected speed (shortest on ties), and that speed (k = 0
 /// scores 1).
-pub fn best_len(cost: &StepCost, max: usize, alpha: f64, draft_cost: f64) -> (usize, f64) {
+pub fn best_len(cost: &StepCost, max: usize, alpha: f64, draft: DraftCost, verify_excess: f64) -> (usize, f64) {
     let mut best = (0, 1.0);
     for k in 1..=max {
-        let s = speedup(cost, alpha, draft_cost, k);
+        let s = speedup(cost, alpha, draft, verify_excess, k);
         if s > best.1 * (1.0 + 1e-9) {
             best = (k, s);
         }
@@ -82,6 +127,11 @@ mod tuning {
     pub const PROBE_AFTER_MAX: u32 = 128;
     /// Draft length of a probe.
     pub const PROBE_LEN: usize = 2;
+    /// Weight, in drafting steps, of the prior `verify_excess` = 1 (the curve is right).
+    pub const EXCESS_PRIOR_STEPS: f64 = 2.0;
+    /// Bounds on one step's observed excess (a step that ran into a page fault or a preempted
+    /// core says little about the next).
+    pub const EXCESS_RANGE: (f64, f64) = (0.5, 3.0);
     /// Share of the idle time since the last draft that a probe's catch-up may cost.
     pub const PROBE_BUDGET: f64 = 0.02;
 }
@@ -95,7 +145,9 @@ pub struct AdaptiveState {
     /// when every earlier one was accepted).
     accepted: f64,
     trials: f64,
-    /// Decayed draft time per drafted token, relative to one target decode step.
+    /// How drafting time grows with k, and its decayed measurement: time per unit (token or
+    /// draft) relative to one target decode step.
+    draft_shape: DraftCostShape,
     draft_cost_sum: f64,
     draft_cost_weight: f64,
     /// Counters at the previous call, to recover the last step from cumulative metrics.
@@ -109,8 +161,18 @@ pub struct AdaptiveState {
     stale: bool,
     /// The last step drafted, so the drafter had no tokens to catch up on in the next one.
     drafter_warm: bool,
-    /// Decayed time of one target decode step, in seconds (from verify times and the curve).
+    /// Decayed time of one target decode step, in seconds: from this request's plain steps once
+    /// it has had one, from drafting steps' verify times and the curve before.
     step_secs: f64,
+    plain_seen: bool,
+    /// Decayed time of this request's plain steps that ran alone in their forward: the base
+    /// of `excess_*` (in a batch a step's time is a row share, which the curve does not model).
+    solo_plain_secs: f64,
+    /// Decayed sum and weight of observed (solo drafting step's forward time) /
+    /// (solo_plain_secs × cost(block)): how much dearer verifying is in this decode than the
+    /// curve says.
+    excess_sum: f64,
+    excess_weight: f64,
     /// Steps since the last draft.
     idle_steps: u32,
     /// No draft until the next scheduled probe (a request told not to start with one, or a
@@ -125,6 +187,7 @@ struct Snapshot {
     accepted: u64,
     draft_secs: f64,
     verify_secs: f64,
+    shared_steps: u64,
 }
 
 impl Snapshot {
@@ -135,6 +198,7 @@ impl Snapshot {
             accepted: m.accepted,
             draft_secs: m.draft_secs,
             verify_secs: m.verify_secs,
+            shared_steps: m.shared_steps,
         }
     }
 }
@@ -142,12 +206,13 @@ impl Snapshot {
 impl AdaptiveState {
     /// `probe_first`: start with a short draft (nothing is known about this drafter on this
     /// text yet), or idle until the first scheduled probe.
-    pub fn new(max: usize, cost: Arc<StepCost>, probe_first: bool) -> Self {
+    pub fn new(max: usize, cost: Arc<StepCost>, draft_shape: DraftCostShape, probe_first: bool) -> Self {
         Self {
             max,
             cost,
             accepted: 0.0,
             trials: 0.0,
+            draft_shape,
             draft_cost_sum: 0.0,
             draft_cost_weight: 0.0,
             last: Snapshot::default(),
@@ -157,6 +222,10 @@ impl AdaptiveState {
             stale: false,
             drafter_warm: false,
             step_secs: 0.0,
+            plain_seen: false,
+            solo_plain_secs: 0.0,
+            excess_sum: 0.0,
+            excess_weight: 0.0,
             idle_steps: 0,
             hold: !probe_first,
         }
@@ -173,13 +242,15 @@ impl AdaptiveState {
         (self.accepted, self.trials)
     }
 
-    /// Estimated draft time per drafted token relative to one target decode step.
-    pub fn draft_cost(&self) -> f64 {
-        if self.draft_cost_weight > 0.0 {
-            self.draft_cost_sum / self.draft_cost_weight
-        } else {
-            0.0
-        }
+    /// Estimated drafting time relative to one target decode step.
+    pub fn draft_cost(&self) -> DraftCost {
+        let r = if self.draft_cost_weight > 0.0 { self.draft_cost_sum / self.draft_cost_weight } else { 0.0 };
+        DraftCost { shape: self.draft_shape, r }
+    }
+
+    /// How much dearer a verify block is in this decode than the curve says (1: as the curve).
+    pub fn verify_excess(&self) -> f64 {
+        (self.excess_sum + tuning::EXCESS_PRIOR_STEPS) / (self.excess_weight + tuning::EXCESS_PRIOR_STEPS)
     }
 
     /// cost(m)/cost(1): a verify block of m tokens in decode steps.
@@ -189,12 +260,12 @@ impl AdaptiveState {
 
     /// Expected speed of drafting k tokens relative to plain decoding (k = 0 scores 1).
     pub fn speedup(&self, k: usize) -> f64 {
-        speedup(&self.cost, self.alpha(), self.draft_cost(), k)
+        speedup(&self.cost, self.alpha(), self.draft_cost(), self.verify_excess(), k)
     }
 
     /// The k in 0..=max with the best expected speed (shortest on ties).
     pub fn best_len(&self) -> usize {
-        best_len(&self.cost, self.max, self.alpha(), self.draft_cost()).0
+        best_len(&self.cost, self.max, self.alpha(), self.draft_cost(), self.verify_excess()).0
     }
 
     /// Folds in the step(s) since the last call.
@@ -208,14 +279,26 @@ impl AdaptiveState {
         let drafted = now.drafted.saturating_sub(prev.drafted) as f64;
         let accepted = now.accepted.saturating_sub(prev.accepted) as f64;
         let block = (drafted / steps as f64).round() as usize + 1;
-        let one_step = (now.verify_secs - prev.verify_secs) / steps as f64 / self.cost(block).max(1e-9);
-        if one_step > 0.0 {
-            self.step_secs = if self.step_secs > 0.0 {
-                self.step_secs * tuning::DECAY + one_step * (1.0 - tuning::DECAY)
-            } else {
-                one_step
-            };
+        let verify = (now.verify_secs - prev.verify_secs) / steps as f64;
+        let ewma = |old: f64, new: f64| if old > 0.0 { old * tuning::DECAY + new * (1.0 - tuning::DECAY) } else { new };
+        let solo = now.shared_steps == prev.shared_steps;
+        if verify > 0.0 && drafted == 0.0 {
+            self.step_secs = if self.plain_seen { ewma(self.step_secs, verify) } else { verify };
+            self.plain_seen = true;
+            if solo {
+                self.solo_plain_secs = ewma(self.solo_plain_secs, verify);
+            }
+        } else if verify > 0.0 && !self.plain_seen {
+            self.step_secs = ewma(self.step_secs, verify / self.cost(block).max(1e-9));
         }
+        if verify > 0.0 && drafted > 0.0 && steps == 1 && solo && self.solo_plain_secs > 0.0 {
+            // A drafting step after plain ones: what its block cost against the prediction.
+            let (lo, hi) = tuning::EXCESS_RANGE;
+            let ratio = (verify / (self.solo_plain_secs * self.cost(block))).clamp(lo, hi);
+            self.excess_sum = self.excess_sum * tuning::DECAY + ratio;
+            self.excess_weight = self.excess_weight * tuning::DECAY + 1.0;
+        }
+        let one_step = self.step_secs;
         self.idle_steps = if drafted > 0.0 { 0 } else { self.idle_steps.saturating_add(steps as u32) };
         let warm = std::mem::replace(&mut self.drafter_warm, drafted > 0.0 && steps == 1);
         if drafted == 0.0 {
@@ -240,9 +323,10 @@ impl AdaptiveState {
         // speculation back on that would otherwise look like the price of every draft token.
         let draft_secs = now.draft_secs - prev.draft_secs;
         if warm && one_step > 0.0 && draft_secs >= 0.0 {
-            let rel = (draft_secs / drafted) / one_step;
-            self.draft_cost_sum = self.draft_cost_sum * decay + rel * drafted;
-            self.draft_cost_weight = self.draft_cost_weight * decay + drafted;
+            // A warm stretch is one step, so one draft.
+            let units = DraftCost::units(self.draft_shape, drafted, 1.0);
+            self.draft_cost_sum = self.draft_cost_sum * decay + draft_secs / one_step;
+            self.draft_cost_weight = self.draft_cost_weight * decay + units;
         }
         self.probing = false;
     }
@@ -299,11 +383,24 @@ mod tests {
 
     /// Feeds `steps` steps where every draft is accepted with probability `alpha` (position by
     /// position, deterministic pseudo-randomness), drafting what the policy asks for.
+    /// Verify blocks cost what `curve` says.
     fn run(
         choose: &mut dyn FnMut(&SpecMetrics) -> usize,
+        curve: &StepCost,
         alpha: f64,
         steps: usize,
         draft_secs_per_token: f64,
+    ) -> (SpecMetrics, Vec<usize>) {
+        run_costed(choose, alpha, steps, &|k| draft_secs_per_token * k as f64, &|k| curve.relative(k + 1))
+    }
+
+    /// `run` with drafting seconds `draft_secs(k)` and verify time `0.01 × verify_steps(k)`.
+    fn run_costed(
+        choose: &mut dyn FnMut(&SpecMetrics) -> usize,
+        alpha: f64,
+        steps: usize,
+        draft_secs: &dyn Fn(usize) -> f64,
+        verify_steps: &dyn Fn(usize) -> f64,
     ) -> (SpecMetrics, Vec<usize>) {
         let mut m = SpecMetrics::default();
         let mut rng = crate::sample::SamplerRng::from_seed(11);
@@ -313,10 +410,67 @@ mod tests {
             chosen.push(k);
             let accepted = (0..k).take_while(|_| rng.next_f64() < alpha).count();
             m.record(k, accepted, accepted + 1);
-            m.draft_secs += draft_secs_per_token * k as f64;
-            m.verify_secs += 0.01 * (1.0 + 0.05 * k as f64); // a flat-ish curve, unit 10 ms
+            if k > 0 {
+                m.draft_secs += draft_secs(k);
+            }
+            m.verify_secs += 0.01 * verify_steps(k); // unit: a 10 ms decode step
         }
         (m, chosen)
+    }
+
+    /// SmolLM2-135M's measured verify curve on this CPU: cost(2) 1.04, cost(4) 1.31,
+    /// cost(8) 2.18, cost(16) 3.91 (linear in between).
+    fn smollm2_points() -> Vec<(usize, f64)> {
+        let knots = [(1, 1.0), (2, 1.04), (4, 1.31), (8, 2.18), (16, 3.91)];
+        (1..=16)
+            .map(|m| {
+                let j = knots.iter().position(|&(x, _)| x >= m).unwrap();
+                if knots[j].0 == m {
+                    return (m, knots[j].1);
+                }
+                let ((x0, y0), (x1, y1)) = (knots[j - 1], knots[j]);
+                (m, y0 + (y1 - y0) * (m - x0) as f64 / (x1 - x0) as f64)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_one_pass_drafter_that_is_rarely_right_stays_off() {
+        // DFlash on SmolLM2 as measured: one block pass costs about 0.55 decode steps at any k,
+        // and the first draft token is accepted about a quarter of the time. No k pays:
+        // (1 + 0.25) / (1.04 + 0.55) < 1.
+        let points = smollm2_points();
+        let curve = Arc::new(StepCost::from_points(points.clone()));
+        let verify = |k: usize| points[k].1;
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerDraft, true);
+        let (_, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.25, 400, &|_| 0.0055, &verify);
+        let late = &chosen[100..];
+        let spec_steps = late.iter().filter(|&&k| k > 0).count();
+        // Probes with back-off, and a short run after a probe that was lucky.
+        assert!(spec_steps <= 10, "drafted in {spec_steps} of {} steps: {late:?}", late.len());
+    }
+
+    #[test]
+    fn a_one_pass_drafter_that_is_often_right_drafts_long() {
+        // The same pass at α = 0.8: the pass is paid once, so long drafts are cheap per token.
+        let points = smollm2_points();
+        let curve = Arc::new(StepCost::from_points(points.clone()));
+        let verify = |k: usize| points[k].1;
+        let mut state = AdaptiveState::new(15, curve, DraftCostShape::PerDraft, true);
+        let (m, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.8, 300, &|_| 0.0055, &verify);
+        assert!((state.draft_cost().r - 0.55).abs() < 1e-6, "{:?}", state.draft_cost());
+        let late = &chosen[100..];
+        assert!(late.iter().all(|&k| k >= 3), "{late:?}");
+        assert!(m.tau() > 2.5, "tau {}", m.tau());
+        // Priced per token, a pass measured at k tokens makes longer drafts look dearer than
+        // they are; the policy settles on shorter drafts and commits less per step.
+        let mut per_token =
+            AdaptiveState::new(15, Arc::new(StepCost::from_points(points.clone())), DraftCostShape::PerToken, true);
+        let (m_token, chosen_token) = run_costed(&mut |m| per_token.choose(m, 0), 0.8, 300, &|_| 0.0055, &verify);
+        let mean = |c: &[usize]| c.iter().sum::<usize>() as f64 / c.len() as f64;
+        let (k_draft, k_token) = (mean(late), mean(&chosen_token[100..]));
+        assert!(k_token < k_draft - 1.0, "mean k {k_token} per token vs {k_draft} per draft");
+        assert!(m_token.tau() < m.tau() - 0.5, "τ {} per token vs {} per draft", m_token.tau(), m.tau());
     }
 
     fn flat_curve(n: usize) -> Arc<StepCost> {
@@ -331,8 +485,9 @@ mod tests {
 
     #[test]
     fn high_acceptance_and_a_flat_curve_draft_long() {
-        let mut state = AdaptiveState::new(15, flat_curve(16), true);
-        let (m, chosen) = run(&mut |m| state.choose(m, 0), 0.95, 200, 0.0);
+        let curve = flat_curve(16);
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, true);
+        let (m, chosen) = run(&mut |m| state.choose(m, 0), &curve, 0.95, 200, 0.0);
         let late = &chosen[100..];
         assert!(late.iter().all(|&k| k >= 8), "expected long drafts, got {late:?}");
         assert!(m.tau() > 5.0, "tau {}", m.tau());
@@ -340,8 +495,9 @@ mod tests {
 
     #[test]
     fn low_acceptance_and_a_steep_curve_switch_speculation_off() {
-        let mut state = AdaptiveState::new(15, steep_curve(16), true);
-        let (_, chosen) = run(&mut |m| state.choose(m, 0), 0.2, 400, 0.0);
+        let curve = steep_curve(16);
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, true);
+        let (_, chosen) = run(&mut |m| state.choose(m, 0), &curve, 0.2, 400, 0.0);
         let late = &chosen[100..];
         let spec_steps = late.iter().filter(|&&k| k > 0).count();
         // Only probes, with back-off: a handful in 300 steps.
@@ -351,14 +507,15 @@ mod tests {
 
     #[test]
     fn keeps_probing_and_recovers_when_acceptance_improves() {
-        let mut state = AdaptiveState::new(15, steep_curve(16), true);
+        let curve = steep_curve(16);
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, true);
         let mut m = SpecMetrics::default();
         let mut rng = crate::sample::SamplerRng::from_seed(3);
         let mut step = |state: &mut AdaptiveState, m: &mut SpecMetrics, alpha: f64| {
             let k = state.choose(m, 0);
             let accepted = (0..k).take_while(|_| rng.next_f64() < alpha).count();
             m.record(k, accepted, accepted + 1);
-            m.verify_secs += 0.01;
+            m.verify_secs += 0.01 * curve.relative(k + 1);
             k
         };
         // Bad phase: speculation switches off.
@@ -375,8 +532,8 @@ mod tests {
     #[test]
     fn a_dear_drafter_drafts_shorter_than_a_free_one() {
         let curve = flat_curve(16);
-        let mut free = AdaptiveState::new(15, curve.clone(), true);
-        let mut dear = AdaptiveState::new(15, curve, true);
+        let mut free = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, true);
+        let mut dear = AdaptiveState::new(15, curve, DraftCostShape::PerToken, true);
         for s in [&mut free, &mut dear] {
             s.accepted = 80.0;
             s.trials = 100.0;
@@ -392,21 +549,21 @@ mod tests {
 
     #[test]
     fn draft_time_is_measured_relative_to_a_decode_step() {
-        let mut state = AdaptiveState::new(15, flat_curve(16), true);
+        let mut state = AdaptiveState::new(15, flat_curve(16), DraftCostShape::PerToken, true);
         let mut m = SpecMetrics::default();
         state.choose(&m, 0);
         // First drafting step: the drafter caught up on the prompt (slow); not a draft price.
         m.record(2, 2, 3);
         m.draft_secs = 0.5;
-        m.verify_secs = 0.0105;
+        m.verify_secs = 0.011; // 10 ms × cost(3)
         state.choose(&m, 0);
-        assert_eq!(state.draft_cost(), 0.0);
+        assert_eq!(state.draft_cost().r, 0.0);
         // Next step drafts 4 tokens in 20 ms; verifying 5 tokens took 10 ms × cost(5) = 12 ms.
         m.record(4, 2, 3);
         m.draft_secs += 0.020;
         m.verify_secs += 0.012;
         state.choose(&m, 0);
-        assert!((state.draft_cost() - 0.5).abs() < 1e-6, "{}", state.draft_cost());
+        assert!((state.draft_cost().r - 0.5).abs() < 1e-6, "{}", state.draft_cost().r);
         // α: 4 accepted of 2 + 3 tried (the first step's 2 decayed once), plus the prior.
         let (acc, tried) = (2.0 * tuning::DECAY + 2.0, 2.0 * tuning::DECAY + 3.0);
         assert!((state.alpha() - (acc + 0.5) / (tried + 1.0)).abs() < 1e-9, "{}", state.alpha());
@@ -418,7 +575,58 @@ mod tests {
         m.draft_secs += 1.0;
         m.verify_secs += 0.012;
         state.choose(&m, 0);
-        assert!((state.draft_cost() - 0.5).abs() < 1e-6, "cold step ignored: {}", state.draft_cost());
+        assert!((state.draft_cost().r - 0.5).abs() < 1e-6, "cold step ignored: {}", state.draft_cost().r);
+        // That step's block cost what the curve and the plain step predicted.
+        assert!((state.verify_excess() - 1.0).abs() < 1e-9, "{}", state.verify_excess());
+    }
+
+    #[test]
+    fn steps_shared_with_other_sequences_leave_the_excess_alone() {
+        // In a batch a drafting sequence's share of the forward grows with its rows, which the
+        // single-sequence curve does not model: such steps must not count as excess.
+        let mut state = AdaptiveState::new(15, flat_curve(16), DraftCostShape::PerDraft, true);
+        let mut m = SpecMetrics::default();
+        state.choose(&m, 0);
+        m.record(0, 0, 1);
+        m.verify_secs += 0.01;
+        m.shared_steps += 1;
+        state.choose(&m, 0);
+        m.record(3, 1, 2);
+        m.verify_secs += 0.03;
+        m.shared_steps += 1;
+        state.choose(&m, 0);
+        assert_eq!(state.verify_excess(), 1.0);
+        // Alone, the same step would count: 30 ms against 10 ms × cost(4) = 11.5 ms.
+        m.record(0, 0, 1);
+        m.verify_secs += 0.01;
+        state.choose(&m, 0);
+        m.record(3, 1, 2);
+        m.verify_secs += 0.03;
+        state.choose(&m, 0);
+        assert!(state.verify_excess() > 1.5, "{}", state.verify_excess());
+    }
+
+    #[test]
+    fn verify_blocks_dearer_than_the_curve_switch_speculation_off() {
+        // SmolLM2's curve, a cheap drafter (0.1 decode steps per draft) right 35% of the time:
+        // on the curve a 1-token draft pays, (1 + 0.35) / (1.04 + 0.1) = 1.18. But in this
+        // decode every drafting step's forward takes 1.4× what the curve says (as measured in a
+        // DFlash decode), so it does not: (1.35) / (1.04 × 1.4 + 0.1) = 0.87.
+        let points = smollm2_points();
+        let curve = Arc::new(StepCost::from_points(points.clone()));
+        let dear = |k: usize| if k == 0 { 1.0 } else { 1.4 * points[k].1 };
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerDraft, true);
+        let (_, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.35, 400, &|_| 0.001, &dear);
+        let late = chosen[100..].iter().filter(|&&k| k > 0).count();
+        // Probes, and now and then a short run after a lucky one.
+        assert!(late <= 30, "drafted in {late} of 300 steps: {:?}", &chosen[100..]);
+        assert!(state.verify_excess() > 1.2, "{}", state.verify_excess());
+        // Where the curve is right, the same drafter keeps drafting.
+        let exact = |k: usize| points[k].1;
+        let mut state = AdaptiveState::new(15, curve, DraftCostShape::PerDraft, true);
+        let (_, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.35, 400, &|_| 0.001, &exact);
+        let late = chosen[100..].iter().filter(|&&k| k > 0).count();
+        assert!(late > 200, "drafted in only {late} of 300 steps");
     }
 
     #[test]
@@ -437,37 +645,37 @@ mod tests {
         // A draft model that sat idle: resuming costs 5 ms of catch-up per missed token, a
         // decode step 10 ms. A probe after n idle steps costs 5n ms of catch-up against the
         // budget of 2% of 10n ms: never affordable, so an idle draft model stays idle.
-        let mut state = AdaptiveState::new(15, steep_curve(16), false);
+        let mut state = AdaptiveState::new(15, steep_curve(16), DraftCostShape::PerToken, false);
         let mut m = SpecMetrics { catch_up_tokens: 100, catch_up_secs: 0.5, ..SpecMetrics::default() };
         let mut drafted = 0;
         for step in 1..=300usize {
             let k = state.choose(&m, step);
             drafted += k;
             m.record(k, 0, 1);
-            m.verify_secs += 0.01;
+            m.verify_secs += 0.01 * steep_curve(16).relative(k + 1);
         }
         assert_eq!(drafted, 0, "probed although catching up costs more than the budget");
         // Free catch-up (prompt lookup): the same schedule probes.
-        let mut state = AdaptiveState::new(15, steep_curve(16), false);
+        let mut state = AdaptiveState::new(15, steep_curve(16), DraftCostShape::PerToken, false);
         let mut m = SpecMetrics::default();
         let probes: usize = (0..300)
             .map(|_| {
                 let k = state.choose(&m, 0);
                 m.record(k, 0, 1);
-                m.verify_secs += 0.01;
+                m.verify_secs += 0.01 * steep_curve(16).relative(k + 1);
                 usize::from(k > 0)
             })
             .sum();
         assert!((2..=8).contains(&probes), "{probes} probes");
         // Told not to probe first: no draft before the first scheduled probe.
-        let mut state = AdaptiveState::new(15, flat_curve(16), false);
+        let mut state = AdaptiveState::new(15, flat_curve(16), DraftCostShape::PerToken, false);
         assert_eq!(state.choose(&SpecMetrics::default(), 0), 0);
     }
 
     #[test]
     fn best_len_weighs_acceptance_against_cost() {
-        let (k, s) = best_len(&flat_curve(16), 15, 0.9, 0.0);
+        let (k, s) = best_len(&flat_curve(16), 15, 0.9, DraftCost::per_token(0.0), 1.0);
         assert!(k >= 8 && s > 3.0, "{k} {s}");
-        assert_eq!(best_len(&steep_curve(16), 15, 0.1, 0.3), (0, 1.0));
+        assert_eq!(best_len(&steep_curve(16), 15, 0.1, DraftCost::per_token(0.3), 1.0), (0, 1.0));
     }
 }

@@ -5,6 +5,17 @@ use anyhow::Result;
 use candle_core::Tensor;
 use std::ops::Range;
 
+/// How a drafter's time grows with the draft length, for the draft-length policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DraftCostShape {
+    /// Each drafted token costs about the same (a chain: draft model, EAGLE-3, lookup).
+    #[default]
+    PerToken,
+    /// One pass drafts any length up to a block (DFlash): a draft costs the same at k = 1
+    /// as at k = 15.
+    PerDraft,
+}
+
 /// A drafter for one sequence. The engine drives it once per step:
 /// `propose` → target verifies → `observe` with what was committed.
 pub trait Proposer: Send {
@@ -15,6 +26,11 @@ pub trait Proposer: Send {
     /// that enters the target's KV cache. The engine asks the forward for exactly these.
     fn tap_layers(&self) -> &[usize] {
         &[]
+    }
+
+    /// How this drafter's time grows with the draft length.
+    fn draft_cost_shape(&self) -> DraftCostShape {
+        DraftCostShape::PerToken
     }
 
     /// Starts a new sequence with its prompt.
@@ -66,6 +82,9 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn restorable_prefix(&self, prompt: &[u32]) -> usize {
         (**self).restorable_prefix(prompt)
+    }
+    fn draft_cost_shape(&self) -> DraftCostShape {
+        (**self).draft_cost_shape()
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {

@@ -10,7 +10,7 @@
 
 use super::model::{DflashDrafter, LayerKv, TargetHead};
 use crate::speculative::nn::RowBuffer;
-use crate::speculative::proposer::Proposer;
+use crate::speculative::proposer::{DraftCostShape, Proposer};
 use crate::speculative::verify::Draft;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};
@@ -241,6 +241,11 @@ impl Proposer for DflashProposer {
 
     fn tap_layers(&self) -> &[usize] {
         &self.drafter.config.target_layer_ids
+    }
+
+    fn draft_cost_shape(&self) -> DraftCostShape {
+        // One forward over the whole block, whatever length is asked for.
+        DraftCostShape::PerDraft
     }
 
     fn restorable_prefix(&self, prompt: &[u32]) -> usize {

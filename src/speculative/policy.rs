@@ -46,6 +46,7 @@ pub struct DraftCost {
 }
 
 impl DraftCost {
+    #[cfg(test)]
     pub fn per_token(r: f64) -> Self {
         Self { shape: DraftCostShape::PerToken, r }
     }

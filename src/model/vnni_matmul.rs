@@ -39,7 +39,7 @@
 //! grouping or the thread split (threads split output columns). So a verified block of
 //! tokens gets bit for bit the logits single steps would.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
@@ -54,22 +54,49 @@ const MAX_ROWS: usize = 8;
 /// Activation blocks per work item when quantising.
 const QUANT_CHUNK: usize = 32;
 
-/// Whether this CPU runs the kernels (whether they are used is `KernelSettings::vnni_kernels`).
-pub fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
+/// Which vector code runs the kernels on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    /// AVX-512 with VNNI: `vpdpbusd` on 16 rows at once.
+    Avx512Vnni,
+    /// AVX2 with FMA and F16C: the same arithmetic on two halves of 8 rows.
+    Avx2,
+}
+
+/// The best kernels this CPU runs, if any.
+fn isa() -> Option<Isa> {
+    static ISA: std::sync::OnceLock<Option<Isa>> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            is_x86_feature_detected!("avx512f")
+            if is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("f16c")
+            {
+                return Some(Isa::Avx512Vnni);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Some(Isa::Avx2);
+            }
+            None
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            false
+            None
         }
     })
+}
+
+/// Whether this CPU runs the kernels (AVX-512 VNNI, or AVX2 with FMA and F16C); whether they
+/// are used is `KernelSettings::vnni_kernels`.
+pub fn available() -> bool {
+    isa().is_some()
+}
+
+/// Whether activations are quantised with the AVX-512 code (else the portable loops).
+fn avx512_quantization() -> bool {
+    isa() == Some(Isa::Avx512Vnni)
 }
 
 /// Whether a `[n, k]` matrix of this type has a kernel here (CPU aside).
@@ -305,6 +332,12 @@ impl PackedMatrix {
 
     /// `x`: `m` rows of `k` floats → `m` rows of `n` floats; an error when `x` is not whole rows.
     pub fn matmul(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let isa = isa().context("no vector kernels on this CPU")?;
+        self.matmul_on(x, isa)
+    }
+
+    /// [`Self::matmul`] on the kernels of `isa`, which this CPU must run.
+    fn matmul_on(&self, x: &[f32], isa: Isa) -> Result<Vec<f32>> {
         let m = x.len() / self.k;
         if x.len() != m * self.k {
             bail!("matmul input of {} values is not whole rows of {}", x.len(), self.k);
@@ -320,9 +353,9 @@ impl PackedMatrix {
             let out_ptr = out_ptr;
             for nt in tiles {
                 for r0 in (0..m).step_by(MAX_ROWS) {
-                    // SAFETY: `from_qtensor` packs only where `available()`, and each tile
-                    // writes only its own 16 columns of rows that exist.
-                    unsafe { self.tile(nt, &acts, r0, (m - r0).min(MAX_ROWS), out_ptr.get()) };
+                    // SAFETY: `isa` runs on this CPU (`isa()`, or a test's `runnable_isas()`),
+                    // and each tile writes only its own 16 columns of rows that exist.
+                    unsafe { self.tile(isa, nt, &acts, r0, (m - r0).min(MAX_ROWS), out_ptr.get()) };
                 }
             }
         });
@@ -331,34 +364,42 @@ impl PackedMatrix {
         Ok(out)
     }
 
-    unsafe fn tile(&self, nt: usize, acts: &QuantizedRows, r0: usize, rows: usize, out: *mut f32) {
+    unsafe fn tile(&self, isa: Isa, nt: usize, acts: &QuantizedRows, r0: usize, rows: usize, out: *mut f32) {
         #[cfg(target_arch = "x86_64")]
         {
             macro_rules! by_rows {
-                ($f:ident) => {
+                ($m:ident, $f:ident) => {
                     match rows {
-                        1 => avx512::$f::<1>(self, nt, acts, r0, out),
-                        2 => avx512::$f::<2>(self, nt, acts, r0, out),
-                        3 => avx512::$f::<3>(self, nt, acts, r0, out),
-                        4 => avx512::$f::<4>(self, nt, acts, r0, out),
-                        5 => avx512::$f::<5>(self, nt, acts, r0, out),
-                        6 => avx512::$f::<6>(self, nt, acts, r0, out),
-                        7 => avx512::$f::<7>(self, nt, acts, r0, out),
-                        _ => avx512::$f::<8>(self, nt, acts, r0, out),
+                        1 => $m::$f::<1>(self, nt, acts, r0, out),
+                        2 => $m::$f::<2>(self, nt, acts, r0, out),
+                        3 => $m::$f::<3>(self, nt, acts, r0, out),
+                        4 => $m::$f::<4>(self, nt, acts, r0, out),
+                        5 => $m::$f::<5>(self, nt, acts, r0, out),
+                        6 => $m::$f::<6>(self, nt, acts, r0, out),
+                        7 => $m::$f::<7>(self, nt, acts, r0, out),
+                        _ => $m::$f::<8>(self, nt, acts, r0, out),
                     }
                 };
             }
-            match self.weights {
-                Packed::Q8_0 { .. } => by_rows!(q8_0_rows),
-                Packed::Q4_1 { .. } => by_rows!(q4_1_rows),
-                Packed::Q5_0 { .. } => by_rows!(q5_0_rows),
-                Packed::Q4K { .. } => by_rows!(q4k_rows),
-                Packed::Q6K { .. } => by_rows!(q6k_rows),
+            macro_rules! by_type {
+                ($m:ident) => {
+                    match self.weights {
+                        Packed::Q8_0 { .. } => by_rows!($m, q8_0_rows),
+                        Packed::Q4_1 { .. } => by_rows!($m, q4_1_rows),
+                        Packed::Q5_0 { .. } => by_rows!($m, q5_0_rows),
+                        Packed::Q4K { .. } => by_rows!($m, q4k_rows),
+                        Packed::Q6K { .. } => by_rows!($m, q6k_rows),
+                    }
+                };
+            }
+            match isa {
+                Isa::Avx512Vnni => by_type!(avx512),
+                Isa::Avx2 => by_type!(avx2),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (nt, acts, r0, rows, out);
+            let _ = (isa, nt, acts, r0, rows, out);
             unreachable!("PackedMatrix is only built where `available()`");
         }
     }
@@ -563,7 +604,7 @@ type LargestUntaken = fn(&[f32], u32) -> (usize, f32);
 /// clear (or all are NaN).
 fn largest_untaken(xs: &[f32], taken: u32) -> (usize, f32) {
     #[cfg(target_arch = "x86_64")]
-    if available() {
+    if avx512_quantization() {
         // SAFETY: the features were detected, and `xs` holds a whole block.
         return unsafe { avx512::largest_untaken(&xs[..BLOCK], taken) };
     }
@@ -643,13 +684,27 @@ const SERIAL_QUANT_BLOCKS: usize = 1024;
 /// [`QuantizedRows`]).
 fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
     #[cfg(target_arch = "x86_64")]
-    if available() {
+    if avx512_quantization() {
         // SAFETY: the features were detected.
         return unsafe { avx512::quantize_range(x, q, r, blocks, two_level) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Some(Isa::Avx2) {
+        // SAFETY: the features were detected.
+        return unsafe { quantize_range_avx2(x, q, r, blocks, two_level) };
     }
     quantize_range_portable(x, q, r, blocks, two_level)
 }
 
+/// The portable loops compiled for AVX2: rounding and fused multiply-adds become
+/// instructions instead of library calls; the results are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_range_avx2(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
+    quantize_range_portable(x, q, r, blocks, two_level)
+}
+
+#[inline(always)]
 fn quantize_range_portable(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
     for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
         let qs = &mut q[b * BLOCK..(b + 1) * BLOCK];
@@ -671,6 +726,7 @@ fn quantize_range_portable(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [
 
 /// One level of one block of 32 values: `q = round(x / d)` (ties to even), `d = max|x| / 127`;
 /// returns `d` and Σq.
+#[inline(always)]
 fn quantize_block_portable(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
     let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
     let d = amax / 127.0;
@@ -1270,6 +1326,609 @@ mod avx512 {
     }
 }
 
+/// The AVX-512 kernels' arithmetic on AVX2 CPUs (AMD Zen 2/3, Intel client cores without
+/// AVX-512): each 512-bit vector of a tile's 16 rows is two 256-bit halves, rows 0..8 and
+/// 8..16, and `vpdpbusd` is `vpmaddubsw` (unsigned × signed bytes, pairs summed into i16)
+/// then `vpmaddwd` by ones (pairs into i32). The i16 pair sums are exact while a weight byte
+/// stays below 128: the 4- to 6-bit types do (at most 2·63·127), but Q8_0's bytes carry +128,
+/// so its weights go signed, as their absolute value times the activation with the weight's
+/// sign (llama.cpp's trick), at most 2·128·127. Integer sums are exact either way, and the
+/// float operations are the AVX-512 kernels' in the same order, so both give the portable
+/// loops' results bit for bit. Activations are quantised by the portable code.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{
+        ActBlock, ActivationLevels, Packed, PackedMatrix, QuantizedRows, BLOCK, BLOCKS_PER_SUPER, MAX_ROWS,
+        SUPER_BLOCK, TILE_N,
+    };
+    use core::arch::x86_64::*;
+
+    /// As the AVX-512 kernels'.
+    const PREFETCH_BLOCKS: usize = 16;
+
+    /// 16 lanes of 32 bits (or 64 bytes), one per tile row: rows 0..8, then 8..16.
+    #[derive(Clone, Copy)]
+    struct I16x([__m256i; 2]);
+    /// 16 f32 lanes, one per tile row.
+    #[derive(Clone, Copy)]
+    struct F16x([__m256; 2]);
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load64(p: *const u8) -> I16x {
+        unsafe { I16x([_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(32) as *const __m256i)]) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn map(a: I16x, f: impl Fn(__m256i) -> __m256i) -> I16x {
+        I16x([f(a.0[0]), f(a.0[1])])
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn set1_i32(v: i32) -> I16x {
+        I16x([_mm256_set1_epi32(v); 2])
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn set1_f32(v: f32) -> F16x {
+        F16x([_mm256_set1_ps(v); 2])
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add_i32(a: I16x, b: I16x) -> I16x {
+        I16x([_mm256_add_epi32(a.0[0], b.0[0]), _mm256_add_epi32(a.0[1], b.0[1])])
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn cvt(a: I16x) -> F16x {
+        F16x([_mm256_cvtepi32_ps(a.0[0]), _mm256_cvtepi32_ps(a.0[1])])
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mul(a: F16x, b: F16x) -> F16x {
+        F16x([_mm256_mul_ps(a.0[0], b.0[0]), _mm256_mul_ps(a.0[1], b.0[1])])
+    }
+
+    /// `a·b + c`, fused.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fmadd(a: F16x, b: F16x, c: F16x) -> F16x {
+        F16x([_mm256_fmadd_ps(a.0[0], b.0[0], c.0[0]), _mm256_fmadd_ps(a.0[1], b.0[1], c.0[1])])
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch(p: *const u8, bytes: usize) {
+        for line in 0..bytes.div_ceil(64) {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line * 64) as *const i8);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_weights_ahead(w: *const u8, bytes: usize) {
+        unsafe { prefetch(w.wrapping_add(PREFETCH_BLOCKS * bytes), bytes) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_row_values_ahead<T>(current: *const T) {
+        unsafe {
+            prefetch(current.wrapping_add(PREFETCH_BLOCKS * TILE_N) as *const u8, std::mem::size_of::<T>() * TILE_N)
+        }
+    }
+
+    /// As the AVX-512 `q4_1_nibbles`: groups 0..4 the low nibbles, 4..8 the high ones.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_1_nibbles(w: *const u8) -> [I16x; 8] {
+        unsafe {
+            let nibble = _mm256_set1_epi8(0x0F);
+            let packed: [I16x; 4] = core::array::from_fn(|g| load64(w.add(g * 64)));
+            core::array::from_fn(|g| {
+                if g < 4 {
+                    map(packed[g], |v| _mm256_and_si256(v, nibble))
+                } else {
+                    map(packed[g - 4], |v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble))
+                }
+            })
+        }
+    }
+
+    /// `acc + Σ_{4 bytes} w·a` per 32-bit lane (`vpdpbusd`), exact while no i16 pair sum
+    /// overflows; with `sign`, the weights are `|w|` and each activation byte takes `sign`'s.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dpbusd(acc: I16x, w: I16x, a: i32, sign: Option<I16x>) -> I16x {
+        let ones = _mm256_set1_epi16(1);
+        let a = _mm256_set1_epi32(a);
+        let half = |h: usize| {
+            let a = match sign {
+                Some(s) => _mm256_sign_epi8(a, s.0[h]),
+                None => a,
+            };
+            _mm256_add_epi32(acc.0[h], _mm256_madd_epi16(_mm256_maddubs_epi16(w.0[h], a), ones))
+        };
+        I16x([half(0), half(1)])
+    }
+
+    /// Σ over 8 groups of 4 inputs, from `init`, in two chains.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_block(init: I16x, w: &TileBlock, a: *const i32) -> I16x {
+        unsafe {
+            let mut even = init;
+            let mut odd = set1_i32(0);
+            for g in (0..8).step_by(2) {
+                even = dpbusd(even, w.wv[g], a.add(g).read_unaligned(), w.signs.map(|s| s[g]));
+                odd = dpbusd(odd, w.wv[g + 1], a.add(g + 1).read_unaligned(), w.signs.map(|s| s[g + 1]));
+            }
+            add_i32(even, odd)
+        }
+    }
+
+    /// Σ over groups 0..4 and over groups 4..8 apart, from `init_lo` and `init_hi`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_halves(init_lo: I16x, init_hi: I16x, w: &TileBlock, a: *const i32) -> (I16x, I16x) {
+        unsafe {
+            let at = |g: usize| a.add(g).read_unaligned();
+            let s = |g: usize| w.signs.map(|s| s[g]);
+            let zero = set1_i32(0);
+            let lo0 = dpbusd(init_lo, w.wv[0], at(0), s(0));
+            let lo1 = dpbusd(zero, w.wv[1], at(1), s(1));
+            let hi0 = dpbusd(init_hi, w.wv[4], at(4), s(4));
+            let hi1 = dpbusd(zero, w.wv[5], at(5), s(5));
+            let lo0 = dpbusd(lo0, w.wv[2], at(2), s(2));
+            let lo1 = dpbusd(lo1, w.wv[3], at(3), s(3));
+            let hi0 = dpbusd(hi0, w.wv[6], at(6), s(6));
+            let hi1 = dpbusd(hi1, w.wv[7], at(7), s(7));
+            (add_i32(lo0, lo1), add_i32(hi0, hi1))
+        }
+    }
+
+    /// As the AVX-512 kernels' `TileBlock`, plus Q8_0's weight signs.
+    struct TileBlock {
+        /// 8 groups of 4 inputs × 16 rows, as unsigned bytes (Q8_0: |w|).
+        wv: [I16x; 8],
+        /// Q8_0: the signed weights, whose signs the activations take.
+        signs: Option<[I16x; 8]>,
+        scale: F16x,
+        scale_hi: Option<F16x>,
+        offset: i32,
+        min: Option<F16x>,
+    }
+
+    /// The AVX-512 `tile_rows` on two halves.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+        mut block: impl FnMut(usize, bool) -> TileBlock,
+        mut column: impl FnMut(usize, usize) -> F16x,
+    ) {
+        unsafe {
+            let acc = match acts.levels {
+                ActivationLevels::Two => levels_loop::<ROWS, true>(p, acts, r0, &mut block),
+                ActivationLevels::One => levels_loop::<ROWS, false>(p, acts, r0, &mut block),
+                ActivationLevels::Outliers => {
+                    let mut acc = levels_loop::<ROWS, false>(p, acts, r0, &mut block);
+                    let g = r0 / MAX_ROWS;
+                    let inputs = acts.group_at[g] as usize..acts.group_at[g + 1] as usize;
+                    for (&(b, i), xs) in acts.group_inputs[inputs.clone()].iter().zip(&acts.group_x[inputs]) {
+                        let w = column(b as usize, i as usize);
+                        for (acc, &x) in acc.iter_mut().zip(xs) {
+                            *acc = fmadd(w, set1_f32(x), *acc);
+                        }
+                    }
+                    acc
+                }
+            };
+            for (r, acc) in acc.iter().enumerate() {
+                let o = out.add((r0 + r) * p.n + nt * TILE_N);
+                _mm256_storeu_ps(o, acc.0[0]);
+                _mm256_storeu_ps(o.add(8), acc.0[1]);
+            }
+        }
+    }
+
+    /// The AVX-512 `levels_loop` on two halves.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn levels_loop<const ROWS: usize, const SECOND: bool>(
+        p: &PackedMatrix,
+        acts: &QuantizedRows,
+        r0: usize,
+        block: &mut impl FnMut(usize, bool) -> TileBlock,
+    ) -> [F16x; ROWS] {
+        unsafe {
+            let kb_n = p.k / BLOCK;
+            let mut acc = [set1_f32(0.0); ROWS];
+            for b in 0..kb_n {
+                let w = block(b, true);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let row = r0 + r;
+                    let at = row * acts.k + b * BLOCK;
+                    let (q, rest) =
+                        (acts.q.as_ptr().add(at) as *const i32, acts.r.as_ptr().wrapping_add(at) as *const i32);
+                    let a = acts.blocks.get_unchecked(row * kb_n + b);
+                    if let Some(scale_hi) = w.scale_hi {
+                        let init = |sum: i32| set1_i32(-w.offset * sum);
+                        let (lo, hi) = dot_halves(init(a.sum_lo), init(a.sum - a.sum_lo), &w, q);
+                        *acc = fmadd(cvt(lo), mul(w.scale, set1_f32(a.d)), *acc);
+                        *acc = fmadd(cvt(hi), mul(scale_hi, set1_f32(a.d)), *acc);
+                        if SECOND {
+                            *acc = add_remainder(*acc, &w, a, rest);
+                        }
+                        continue;
+                    }
+                    let isum = dot_block(set1_i32(-w.offset * a.sum), &w, q);
+                    *acc = fmadd(cvt(isum), mul(w.scale, set1_f32(a.d)), *acc);
+                    if SECOND {
+                        *acc = add_remainder(*acc, &w, a, rest);
+                    }
+                    if let Some(min) = w.min {
+                        *acc = fmadd(min, set1_f32(a.s), *acc);
+                    }
+                }
+            }
+            acc
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn add_remainder(acc: F16x, w: &TileBlock, a: &ActBlock, rest: *const i32) -> F16x {
+        unsafe {
+            let init = |sum: i32| set1_i32(-w.offset * sum);
+            if let Some(scale_hi) = w.scale_hi {
+                let (lo, hi) = dot_halves(init(a.sum_r_lo), init(a.sum_r - a.sum_r_lo), w, rest);
+                let (dl, dh) = (mul(w.scale, set1_f32(a.d_r)), mul(scale_hi, set1_f32(a.d_r)));
+                let acc = fmadd(cvt(lo), dl, acc);
+                return fmadd(cvt(hi), dh, acc);
+            }
+            let isum_r = dot_block(init(a.sum_r), w, rest);
+            fmadd(cvt(isum_r), mul(w.scale, set1_f32(a.d_r)), acc)
+        }
+    }
+
+    /// The 16 f16 values of one block's rows, widened.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn row_values(p: *const half::f16) -> F16x {
+        unsafe {
+            F16x([
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(8) as *const __m128i)),
+            ])
+        }
+    }
+
+    /// Byte `i % 4` of each of the 16 dwords at `group`, as i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lane_bytes(group: *const u8, i: usize) -> I16x {
+        unsafe {
+            let shift = _mm256_set1_epi32(8 * (i % 4) as i32);
+            map(load64(group), |v| _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(0xFF)))
+        }
+    }
+
+    /// Input `i`'s four low bits in the nibble layout of [`q4_1_nibbles`] (block at `w`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lane_nibbles(w: *const u8, i: usize) -> I16x {
+        unsafe {
+            let shift = _mm256_set1_epi32(4 * (i / 16) as i32);
+            map(lane_bytes(w.add((i % 16) / 4 * 64), i), |v| {
+                _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(0x0F))
+            })
+        }
+    }
+
+    /// `(q − offset)·scale`, as the portable loops compute it.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scaled(q: I16x, offset: i32, scale: F16x) -> F16x {
+        unsafe { mul(cvt(map(q, |v| _mm256_sub_epi32(v, _mm256_set1_epi32(offset)))), scale) }
+    }
+
+    /// Q8_0: the stored bytes are w + 128; flipping the top bit gives w as a signed byte.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q8_0_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q8_0 { qs, d } = &p.weights else { unreachable!("Q8_0 kernel on other weights") };
+        let kb_n = p.k / BLOCK;
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK);
+        let d = d.as_ptr().add(nt * kb_n * TILE_N);
+        tile_rows::<ROWS>(
+            p,
+            nt,
+            acts,
+            r0,
+            out,
+            |b, ahead| {
+                let w = qs.add(b * TILE_N * BLOCK);
+                if ahead {
+                    prefetch_weights_ahead(w, TILE_N * BLOCK);
+                    prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+                }
+                let top = _mm256_set1_epi8(i8::MIN);
+                let signed: [I16x; 8] =
+                    core::array::from_fn(|g| map(load64(w.add(g * 64)), |v| _mm256_xor_si256(v, top)));
+                TileBlock {
+                    wv: signed.map(|s| map(s, |v| _mm256_abs_epi8(v))),
+                    signs: Some(signed),
+                    scale: row_values(d.add(b * TILE_N)),
+                    scale_hi: None,
+                    offset: 0,
+                    min: None,
+                }
+            },
+            |b, i| scaled(lane_bytes(qs.add(b * TILE_N * BLOCK + i / 4 * 64), i), 128, row_values(d.add(b * TILE_N))),
+        );
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q4_1_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q4_1 { qs, d, m } = &p.weights else { unreachable!("Q4_1 kernel on other weights") };
+        let kb_n = p.k / BLOCK;
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+        let (d, m) = (d.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
+        tile_rows::<ROWS>(
+            p,
+            nt,
+            acts,
+            r0,
+            out,
+            |b, ahead| {
+                let w = qs.add(b * TILE_N * BLOCK / 2);
+                if ahead {
+                    prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                    prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+                    prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
+                }
+                TileBlock {
+                    wv: q4_1_nibbles(w),
+                    signs: None,
+                    scale: row_values(d.add(b * TILE_N)),
+                    scale_hi: None,
+                    offset: 0,
+                    min: Some(row_values(m.add(b * TILE_N))),
+                }
+            },
+            |b, i| {
+                let q = cvt(lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i));
+                fmadd(q, row_values(d.add(b * TILE_N)), row_values(m.add(b * TILE_N)))
+            },
+        );
+    }
+
+    /// As the AVX-512 `q5_0_weights`: each byte's fifth bit from its row's `qh` word.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_0_weights(w: *const u8, qh: *const u32) -> [I16x; 8] {
+        unsafe {
+            let low = q4_1_nibbles(w);
+            let qh = load64(qh as *const u8);
+            let copy_low_byte =
+                _mm256_set_epi32(0x0C0C_0C0C, 0x0808_0808, 0x0404_0404, 0, 0x0C0C_0C0C, 0x0808_0808, 0x0404_0404, 0);
+            let bit_of_byte = _mm256_set1_epi32(0x0804_0201);
+            let sixteen = _mm256_set1_epi8(0x10);
+            core::array::from_fn(|g| {
+                let shift = _mm256_set1_epi32(4 * g as i32);
+                I16x(core::array::from_fn(|h| {
+                    let copied = _mm256_shuffle_epi8(_mm256_srlv_epi32(qh.0[h], shift), copy_low_byte);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(copied, bit_of_byte), bit_of_byte);
+                    _mm256_or_si256(low[g].0[h], _mm256_and_si256(set, sixteen))
+                }))
+            })
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q5_0_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q5_0 { qs, qh, d } = &p.weights else { unreachable!("Q5_0 kernel on other weights") };
+        let kb_n = p.k / BLOCK;
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+        let (qh, d) = (qh.as_ptr().add(nt * kb_n * TILE_N), d.as_ptr().add(nt * kb_n * TILE_N));
+        tile_rows::<ROWS>(
+            p,
+            nt,
+            acts,
+            r0,
+            out,
+            |b, ahead| {
+                let w = qs.add(b * TILE_N * BLOCK / 2);
+                if ahead {
+                    prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                    prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+                    prefetch_row_values_ahead(qh.wrapping_add(b * TILE_N));
+                }
+                TileBlock {
+                    wv: q5_0_weights(w, qh.add(b * TILE_N)),
+                    signs: None,
+                    scale: row_values(d.add(b * TILE_N)),
+                    scale_hi: None,
+                    offset: 16,
+                    min: None,
+                }
+            },
+            |b, i| {
+                let shift = _mm256_set1_epi32(i as i32);
+                let fifth = map(load64(qh.add(b * TILE_N) as *const u8), |v| {
+                    _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(1)))
+                });
+                let low = lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i);
+                let q = I16x([_mm256_or_si256(low.0[0], fifth.0[0]), _mm256_or_si256(low.0[1], fifth.0[1])]);
+                scaled(q, 16, row_values(d.add(b * TILE_N)))
+            },
+        );
+    }
+
+    /// 16 small integers (bytes) widened to floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn u8_values(p: *const u8) -> F16x {
+        unsafe {
+            let half = |o: usize| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(o) as *const __m128i)));
+            F16x([half(0), half(8)])
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn i8_values(p: *const i8) -> F16x {
+        unsafe {
+            let half = |o: usize| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(o) as *const __m128i)));
+            F16x([half(0), half(8)])
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q4k_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q4K { qs, sc, m, d, dmin_neg } = &p.weights else { unreachable!("Q4_K kernel on other weights") };
+        let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+        let (sc, m) = (sc.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
+        let (d, dmin_neg) = (d.as_ptr().add(nt * sb_n * TILE_N), dmin_neg.as_ptr().add(nt * sb_n * TILE_N));
+        tile_rows::<ROWS>(
+            p,
+            nt,
+            acts,
+            r0,
+            out,
+            |b, ahead| {
+                let w = qs.add(b * TILE_N * BLOCK / 2);
+                if ahead {
+                    prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                    prefetch_row_values_ahead(sc.wrapping_add(b * TILE_N));
+                    prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
+                }
+                let sb = b / BLOCKS_PER_SUPER;
+                TileBlock {
+                    wv: q4_1_nibbles(w),
+                    signs: None,
+                    scale: mul(u8_values(sc.add(b * TILE_N)), row_values(d.add(sb * TILE_N))),
+                    scale_hi: None,
+                    offset: 0,
+                    min: Some(mul(u8_values(m.add(b * TILE_N)), row_values(dmin_neg.add(sb * TILE_N)))),
+                }
+            },
+            |b, i| {
+                let sb = b / BLOCKS_PER_SUPER;
+                let q = cvt(lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i));
+                let scale = mul(u8_values(sc.add(b * TILE_N)), row_values(d.add(sb * TILE_N)));
+                let min = mul(u8_values(m.add(b * TILE_N)), row_values(dmin_neg.add(sb * TILE_N)));
+                fmadd(q, scale, min)
+            },
+        );
+    }
+
+    /// As the AVX-512 `q6k_weights`: top two bits of group g from bit pair g%4 of `qh` vector g/4.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6k_weights(w: *const u8, qh: *const u8) -> [I16x; 8] {
+        unsafe {
+            let low = q4_1_nibbles(w);
+            let high = [load64(qh), load64(qh.add(64))];
+            let pair = _mm256_set1_epi8(0x03);
+            core::array::from_fn(|g| {
+                let count = _mm_cvtsi32_si128(2 * (g % 4) as i32);
+                I16x(core::array::from_fn(|h| {
+                    let bits = _mm256_and_si256(_mm256_srl_epi16(high[g / 4].0[h], count), pair);
+                    _mm256_or_si256(low[g].0[h], _mm256_slli_epi16::<4>(bits))
+                }))
+            })
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q6k_rows<const ROWS: usize>(
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let Packed::Q6K { qs, qh, sc, d } = &p.weights else { unreachable!("Q6_K kernel on other weights") };
+        let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
+        let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+        let qh = qh.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 4);
+        let sc = sc.as_ptr().add(nt * kb_n * 2 * TILE_N);
+        let d = d.as_ptr().add(nt * sb_n * TILE_N);
+        tile_rows::<ROWS>(
+            p,
+            nt,
+            acts,
+            r0,
+            out,
+            |b, ahead| {
+                let w = qs.add(b * TILE_N * BLOCK / 2);
+                let high = qh.add(b * TILE_N * BLOCK / 4);
+                if ahead {
+                    prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                    prefetch_weights_ahead(high, TILE_N * BLOCK / 4);
+                    prefetch(sc.wrapping_add((b + PREFETCH_BLOCKS) * 2 * TILE_N) as *const u8, 2 * TILE_N);
+                }
+                let row_d = row_values(d.add(b / BLOCKS_PER_SUPER * TILE_N));
+                TileBlock {
+                    wv: q6k_weights(w, high),
+                    signs: None,
+                    scale: mul(i8_values(sc.add(b * 2 * TILE_N)), row_d),
+                    scale_hi: Some(mul(i8_values(sc.add(b * 2 * TILE_N + TILE_N)), row_d)),
+                    offset: 32,
+                    min: None,
+                }
+            },
+            |b, i| {
+                let g = i / 4;
+                let shift = _mm256_set1_epi32(2 * (g % 4) as i32);
+                let high = map(lane_bytes(qh.add(b * TILE_N * BLOCK / 4 + g / 4 * 64), i), |v| {
+                    _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(3)))
+                });
+                let low = lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i);
+                let q = I16x([_mm256_or_si256(low.0[0], high.0[0]), _mm256_or_si256(low.0[1], high.0[1])]);
+                let half_scale = i8_values(sc.add(b * 2 * TILE_N + i / 16 * TILE_N));
+                scaled(q, 32, mul(half_scale, row_values(d.add(b / BLOCKS_PER_SUPER * TILE_N))))
+            },
+        );
+    }
+}
+
 /// The kernels' arithmetic written as plain loops, for tests: the same integer sums and the
 /// same float operations in the same order.
 #[cfg(test)]
@@ -1426,26 +2085,74 @@ mod tests {
     #[test]
     fn kernels_equal_the_portable_loops_bitwise_and_every_row_count_agrees() {
         if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            eprintln!("skipped: no vector kernels on this CPU");
             return;
         }
         for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
             let (n, k) = (48, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 768 } else { 576 });
             let (p, _) = packed_levels(dtype, n, k, levels);
             let x = with_outliers(random(19 * k, 11));
-            let all = p.matmul(&x).unwrap();
-            assert_eq!(all, matmul_portable(&p, &x), "{dtype:?}");
-            for (r, row) in all.chunks_exact(n).enumerate() {
-                assert_eq!(row, p.matmul(&x[r * k..(r + 1) * k]).unwrap().as_slice(), "{dtype:?} row {r} alone");
+            let expected = matmul_portable(&p, &x);
+            for isa in runnable_isas() {
+                let all = p.matmul_on(&x, isa).unwrap();
+                assert_eq!(all, expected, "{dtype:?} {isa:?}");
+                for (r, row) in all.chunks_exact(n).enumerate() {
+                    let alone = p.matmul_on(&x[r * k..(r + 1) * k], isa).unwrap();
+                    assert_eq!(row, alone.as_slice(), "{dtype:?} {isa:?} row {r} alone");
+                }
+                let first = p.matmul_on(&x[..5 * k], isa).unwrap();
+                assert_eq!(&all[..5 * n], first.as_slice(), "{dtype:?} {isa:?} first 5 rows");
             }
-            assert_eq!(&all[..5 * n], p.matmul(&x[..5 * k]).unwrap().as_slice(), "{dtype:?} first 5 rows");
+        }
+    }
+
+    /// Every kernel family this CPU runs: on an AVX-512 machine the AVX2 kernels are checked too.
+    fn runnable_isas() -> Vec<Isa> {
+        let mut isas = Vec::new();
+        if isa() == Some(Isa::Avx512Vnni) {
+            isas.push(Isa::Avx512Vnni);
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            isas.push(Isa::Avx2);
+        }
+        isas
+    }
+
+    #[test]
+    fn q8_0_extreme_weights_and_activations_stay_exact_on_every_kernel() {
+        // Q8_0 weights and activations at +-127: AVX2 multiplies them through
+        // 16-bit pair sums, which must not saturate.
+        if !available() {
+            eprintln!("skipped: no vector kernels on this CPU");
+            return;
+        }
+        let (n, k) = (32, 256);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| {
+                if i % 3 == 0 {
+                    -1.0
+                } else if i % 3 == 1 {
+                    1.0
+                } else {
+                    -0.5
+                }
+            })
+            .collect();
+        let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), GgmlDType::Q8_0).unwrap();
+        for levels in ALL_LEVELS {
+            let p = PackedMatrix::from_qtensor(&q, levels).unwrap().unwrap();
+            let x: Vec<f32> = (0..3 * k).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect();
+            let expected = matmul_portable(&p, &x);
+            for isa in runnable_isas() {
+                assert_eq!(p.matmul_on(&x, isa).unwrap(), expected, "{isa:?} {levels:?}");
+            }
         }
     }
 
     #[test]
     fn prefill_sized_inputs_quantised_on_all_cores_agree_with_the_portable_loops() {
         if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            eprintln!("skipped: no vector kernels on this CPU");
             return;
         }
         let (n, k) = (32, 768);
@@ -1453,7 +2160,10 @@ mod tests {
         for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
             let (p, _) = packed_levels(dtype, n, k, levels);
             let x = with_outliers(random(rows * k, 13));
-            assert_eq!(p.matmul(&x).unwrap(), matmul_portable(&p, &x), "{dtype:?} {levels:?}");
+            let expected = matmul_portable(&p, &x);
+            for isa in runnable_isas() {
+                assert_eq!(p.matmul_on(&x, isa).unwrap(), expected, "{dtype:?} {levels:?} {isa:?}");
+            }
         }
     }
 
@@ -1500,7 +2210,7 @@ mod tests {
     #[test]
     fn results_are_close_to_the_dense_product() {
         if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            eprintln!("skipped: no vector kernels on this CPU");
             return;
         }
         for dtype in ALL_TYPES {
@@ -1535,7 +2245,7 @@ mod tests {
     #[test]
     fn outliers_leave_their_blocks_and_land_between_one_and_two_levels() {
         if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            eprintln!("skipped: no vector kernels on this CPU");
             return;
         }
         let (n, k) = (32, 1024);

@@ -42,9 +42,9 @@ impl WeightFormat {
     }
 
     /// The default for a file, chosen by measurement (docs/performance.md): keep the file's
-    /// types where there are fast kernels for them (ours for Q8_0 and Q4_1 on CPUs with
-    /// AVX-512 VNNI, candle's repacked ones for widths that are multiples of 256); otherwise
-    /// convert to Q8_0, which runs on our kernel (or, without AVX-512 VNNI, is padded onto
+    /// types where there are fast kernels for them (ours for Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on
+    /// CPUs with AVX-512 VNNI or AVX2, candle's repacked ones for widths that are multiples of 256); otherwise
+    /// convert to Q8_0, which runs on our kernel (or, without them, is padded onto
     /// candle's repacked one; see [`super::linear`]). Q4_0/Q4_1/Q5_0/Q5_1 run scalar in
     /// candle, and any width that is not a multiple of 256 misses its repacked kernels.
     /// `kernels` says which kernels may run (its `weights` is not read here).

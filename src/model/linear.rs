@@ -1,5 +1,5 @@
-//! Matmul weights in the chosen format: Q8_0 and Q4_1 on our own kernels (`vnni_matmul`)
-//! where the CPU has AVX-512 VNNI, everything else on candle's, padded where that unlocks its
+//! Matmul weights in the chosen format: Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on our own kernels
+//! (`vnni_matmul`) where the CPU has AVX-512 VNNI or AVX2, everything else on candle's, padded where that unlocks its
 //! fast kernels.
 //!
 //! candle 0.11.1's repacked x86 kernels (one weight read for up to 16 activation rows, VNNI
@@ -38,7 +38,7 @@ pub fn repacked_q8_available(kernels: &KernelSettings) -> bool {
 #[derive(Clone)]
 enum Weight {
     Candle(QMatMul),
-    /// Q8_0 or Q4_1 on our own kernels (`vnni_matmul`), where the CPU has them.
+    /// Quantised weights on our own kernels (`vnni_matmul`), where the CPU has them.
     Vnni(Arc<PackedMatrix>),
 }
 

@@ -1,5 +1,6 @@
 //! Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights × 8-bit activations (with their outliers in f32,
-//! or in two levels) on AVX-512 VNNI CPUs, for any batch size.
+//! or in two levels) on AVX-512 VNNI CPUs, and with the same arithmetic on AVX2 CPUs (see
+//! `mod avx2`), for any batch size.
 //!
 //! Why not candle's kernels: its repacked Q8_0 kernel needs input widths that are multiples
 //! of 256 (SmolLM2's 576 had to be zero-padded to 768, a third more work), quantises

@@ -122,8 +122,9 @@ mod tuning {
     /// unobserved stretches decay towards).
     pub const PRIOR_ALPHA: f64 = 0.5;
     pub const PRIOR_TRIALS: f64 = 1.0;
-    /// Steps at k = 0 before the first probe; doubled after each probe that does not turn
-    /// speculation back on, up to the maximum.
+    /// Steps at k = 0 before the first probe; doubled after each probe, up to the maximum, and
+    /// back to this only once speculation has stayed on for as many steps: a lucky probe that
+    /// turns drafting on for a step or two must not restart the short probe intervals.
     pub const PROBE_AFTER: u32 = 8;
     pub const PROBE_AFTER_MAX: u32 = 128;
     /// Draft length of a probe.
@@ -154,6 +155,8 @@ pub struct AdaptiveState {
     /// Counters at the previous call, to recover the last step from cumulative metrics.
     last: Snapshot,
     zero_streak: u32,
+    /// Consecutive steps that chose to draft.
+    on_streak: u32,
     probe_after: u32,
     /// A probe was asked for and the drafter has not produced a draft yet.
     probing: bool,
@@ -218,6 +221,7 @@ impl AdaptiveState {
             draft_cost_weight: 0.0,
             last: Snapshot::default(),
             zero_streak: 0,
+            on_streak: 0,
             probe_after: tuning::PROBE_AFTER,
             probing: probe_first,
             stale: false,
@@ -363,9 +367,13 @@ impl AdaptiveState {
         let k = if self.hold { 0 } else { self.best_len() };
         if k > 0 {
             self.zero_streak = 0;
-            self.probe_after = tuning::PROBE_AFTER;
+            self.on_streak += 1;
+            if self.on_streak >= tuning::PROBE_AFTER {
+                self.probe_after = tuning::PROBE_AFTER;
+            }
             return k;
         }
+        self.on_streak = 0;
         self.zero_streak += 1;
         if self.zero_streak >= self.probe_after && self.probe_affordable(m, pending_catch_up) {
             self.zero_streak = 0;
@@ -449,6 +457,24 @@ mod tests {
         let spec_steps = late.iter().filter(|&&k| k > 0).count();
         // Probes with back-off, and a short run after a probe that was lucky.
         assert!(spec_steps <= 10, "drafted in {spec_steps} of {} steps: {late:?}", late.len());
+    }
+
+    #[test]
+    fn lucky_probes_do_not_restart_short_probe_intervals() {
+        // A one-pass drafter just short of paying: α = 0.45, so (1 + α) / (1.04 + 0.55) < 1,
+        // but a probe that is accepted whole makes one step look worth drafting. Such a probe
+        // must not bring back probing every 8 steps: the idle stretches keep growing.
+        let points = smollm2_points();
+        let curve = Arc::new(StepCost::from_points(points.clone()));
+        let verify = |k: usize| points[k].1;
+        let mut state = AdaptiveState::new(15, curve, DraftCostShape::PerDraft, true);
+        let (_, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.45, 2000, &|_| 0.0055, &verify);
+        let late = &chosen[1000..];
+        let spec_steps = late.iter().filter(|&&k| k > 0).count();
+        let longest_idle = late.split(|&k| k > 0).map(|idle| idle.len()).max().unwrap_or(0);
+        eprintln!("drafted in {spec_steps} of {} steps, longest idle stretch {longest_idle}", late.len());
+        assert!(longest_idle >= tuning::PROBE_AFTER_MAX as usize / 2, "longest idle stretch {longest_idle}");
+        assert!(spec_steps <= 40, "drafted in {spec_steps} of {} steps", late.len());
     }
 
     #[test]

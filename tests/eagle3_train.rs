@@ -235,9 +235,12 @@ fn export_loads_and_scores_like_the_trained_weights() {
     let target = load("random");
     let data = examples(&target, 8, 8, 16, 7);
     let out = tempfile::tempdir().unwrap();
-    let s = Eagle3TrainSettings { draft_vocab: Some(50), val_examples: 0, ..settings(3) };
+    // A narrower MLP than the target's (`--ffn`) exports and loads like any other shape.
+    let s = Eagle3TrainSettings { draft_vocab: Some(50), ffn: Some(24), val_examples: 0, ..settings(3) };
+    assert_ne!(target.model.config.ffn, 24);
     run(&target, &data, s.clone(), out.path(), false, None);
     let loaded = Eagle3Drafter::load(&out.path().join("drafter"), &Device::Cpu).unwrap();
+    assert_eq!(loaded.config.ffn, 24);
     assert_eq!(loaded.config.draft_vocab, loaded.draft_vocab().len());
     assert!(loaded.draft_vocab().len() <= 50);
     let meta: te::CheckpointMeta =

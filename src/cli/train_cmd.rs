@@ -47,6 +47,9 @@ pub struct Eagle3Args {
     /// Draft vocabulary: the N most frequent response tokens (default: the target's).
     #[arg(long)]
     draft_vocab: Option<usize>,
+    /// MLP width (default: the target's).
+    #[arg(long)]
+    ffn: Option<usize>,
     /// Peak learning rate (AdamW, β 0.9/0.999).
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
@@ -504,6 +507,7 @@ fn run_eagle3(args: Eagle3Args) -> Result<()> {
         ttt_steps: args.ttt_steps,
         taps: args.taps.clone(),
         draft_vocab: args.draft_vocab,
+        ffn: args.ffn,
         adam: AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
         warmup: args.warmup,
         clip: args.clip,

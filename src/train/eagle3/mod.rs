@@ -30,6 +30,10 @@ pub struct Eagle3TrainSettings {
     pub taps: Option<Vec<usize>>,
     /// Draft vocabulary: the N most frequent response tokens (default: the target's).
     pub draft_vocab: Option<usize>,
+    /// MLP width (default: the target's). A narrower MLP keeps the drafter of a larger target
+    /// small enough to train and ship on a CPU.
+    #[serde(default)]
+    pub ffn: Option<usize>,
     pub adam: AdamWSettings,
     pub warmup: f64,
     pub clip: f64,
@@ -48,6 +52,7 @@ impl Default for Eagle3TrainSettings {
             ttt_steps: 7,
             taps: None,
             draft_vocab: None,
+            ffn: None,
             adam: AdamWSettings { lr: 1e-4, ..Default::default() },
             warmup: 0.04,
             clip: 0.5,
@@ -81,6 +86,9 @@ impl Eagle3TrainSettings {
         if self.draft_vocab == Some(0) {
             bail!("--draft-vocab must be positive");
         }
+        if self.ffn == Some(0) {
+            bail!("--ffn must be positive");
+        }
         Ok(())
     }
 
@@ -98,7 +106,8 @@ impl Eagle3TrainSettings {
     }
 }
 
-/// The drafter's shape for `target`: the target's width, heads and MLP, one layer.
+/// The drafter's shape for `target`: the target's width and heads, its MLP unless `--ffn`
+/// narrows it, one layer.
 pub fn drafter_config(target: &Transformer, settings: &Eagle3TrainSettings, draft_vocab: usize) -> Eagle3Config {
     let c = &target.config;
     Eagle3Config {
@@ -106,7 +115,7 @@ pub fn drafter_config(target: &Transformer, settings: &Eagle3TrainSettings, draf
         n_heads: c.n_heads,
         n_kv_heads: c.n_kv_heads,
         head_dim: c.head_dim,
-        ffn: c.ffn,
+        ffn: settings.ffn.unwrap_or(c.ffn),
         rms_eps: c.rms_eps,
         rope_theta: c.rope_theta as f64,
         vocab: c.vocab,

@@ -35,12 +35,13 @@ fn table_row(c: &CellSummary) -> String {
         None => dash(),
     };
     format!(
-        "| {} | {} | {} | {:.2} | {:.2}× | {:.2} | {:.2}× | {} | {} | {} | {} | {} | {} | {} | {} |",
+        "| {} | {} | {} | {:.2} | {:.2}× | {} | {:.2} | {:.2}× | {} | {} | {} | {} | {} | {} | {} | {} |",
         c.dataset,
         fmt_temp(c.temperature),
         c.mode,
         c.tokens_per_s,
         c.speedup,
+        c.speedup_interval.map_or_else(dash, |(lo, hi)| format!("{lo:.2}–{hi:.2}")),
         c.decode_tokens_per_s,
         c.decode_speedup,
         if spec { format!("{:.2}", c.tau) } else { dash() },
@@ -68,9 +69,9 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
         let _ = writeln!(s, "Verify-cost curve cost(m)/cost(1): {}\n", curve_line(&m.verify_curve));
         let _ = writeln!(
             s,
-            "| data set | T | mode | tok/s | speedup | decode tok/s | decode speedup | τ | acceptance | mean k | draft ms/step | verify cost | bound | of bound | greedy mismatches |"
+            "| data set | T | mode | tok/s | speedup | 95% interval | decode tok/s | decode speedup | τ | acceptance | mean k | draft ms/step | verify cost | bound | of bound | greedy mismatches |"
         );
-        let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for c in &m.cells {
             let _ = writeln!(s, "{}", table_row(c));
         }
@@ -79,6 +80,7 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
     let _ = writeln!(
         s,
         "tok/s = generated tokens / (prefill + decode) seconds; decode tok/s excludes prefill and the first token. \
+         95% interval: of the speedup, from a paired bootstrap over the prompts (the run-to-run noise). \
          τ = tokens committed per target verify step; mean k = drafted tokens per step; draft ms/step = time \
          spent drafting per verify step (catching up excluded); verify cost = mean \
          cost(k+1)/cost(1) of the steps run; bound = τ / verify cost, the decode speedup if drafting were free; \
@@ -474,8 +476,8 @@ mod tests {
     fn modes() -> Vec<Mode> {
         vec![
             Mode::plain(),
-            Mode { drafter: Some("ngram".into()), draft_len: Some(DraftLen::Fixed(4)) },
-            Mode { drafter: Some("draft-model:qwen2.5-coder-0.5b".into()), draft_len: Some(DraftLen::Auto) },
+            Mode::spec("ngram", DraftLen::Fixed(4)),
+            Mode::spec("draft-model:qwen2.5-coder-0.5b", DraftLen::Auto),
         ]
     }
 

@@ -6,7 +6,7 @@
 //! output token for token.
 
 use crate::datasets::{self, Prompt, PromptKind};
-use crate::engine::{generate, GenerateOptions, LoadedModel};
+use crate::engine::{generate, FleetAcceptance, GenerateOptions, LoadedModel};
 use crate::sample::SamplingParams;
 use crate::speculative::{build_proposer, DrafterSpec};
 use crate::speculative::{DraftLen, SpecMetrics, StepCost, StepCostSettings};
@@ -30,22 +30,30 @@ pub struct Mode {
     /// The `--drafter` string; None = plain decoding.
     pub drafter: Option<String>,
     pub draft_len: Option<DraftLen>,
+    /// Adaptive modes: each prompt starts from the acceptance the drafter had on the earlier
+    /// prompts of its data set (as on a running server) instead of from nothing.
+    pub warm: bool,
 }
 
 impl Mode {
     pub fn plain() -> Self {
-        Self { drafter: None, draft_len: None }
+        Self { drafter: None, draft_len: None, warm: false }
+    }
+
+    pub fn spec(drafter: &str, draft_len: DraftLen) -> Self {
+        Self { drafter: Some(drafter.to_string()), draft_len: Some(draft_len), warm: false }
     }
 
     pub fn is_plain(&self) -> bool {
         self.drafter.is_none()
     }
 
-    /// `plain`, `ngram k=4`, `draft-model:qwen2.5-coder-0.5b k=auto`.
+    /// `plain`, `ngram k=4`, `draft-model:qwen2.5-coder-0.5b k=auto`, `dflash:DIR k=auto warm`.
     pub fn label(&self) -> String {
+        let warm = if self.warm { " warm" } else { "" };
         match (&self.drafter, &self.draft_len) {
             (None, _) => "plain".to_string(),
-            (Some(d), Some(k)) => format!("{d} k={}", draft_len_label(*k)),
+            (Some(d), Some(k)) => format!("{d} k={}{warm}", draft_len_label(*k)),
             (Some(d), None) => d.clone(),
         }
     }
@@ -59,6 +67,9 @@ pub struct SpecBenchSettings {
     /// `--drafter` strings (see [`DrafterSpec::parse`]).
     pub drafters: Vec<String>,
     pub draft_lens: Vec<DraftLen>,
+    /// Starts of the adaptive modes: cold (false: each prompt knows nothing of the drafter) and/or
+    /// warm (true: each prompt starts from the earlier prompts' acceptance); each is its own mode.
+    pub starts: Vec<bool>,
     /// Upper limit of the adaptive policy's draft length.
     pub max_auto_draft_len: usize,
     pub datasets: Vec<String>,
@@ -81,7 +92,14 @@ impl SpecBenchSettings {
             // The canonical form names defaults (`ngram` → `ngram:3`); parse errors surface in validate.
             let name = DrafterSpec::parse(d).map_or_else(|_| d.clone(), |spec| spec.label());
             for k in &self.draft_lens {
-                modes.push(Mode { drafter: Some(name.clone()), draft_len: Some(*k) });
+                match k {
+                    DraftLen::Auto => {
+                        for &warm in &self.starts {
+                            modes.push(Mode { warm, ..Mode::spec(&name, *k) });
+                        }
+                    }
+                    DraftLen::Fixed(_) => modes.push(Mode::spec(&name, *k)),
+                }
             }
         }
         modes
@@ -96,6 +114,9 @@ impl SpecBenchSettings {
         }
         if self.draft_lens.is_empty() {
             bail!("no draft length: give --draft-len N|auto");
+        }
+        if self.starts.is_empty() {
+            bail!("no start for the adaptive modes: give --acceptance-history cold and/or warm");
         }
         if self.datasets.is_empty() {
             bail!("no data set: give --dataset KEY (e.g. humaneval, gsm8k-100)");
@@ -167,6 +188,9 @@ pub struct CellSummary {
     pub decode_tokens_per_s: f64,
     /// `tokens_per_s` over plain decoding's on the same prompts.
     pub speedup: f64,
+    /// 95% interval of `speedup` from a paired bootstrap over the prompts (speculative modes
+    /// with at least two prompts): how far the machine's noise alone moves it.
+    pub speedup_interval: Option<(f64, f64)>,
     pub decode_speedup: f64,
     pub tau: f64,
     pub acceptance_rate: f64,
@@ -258,6 +282,39 @@ fn ratio(num: f64, den: f64) -> f64 {
     }
 }
 
+/// Resamples of the paired bootstrap behind [`speedup_interval`].
+const BOOTSTRAP_RESAMPLES: usize = 2000;
+
+/// 95% interval of the end-to-end speedup (Σ tokens / Σ seconds, over plain decoding's) from a
+/// paired bootstrap: the prompts are drawn with replacement, each keeping its plain and its
+/// speculative run together, so prompt-to-prompt differences in length and difficulty cancel and
+/// what is left is the run-to-run noise. Deterministic (fixed seed). None with fewer than two
+/// pairs.
+pub fn speedup_interval(pairs: &[(&PromptRun, &PromptRun)]) -> Option<(f64, f64)> {
+    let n = pairs.len();
+    if n < 2 {
+        return None;
+    }
+    let mut rng = crate::sample::SamplerRng::from_seed(0x5eed);
+    let secs = |r: &PromptRun| r.prefill_secs + r.decode_secs;
+    let mut samples: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+        .map(|_| {
+            let (mut plain_tokens, mut plain_secs, mut spec_tokens, mut spec_secs) = (0.0, 0.0, 0.0, 0.0);
+            for _ in 0..n {
+                let (plain, spec) = pairs[((rng.next_f64() * n as f64) as usize).min(n - 1)];
+                plain_tokens += plain.tokens as f64;
+                plain_secs += secs(plain);
+                spec_tokens += spec.tokens as f64;
+                spec_secs += secs(spec);
+            }
+            ratio(ratio(spec_tokens, spec_secs), ratio(plain_tokens, plain_secs))
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    let at = |q: f64| samples[((q * (BOOTSTRAP_RESAMPLES - 1) as f64).round() as usize).min(BOOTSTRAP_RESAMPLES - 1)];
+    Some((at(0.025), at(0.975)))
+}
+
 /// Summarises the runs of one cell. `plain` is the plain-decoding summary of the same prompts
 /// (None when summarising plain decoding itself).
 pub fn summarize(
@@ -305,6 +362,7 @@ pub fn summarize(
         tokens_per_s,
         decode_tokens_per_s,
         speedup,
+        speedup_interval: None,
         decode_speedup,
         tau: metrics.tau(),
         acceptance_rate: metrics.acceptance_rate(),
@@ -342,7 +400,25 @@ pub fn summarize_all(
                 if rows.is_empty() {
                     continue;
                 }
-                let cell = summarize(&rows, mode, ds, t, cost, plain.as_ref());
+                let mut cell = summarize(&rows, mode, ds, t, cost, plain.as_ref());
+                if !mode.is_plain() {
+                    let plain_label = Mode::plain().label();
+                    let pairs: Vec<(&PromptRun, &PromptRun)> = rows
+                        .iter()
+                        .filter_map(|&r| {
+                            let plain = runs.iter().find(|p| {
+                                p.dataset == r.dataset
+                                    && p.temperature == r.temperature
+                                    && p.mode == plain_label
+                                    && p.prompt_id == r.prompt_id
+                            })?;
+                            Some((plain, r))
+                        })
+                        .collect();
+                    if pairs.len() == rows.len() {
+                        cell.speedup_interval = speedup_interval(&pairs);
+                    }
+                }
                 if mode.is_plain() {
                     plain = Some(cell.clone());
                 }
@@ -430,9 +506,12 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
             // Room for the prompt, the output, and one verify block past the committed tokens.
             let pool = loaded.model.new_kv_pool(longest + settings.max_tokens + curve_max_m + 64);
             for &temperature in &settings.temperatures {
+                // Warm modes' acceptance history, one per mode, over this set at this temperature.
+                let histories: Vec<_> =
+                    modes.iter().map(|_| Arc::new(std::sync::Mutex::new(FleetAcceptance::default()))).collect();
                 for (i, prompt) in prompts.iter().enumerate() {
                     let mut plain_tokens: Option<Vec<u32>> = None;
-                    for (mode, drafter) in modes.iter().zip(&drafters) {
+                    for ((mode, drafter), history) in modes.iter().zip(&drafters).zip(&histories) {
                         progress.set_message(format!("{model_key} · {ds} · T={temperature} · {}", mode.label()));
                         let params = SamplingParams {
                             temperature,
@@ -449,6 +528,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                             draft_len: mode.draft_len.unwrap_or(DraftLen::Fixed(0)),
                             max_draft: settings.max_auto_draft_len,
                             step_cost: Some(cost.clone()),
+                            history: mode.warm.then(|| history.clone()),
                             ..GenerateOptions::default()
                         };
                         let gen = generate(
@@ -609,7 +689,7 @@ mod tests {
 
     #[test]
     fn summaries_compute_speedup_against_plain_and_count_mismatches() {
-        let modes = vec![Mode::plain(), Mode { drafter: Some("ngram".into()), draft_len: Some(DraftLen::Fixed(2)) }];
+        let modes = vec![Mode::plain(), Mode::spec("ngram", DraftLen::Fixed(2))];
         let ds = vec!["humaneval".to_string()];
         let curve = [1.0, 1.2, 1.4];
         let spec = modes[1].label();
@@ -636,12 +716,31 @@ mod tests {
     }
 
     #[test]
+    fn the_speedup_interval_is_tight_for_steady_pairs_and_wide_for_noisy_ones() {
+        let plain = |secs: f64| run_row("gsm8k", 0.0, "plain", 101, secs, metrics_of(&[(0, 0)]), None);
+        let spec = |secs: f64| run_row("gsm8k", 0.0, "ngram", 101, secs, metrics_of(&[(0, 0)]), None);
+        // Every prompt exactly twice as fast: the interval is the point.
+        let steady: Vec<(PromptRun, PromptRun)> = (1..=10).map(|i| (plain(i as f64), spec(i as f64 / 2.0))).collect();
+        let pairs: Vec<(&PromptRun, &PromptRun)> = steady.iter().map(|(p, s)| (p, s)).collect();
+        let (lo, hi) = speedup_interval(&pairs).unwrap();
+        assert!((lo - 2.0).abs() < 1e-9 && (hi - 2.0).abs() < 1e-9, "{lo} {hi}");
+        // Same work, ±20% run-to-run noise: the interval straddles 1 and holds the estimate.
+        let noisy: Vec<(PromptRun, PromptRun)> =
+            (0..20).map(|i| (plain(10.0), spec(if i % 2 == 0 { 8.0 } else { 12.0 }))).collect();
+        let pairs: Vec<(&PromptRun, &PromptRun)> = noisy.iter().map(|(p, s)| (p, s)).collect();
+        let (lo, hi) = speedup_interval(&pairs).unwrap();
+        assert!(lo < 1.0 && hi > 1.0 && hi - lo > 0.1, "{lo} {hi}");
+        assert_eq!(speedup_interval(&pairs[..1]), None, "one pair says nothing about noise");
+    }
+
+    #[test]
     fn settings_list_plain_then_every_drafter_and_length() {
         let s = SpecBenchSettings {
             models: vec!["m".into()],
             weights: None,
             drafters: vec!["ngram".into(), "draft-model:x".into()],
             draft_lens: vec![DraftLen::Fixed(4), DraftLen::Auto],
+            starts: vec![false, true],
             max_auto_draft_len: 8,
             datasets: vec!["humaneval".into()],
             limit: None,
@@ -652,7 +751,18 @@ mod tests {
             chat_template_kwargs: Default::default(),
         };
         let labels: Vec<String> = s.modes().iter().map(Mode::label).collect();
-        assert_eq!(labels, ["plain", "ngram:3 k=4", "ngram:3 k=auto", "draft-model:x k=4", "draft-model:x k=auto"]);
+        assert_eq!(
+            labels,
+            [
+                "plain",
+                "ngram:3 k=4",
+                "ngram:3 k=auto",
+                "ngram:3 k=auto warm",
+                "draft-model:x k=4",
+                "draft-model:x k=auto",
+                "draft-model:x k=auto warm"
+            ]
+        );
         assert!(s.validate().is_ok());
         assert!(SpecBenchSettings { drafters: vec!["bogus".into()], ..s.clone() }.validate().is_err());
         assert!(SpecBenchSettings { datasets: vec!["nope".into()], ..s }.validate().is_err());

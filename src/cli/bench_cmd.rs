@@ -44,6 +44,11 @@ pub struct BenchArgs {
     /// Draft length per step: a number or `auto` (adaptive); repeatable, each is its own mode.
     #[arg(long, default_values_t = vec!["auto".to_string()])]
     draft_len: Vec<String>,
+    /// Where each prompt of an adaptive mode starts: `cold` (nothing known about the drafter) or
+    /// `warm` (the acceptance it had on the set's earlier prompts, as on a running server);
+    /// comma-separated, each is its own mode.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["cold".to_string()])]
+    acceptance_history: Vec<String>,
     /// Longest draft the adaptive policy may choose.
     #[arg(long, default_value_t = MAX_DRAFT)]
     max_draft_len: usize,
@@ -92,6 +97,15 @@ fn run_spec(args: BenchArgs) -> Result<()> {
         weights: args.weights.first().cloned(),
         drafters: args.drafter.clone(),
         draft_lens: args.draft_len.iter().map(|s| parse_draft_len(s)).collect::<Result<_>>()?,
+        starts: args
+            .acceptance_history
+            .iter()
+            .map(|s| match s.trim() {
+                "cold" => Ok(false),
+                "warm" => Ok(true),
+                other => bail!("--acceptance-history takes cold and/or warm, got `{other}`"),
+            })
+            .collect::<Result<_>>()?,
         max_auto_draft_len: args.max_draft_len,
         datasets: args.dataset.clone(),
         limit: args.limit,

@@ -121,6 +121,16 @@ impl<'a> EngineCore<'a> {
         self.queued.fetch_sub(n, Ordering::SeqCst);
     }
 
+    /// Acceptance and drafting costs seen on the requests verified so far.
+    pub fn fleet_acceptance(&self) -> &FleetAcceptance {
+        &self.fleet
+    }
+
+    /// Starts from acceptance seen elsewhere (an earlier engine's [`Self::fleet_acceptance`]).
+    pub fn set_fleet_acceptance(&mut self, fleet: FleetAcceptance) {
+        self.fleet = fleet;
+    }
+
     /// Queues a request. `proposer` drafts for it (None: plain decoding).
     pub fn add(&mut self, req: EngineRequest, proposer: Option<Box<dyn Proposer + 'a>>, sink: Box<dyn EventSink + 'a>) {
         let ctx = self.target.model.config.context_len;
@@ -288,7 +298,7 @@ impl<'a> EngineCore<'a> {
                     let secs_per_token = draft.of(want) / want.max(1) as f64 * policy.step_secs();
                     let (own_accepted, own_tried) = policy.acceptance_counts();
                     let alpha = self.fleet.alpha_for(own_accepted, own_tried);
-                    DraftBid { alpha, max_len: want, secs_per_token, exact: false }
+                    DraftBid { alpha, max_len: want, secs_per_token, exact: policy.is_probing() && want > 0 }
                 }
             };
         }

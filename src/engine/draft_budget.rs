@@ -21,8 +21,10 @@ pub struct DraftBid {
     pub max_len: usize,
     /// Drafter time per drafted token.
     pub secs_per_token: f64,
-    /// A fixed draft length (`--draft-len N`): granted as far as rows and blocks allow,
-    /// without weighing its cost.
+    /// A fixed draft length (`--draft-len N`), or an adaptive policy's probe: granted as far as
+    /// rows and blocks allow, without weighing its cost. A probe must not be weighed: it is how
+    /// a request learns that acceptance has changed, and weighing it by the acceptance it is
+    /// there to re-measure would keep a drafter off for good once the fleet had seen it fail.
     pub exact: bool,
 }
 

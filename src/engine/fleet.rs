@@ -8,8 +8,11 @@ use crate::speculative::{DraftCostShape, StepCost};
 /// what this drafter achieves on this server's traffic, rather than from a fixed guess plus
 /// optimism, keeps short requests from over-drafting when acceptance is poor, which at high
 /// load made speculation slower than plain batching.
+///
+/// `generate` runs a fresh engine per request; a caller that runs many (the bench) can carry
+/// this from one to the next, so each request starts from what a running server would know.
 #[derive(Debug, Clone, Default)]
-pub(super) struct FleetAcceptance {
+pub struct FleetAcceptance {
     accepted: f64,
     tried: f64,
     /// Decayed drafting seconds, drafted tokens and drafts.

@@ -4,6 +4,7 @@
 
 use super::active::EventSink;
 use super::core::{EngineConfig, EngineCore, EngineModel};
+use super::fleet::FleetAcceptance;
 use super::request::{Completion, EngineEvent, EngineRequest, StepTrace, TokenChunk};
 use super::sequence::FinishReason;
 use crate::kv::KvPool;
@@ -12,7 +13,7 @@ use crate::speculative::{DraftLen, Proposer, SpecMetrics, StepCost, MAX_DRAFT};
 use anyhow::{bail, Result};
 use std::cell::RefCell;
 use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub struct GenerateOptions {
@@ -30,6 +31,9 @@ pub struct GenerateOptions {
     pub trace: bool,
     /// The grammar the output must match (structured outputs).
     pub constraint: Option<crate::grammar::Constraint>,
+    /// What the drafter achieved on earlier requests: the request starts from it (as it would
+    /// on a running server) and leaves its own steps in it. None: nothing is known beforehand.
+    pub history: Option<Arc<Mutex<FleetAcceptance>>>,
 }
 
 impl Default for GenerateOptions {
@@ -42,6 +46,7 @@ impl Default for GenerateOptions {
             step_cost: None,
             trace: false,
             constraint: None,
+            history: None,
         }
     }
 }
@@ -77,6 +82,11 @@ impl Generation {
     pub fn decode_tps(&self) -> f64 {
         self.tokens.len().saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
     }
+}
+
+/// The history, also after a panic elsewhere left its lock poisoned (it holds only counts).
+fn lock_history(h: &Mutex<FleetAcceptance>) -> std::sync::MutexGuard<'_, FleetAcceptance> {
+    h.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What the request's events leave behind.
@@ -158,6 +168,9 @@ pub fn generate(
             opts.step_cost.clone(),
             Arc::new(AtomicUsize::new(1)),
         );
+        if let Some(h) = &opts.history {
+            core.set_fleet_acceptance(lock_history(h).clone());
+        }
         let request = EngineRequest {
             speculate: proposer.is_some(),
             constraint: opts.constraint.clone(),
@@ -167,6 +180,9 @@ pub fn generate(
         core.add(request, proposer, Box::new(Collector { on_chunk, outcome: &outcome }));
         while !core.is_idle() {
             core.step();
+        }
+        if let Some(h) = &opts.history {
+            *lock_history(h) = core.fleet_acceptance().clone();
         }
     }
     let ended = Instant::now();

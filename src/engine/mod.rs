@@ -28,6 +28,7 @@ mod text_stream;
 pub use self::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
 pub use active::EventSink;
 pub use draft_budget::{allocate_drafts, DraftBid};
+pub use fleet::FleetAcceptance;
 pub use generate::{generate, GenerateOptions, Generation};
 pub use handle::Engine;
 pub use loaded::LoadedModel;

@@ -346,6 +346,12 @@ impl AdaptiveState {
         self.probing = false;
     }
 
+    /// Whether the draft length [`Self::choose`] returned last is a probe (short, made to
+    /// re-measure acceptance rather than because drafting is expected to pay).
+    pub fn is_probing(&self) -> bool {
+        self.probing
+    }
+
     /// Seconds of one target decode step, as measured so far (0 before any step).
     pub fn step_secs(&self) -> f64 {
         self.step_secs

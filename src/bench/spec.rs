@@ -392,7 +392,8 @@ pub fn summarize_all(
     let mut cells = Vec::new();
     for ds in datasets {
         for &t in temperatures {
-            let mut plain: Option<CellSummary> = None;
+            // Plain decoding's summary and runs of this set and temperature (plain comes first).
+            let mut plain: Option<(CellSummary, Vec<&PromptRun>)> = None;
             for mode in modes {
                 let label = mode.label();
                 let rows: Vec<&PromptRun> =
@@ -400,27 +401,17 @@ pub fn summarize_all(
                 if rows.is_empty() {
                     continue;
                 }
-                let mut cell = summarize(&rows, mode, ds, t, cost, plain.as_ref());
-                if !mode.is_plain() {
-                    let plain_label = Mode::plain().label();
+                let mut cell = summarize(&rows, mode, ds, t, cost, plain.as_ref().map(|(c, _)| c));
+                if mode.is_plain() {
+                    plain = Some((cell.clone(), rows));
+                } else if let Some((_, plain_rows)) = &plain {
                     let pairs: Vec<(&PromptRun, &PromptRun)> = rows
                         .iter()
-                        .filter_map(|&r| {
-                            let plain = runs.iter().find(|p| {
-                                p.dataset == r.dataset
-                                    && p.temperature == r.temperature
-                                    && p.mode == plain_label
-                                    && p.prompt_id == r.prompt_id
-                            })?;
-                            Some((plain, r))
-                        })
+                        .filter_map(|&r| Some((*plain_rows.iter().find(|p| p.prompt_id == r.prompt_id)?, r)))
                         .collect();
                     if pairs.len() == rows.len() {
                         cell.speedup_interval = speedup_interval(&pairs);
                     }
-                }
-                if mode.is_plain() {
-                    plain = Some(cell.clone());
                 }
                 cells.push(cell);
             }
@@ -506,9 +497,11 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
             // Room for the prompt, the output, and one verify block past the committed tokens.
             let pool = loaded.model.new_kv_pool(longest + settings.max_tokens + curve_max_m + 64);
             for &temperature in &settings.temperatures {
-                // Warm modes' acceptance history, one per mode, over this set at this temperature.
-                let histories: Vec<_> =
-                    modes.iter().map(|_| Arc::new(std::sync::Mutex::new(FleetAcceptance::default()))).collect();
+                // Each warm mode's acceptance history over this set at this temperature.
+                let histories: Vec<_> = modes
+                    .iter()
+                    .map(|m| m.warm.then(|| Arc::new(std::sync::Mutex::new(FleetAcceptance::default()))))
+                    .collect();
                 for (i, prompt) in prompts.iter().enumerate() {
                     let mut plain_tokens: Option<Vec<u32>> = None;
                     for ((mode, drafter), history) in modes.iter().zip(&drafters).zip(&histories) {
@@ -528,7 +521,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                             draft_len: mode.draft_len.unwrap_or(DraftLen::Fixed(0)),
                             max_draft: settings.max_auto_draft_len,
                             step_cost: Some(cost.clone()),
-                            history: mode.warm.then(|| history.clone()),
+                            history: history.clone(),
                             ..GenerateOptions::default()
                         };
                         let gen = generate(

@@ -132,6 +132,12 @@ impl Proposer for CheckedDraftModel {
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> anyhow::Result<Draft> {
         self.0.propose(tokens, max_len)
     }
+    fn pending_catch_up(&self, tokens: &[u32]) -> usize {
+        self.0.pending_catch_up(tokens)
+    }
+    fn catch_up(&mut self, tokens: &[u32]) -> anyhow::Result<usize> {
+        self.0.catch_up(tokens)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -346,6 +352,44 @@ fn tiny_model_greedy_speculation_equals_plain_greedy() {
             }
         }
     }
+}
+
+#[test]
+fn a_draft_model_feeds_a_few_pending_tokens_with_its_next_draft() {
+    let (_, other) = tiny_models();
+    let prompt = tiny_prompt(5, 12);
+    let mut p = DraftModelProposer::new(other.clone(), 256, vec![]);
+    p.begin(&prompt).unwrap();
+    // Nothing fed yet: the whole prompt but its last token is a catch-up of its own.
+    assert_eq!(p.pending_catch_up(&prompt), prompt.len() - 1);
+    assert_eq!(p.catch_up(&prompt).unwrap(), prompt.len() - 1);
+    let first = p.propose(&prompt, 3).unwrap().tokens;
+    assert_eq!(first.len(), 3);
+    // The target accepts the whole draft and adds a token: the last draft token was never fed.
+    // It goes into the next draft's first forward, with the target's token.
+    let mut tokens = prompt.clone();
+    tokens.extend_from_slice(&first);
+    tokens.push(first[0]);
+    p.observe(&tokens, prompt.len() - 1..tokens.len() - 1, &[]).unwrap();
+    assert_eq!(p.pending_catch_up(&tokens), 0);
+    assert_eq!(p.catch_up(&tokens).unwrap(), 0);
+    let second = p.propose(&tokens, 3).unwrap().tokens;
+    // The same draft as a drafter that fed the whole sequence at once (the forward is
+    // batch-invariant, so how the rows were grouped changes nothing).
+    let mut fresh = DraftModelProposer::new(other.clone(), 256, vec![]);
+    fresh.begin(&tokens).unwrap();
+    assert_eq!(fresh.propose(&tokens, 3).unwrap().tokens, second);
+    // After a stretch of plain steps longer than what a draft folds in, the catch-up is its own
+    // (the drafter holds all of `tokens`; the last of `later` is the draft's first input).
+    let mut later = tokens.clone();
+    later.extend(tiny_prompt(6, 8));
+    p.observe(&later, tokens.len() - 1..later.len() - 1, &[]).unwrap();
+    assert_eq!(p.pending_catch_up(&later), 7);
+    assert_eq!(p.catch_up(&later).unwrap(), 7);
+    assert_eq!(p.pending_catch_up(&later), 0);
+    let mut fresh = DraftModelProposer::new(other.clone(), 256, vec![]);
+    fresh.begin(&later).unwrap();
+    assert_eq!(fresh.propose(&later, 3).unwrap().tokens, p.propose(&later, 3).unwrap().tokens);
 }
 
 #[test]

@@ -29,6 +29,11 @@
 //! missed. That catch-up is timed on its own, and a probe that would need one is made only when
 //! it costs at most [`tuning::PROBE_BUDGET`] of the time spent idle since the last draft; a
 //! request starts with a probe only when its caller says drafting is expected to pay.
+//! For a drafter whose catch-up costs more than that per token (a draft model: about 7% of a
+//! target step per missed token), stopping is for good, so a drafting drafter stops only when
+//! an optimistic α (one standard error above the estimate) no longer pays: otherwise two
+//! unlucky steps at the start of a request, on a drafter accepted 90% of the time, switched it
+//! off for the whole request.
 
 use super::metrics::SpecMetrics;
 use super::proposer::DraftCostShape;
@@ -277,10 +282,28 @@ impl AdaptiveState {
     /// The k in 0..=max with the best expected speed (shortest on ties), or 0 when even that
     /// one promises less than [`tuning::MIN_GAIN`] over plain decoding.
     pub fn best_len(&self) -> usize {
-        match best_len(&self.cost, self.max, self.alpha(), self.draft_cost(), self.verify_excess()) {
+        self.best_len_at(self.alpha())
+    }
+
+    fn best_len_at(&self, alpha: f64) -> usize {
+        match best_len(&self.cost, self.max, alpha, self.draft_cost(), self.verify_excess()) {
             (k, s) if s >= 1.0 + tuning::MIN_GAIN => k,
             _ => 0,
         }
+    }
+
+    /// α one standard error above the estimate (its weight: the decayed tried positions).
+    fn optimistic_alpha(&self) -> f64 {
+        let a = self.alpha();
+        (a + (a * (1.0 - a) / (self.trials + tuning::PRIOR_TRIALS)).sqrt()).min(1.0)
+    }
+
+    /// Whether catching up after an idle stretch costs more per missed token than the probe
+    /// budget allows, so that a drafter that stops now is not probed again.
+    fn resuming_is_dear(&self, m: &SpecMetrics) -> bool {
+        m.catch_up_tokens > 0
+            && self.step_secs > 0.0
+            && m.catch_up_secs / m.catch_up_tokens as f64 > tuning::PROBE_BUDGET * self.step_secs
     }
 
     /// Folds in the step(s) since the last call.
@@ -380,7 +403,12 @@ impl AdaptiveState {
             self.probing = false;
             self.hold = true;
         }
-        let k = if self.hold { 0 } else { self.best_len() };
+        let mut k = if self.hold { 0 } else { self.best_len() };
+        if k == 0 && !self.hold && self.drafter_warm && self.resuming_is_dear(m) {
+            // Stopping a drafter that cannot afford to resume is for good: it takes more than
+            // a few unlucky steps.
+            k = self.best_len_at(self.optimistic_alpha());
+        }
         if k > 0 {
             self.zero_streak = 0;
             self.on_streak += 1;
@@ -738,6 +766,55 @@ mod tests {
         // Told not to probe first: no draft before the first scheduled probe.
         let mut state = AdaptiveState::new(15, flat_curve(16), DraftCostShape::PerToken, false);
         assert_eq!(state.choose(&SpecMetrics::default(), 0), 0);
+    }
+
+    #[test]
+    fn a_drafter_that_cannot_afford_to_resume_is_not_stopped_by_one_unlucky_step() {
+        // The 0.5B draft model for the 1.5B as measured: a draft token costs 0.4 decode steps,
+        // catching up 0.07 per missed token (over the probe budget: once off, never probed
+        // again), cost(2) 1.22. A probe accepted in full, then one rejected step: α falls to
+        // about 0.6, where one token is worth about what it costs.
+        let curve = Arc::new(StepCost::from_points(vec![(1, 1.0), (2, 1.22), (3, 1.5), (4, 1.77)]));
+        let steps = |dear: bool| {
+            let mut state = AdaptiveState::new(3, curve.clone(), DraftCostShape::PerToken, true);
+            state.draft_cost_sum = 0.4;
+            state.draft_cost_weight = 1.0;
+            let mut m = SpecMetrics::default();
+            if dear {
+                m.catch_up_tokens = 100;
+                m.catch_up_secs = 100.0 * 0.07 * 0.01;
+            }
+            let mut chosen = Vec::new();
+            for accepted_of in [|k: usize| k, |_| 0] {
+                let k = state.choose(&m, 0);
+                chosen.push(k);
+                m.record(k, accepted_of(k), accepted_of(k) + 1);
+                m.draft_secs += 0.004 * k as f64;
+                m.verify_secs += 0.01 * curve.relative(k + 1);
+            }
+            chosen.push(state.choose(&m, 0));
+            chosen
+        };
+        assert_eq!(steps(false), vec![2, 1, 0], "a drafter that can resume cheaply stops and probes later");
+        let dear = steps(true);
+        assert_eq!(&dear[..2], &[2, 1]);
+        assert!(dear[2] > 0, "stopped for good after one rejected step: {dear:?}");
+        // A drafter that is rarely right still stops when resuming is dear.
+        let mut state = AdaptiveState::new(3, curve.clone(), DraftCostShape::PerToken, true);
+        let (_, chosen) = run_costed(
+            &mut |m| {
+                let mut m = m.clone();
+                m.catch_up_tokens = 100;
+                m.catch_up_secs = 0.007;
+                state.choose(&m, 0)
+            },
+            0.2,
+            200,
+            &|k| 0.004 * k as f64,
+            &|k| curve.relative(k + 1),
+        );
+        let drafting = chosen.iter().filter(|&&k| k > 0).count();
+        assert!(drafting <= 8, "drafted on {drafting} steps: {chosen:?}");
     }
 
     #[test]

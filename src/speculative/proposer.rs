@@ -59,13 +59,15 @@ pub trait Proposer: Send {
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft>;
 
     /// Committed tokens the drafter has not processed yet and must before it can draft (a
-    /// draft model that sat idle feeds them all first): what resuming drafting costs.
+    /// draft model that sat idle feeds them all first): what resuming drafting costs. A few
+    /// that `propose` processes in its own first forward, at no extra cost, are not counted.
     fn pending_catch_up(&self, _tokens: &[u32]) -> usize {
         0
     }
 
     /// Processes the pending tokens ahead of `propose`, so that the engine can time catching
-    /// up apart from drafting. Returns how many it processed.
+    /// up apart from drafting. Returns how many it processed (none of those
+    /// [`Self::pending_catch_up`] does not count).
     fn catch_up(&mut self, _tokens: &[u32]) -> Result<usize> {
         Ok(0)
     }

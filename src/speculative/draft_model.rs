@@ -3,8 +3,9 @@
 //! The drafter keeps its own paged KV cache over a prefix of the committed tokens. On
 //! `propose` it first catches up (feeds the committed tokens it has not seen, in one forward),
 //! then drafts greedily, one token per forward. The last draft token is never fed: if the
-//! target accepted it, the next draft's first forward feeds it along with the target's token. On `observe` it truncates its cache to
-//! the longest prefix it shares with the committed tokens, so no rejected draft token survives.
+//! target accepted it, the next draft's first forward feeds it along with the target's token.
+//! On `observe` it truncates its cache to the longest prefix it shares with the committed
+//! tokens, so no rejected draft token survives.
 //!
 //! Drafts are greedy (deterministic, `probs` None) at every temperature: the verifier treats
 //! them as one-hot, which keeps sampling exact, and greedy drafts are accepted more often than

@@ -103,6 +103,11 @@ pub fn best_len(cost: &StepCost, max: usize, alpha: f64, draft: DraftCost, verif
     best
 }
 
+/// Measured seconds a drafter spends catching up per missed token (None before any catch-up).
+fn catch_up_secs_per_token(m: &SpecMetrics) -> Option<f64> {
+    (m.catch_up_tokens > 0).then(|| m.catch_up_secs / m.catch_up_tokens as f64)
+}
+
 /// A parsed `--draft-len` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftLen {
@@ -301,9 +306,8 @@ impl AdaptiveState {
     /// Whether catching up after an idle stretch costs more per missed token than the probe
     /// budget allows, so that a drafter that stops now is not probed again.
     fn resuming_is_dear(&self, m: &SpecMetrics) -> bool {
-        m.catch_up_tokens > 0
-            && self.step_secs > 0.0
-            && m.catch_up_secs / m.catch_up_tokens as f64 > tuning::PROBE_BUDGET * self.step_secs
+        self.step_secs > 0.0
+            && catch_up_secs_per_token(m).is_some_and(|secs| secs > tuning::PROBE_BUDGET * self.step_secs)
     }
 
     /// Folds in the step(s) since the last call.
@@ -382,11 +386,12 @@ impl AdaptiveState {
 
     /// Whether a probe that must first catch up on `pending` tokens fits the probe budget.
     fn probe_affordable(&self, m: &SpecMetrics, pending: usize) -> bool {
-        if pending == 0 || m.catch_up_tokens == 0 || self.step_secs <= 0.0 {
-            return true; // nothing to catch up on, or its price is not known yet
+        match catch_up_secs_per_token(m) {
+            // Nothing to catch up on, or its price is not known yet.
+            _ if pending == 0 || self.step_secs <= 0.0 => true,
+            None => true,
+            Some(secs) => secs * pending as f64 <= tuning::PROBE_BUDGET * self.idle_steps as f64 * self.step_secs,
         }
-        let secs = m.catch_up_secs / m.catch_up_tokens as f64 * pending as f64;
-        secs <= tuning::PROBE_BUDGET * self.idle_steps as f64 * self.step_secs
     }
 
     /// The draft length for the next step, given the metrics so far and the tokens the

@@ -35,6 +35,9 @@ pub struct Prompt {
     /// The expected final answer (gsm8k-100, math500) or reference solution (humaneval,
     /// humaneval-rust), where the set has one.
     pub reference: Option<String>,
+    /// The set's own answer to the prompt, for training sets that carry one (sharegpt's first
+    /// assistant turn, codeio's code): training data made without letting the target answer.
+    pub response: Option<String>,
 }
 
 /// Sets used to measure quality and speed: never train on them.
@@ -143,6 +146,7 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                     text: row.prompt,
                     kind: PromptKind::Completion,
                     reference: row.canonical_solution,
+                    response: None,
                 });
                 true
             })?;
@@ -197,8 +201,8 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
         "sharegpt" | "fastchat-dummy" => {
             for_each_in_json_array(bytes, |conv: Conversation| {
                 let id = format!("{key}/{}", conv.id);
-                if let Some(text) = conv.first_user_turn() {
-                    prompts.push(chat(id, text, None));
+                if let Some((text, answer)) = conv.first_exchange() {
+                    prompts.push(Prompt { response: answer, ..chat(id, text, None) });
                 }
                 prompts.len() < limit
             })?;
@@ -210,6 +214,8 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
             struct Row {
                 task_description: String,
                 input_output_spec: String,
+                #[serde(default)]
+                code_sample: Option<String>,
             }
             let mut line = 0usize;
             for_each_json_line(bytes, usize::MAX, |row: Row| {
@@ -222,7 +228,10 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                     row.task_description.trim(),
                     row.input_output_spec.trim()
                 );
-                prompts.push(chat(format!("codeio/{line}"), text, None));
+                // The set's own answer: its code, in the fenced block a chat model answers with.
+                let response =
+                    row.code_sample.filter(|c| !c.trim().is_empty()).map(|c| format!("```python\n{}\n```", c.trim()));
+                prompts.push(Prompt { response, ..chat(format!("codeio/{line}"), text, None) });
                 prompts.len() < limit
             })?;
         }
@@ -232,7 +241,7 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
 }
 
 fn chat(id: String, text: String, reference: Option<String>) -> Prompt {
-    Prompt { id, text, kind: PromptKind::Chat, reference }
+    Prompt { id, text, kind: PromptKind::Chat, reference, response: None }
 }
 
 /// A ShareGPT-format chat (ShareGPT itself and FastChat's dummy conversations).
@@ -250,14 +259,21 @@ struct Turn {
 }
 
 impl Conversation {
-    /// The first human turn with visible text; chats that open with a system or model turn
-    /// still count from their first human message.
-    fn first_user_turn(self) -> Option<String> {
-        self.conversations
-            .into_iter()
-            .find(|t| t.from == "human" || t.from == "user")
+    /// The first human turn with visible text, and the model turn right after it when there
+    /// is one with visible text; chats that open with a system or model turn still count from
+    /// their first human message.
+    fn first_exchange(self) -> Option<(String, Option<String>)> {
+        let mut turns = self.conversations.into_iter().skip_while(|t| t.from != "human" && t.from != "user");
+        let user = turns.next()?.value;
+        if user.trim().is_empty() {
+            return None;
+        }
+        let answer = turns
+            .next()
+            .filter(|t| t.from == "gpt" || t.from == "assistant")
             .map(|t| t.value)
-            .filter(|v| !v.trim().is_empty())
+            .filter(|v| !v.trim().is_empty());
+        Some((user, answer))
     }
 }
 
@@ -343,6 +359,9 @@ mod tests {
         let ids: Vec<_> = prompts.iter().map(|p| p.id.as_str()).collect();
         assert_eq!(ids, ["sharegpt/a", "sharegpt/c"]);
         assert_eq!(prompts[1].text, "Why?");
+        // The set's own answer is the model turn right after the prompt, where there is one.
+        assert_eq!(prompts[0].response.as_deref(), Some("Hello"));
+        assert_eq!(prompts[1].response, None);
         assert!(prompts.iter().all(|p| p.kind == PromptKind::Chat));
 
         let mut seen = Vec::new();
@@ -403,6 +422,7 @@ mod tests {
         assert!(first.text.starts_with("Sum two numbers.\n\nInput: a, b\nOutput: a + b\n\n"), "{}", first.text);
         assert!(first.text.ends_with("returns this output."), "{}", first.text);
         assert!(!first.text.contains("def main_solution"), "the code stays out of the prompt");
+        assert_eq!(first.response.as_deref(), Some("```python\ndef main_solution(a, b): return a + b\n```"));
         assert_eq!(parse("codeio", text.as_bytes(), 1).unwrap().len(), 1);
     }
 

@@ -466,6 +466,18 @@ fn frequent_tokens_and_validation_split_are_deterministic() {
     assert_eq!(ta.iter().map(|e| &e.key).collect::<Vec<_>>(), tb.iter().map(|e| &e.key).collect::<Vec<_>>());
     assert_eq!(va.iter().map(|e| &e.key).collect::<Vec<_>>(), vb.iter().map(|e| &e.key).collect::<Vec<_>>());
     assert_eq!(va.len(), 3);
+    // Held out from another directory: the same prompts' training examples are left out.
+    let mut pool = examples.clone();
+    for e in &mut pool {
+        e.tokens.push(7);
+        e.loss_mask.push(1);
+    }
+    let (tc, vc) = td::split_validation_from(examples.clone(), pool.clone(), 3).unwrap();
+    let val_keys: Vec<String> = va.iter().map(|e| format!("val:{}", e.key)).collect();
+    assert_eq!(vc.iter().map(|e| e.key.clone()).collect::<Vec<_>>(), val_keys);
+    assert!(vc.iter().all(|v| pool.iter().any(|p| p.tokens == v.tokens)), "validation rows come from the pool");
+    assert_eq!(tc.iter().map(|e| &e.key).collect::<Vec<_>>(), ta.iter().map(|e| &e.key).collect::<Vec<_>>());
+    assert!(td::split_validation_from(va.clone(), pool, 3).is_err(), "nothing left to train on");
     let top = td::frequent_tokens(&examples, 256, 5);
     assert_eq!(top.len(), 5);
     assert!(top.windows(2).all(|w| w[0] < w[1]));

@@ -7,7 +7,7 @@ mod common;
 use specula::engine::{generate, EngineModel, GenerateOptions, LoadedModel};
 use specula::train::data::{
     self, check_no_eval_prompts, check_no_eval_prompts_against, generate_data, read_examples, DataSettings, Example,
-    GenSettings, PromptSource,
+    GenSettings, PromptSource, ResponseSource,
 };
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -41,7 +41,7 @@ fn prompts_file(dir: &Path) -> PathBuf {
         .enumerate()
         .map(|(i, t)| {
             serde_json::json!({"id": format!("t{i}"), "conversations": [
-                {"from": "human", "value": t}, {"from": "gpt", "value": "(reference answer, unused)"}]})
+                {"from": "human", "value": t}, {"from": "gpt", "value": format!("Reference answer {i}: {t}")}]})
         })
         .collect();
     let path = dir.join("chats.json");
@@ -53,7 +53,13 @@ fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
     DataSettings {
         sources: vec![PromptSource::File { key: "fastchat-dummy".into(), path: prompts.to_path_buf() }],
         limit: Some(limit),
-        gen: GenSettings { max_new_tokens: 8, temperature: 0.0, seed: 0, chat_template_kwargs: Default::default() },
+        gen: GenSettings {
+            max_new_tokens: 8,
+            temperature: 0.0,
+            seed: 0,
+            chat_template_kwargs: Default::default(),
+            responses: Default::default(),
+        },
         out: out.to_path_buf(),
         batch: 4,
         shard_size: 4,
@@ -103,7 +109,13 @@ fn batched_data_is_the_targets_own_greedy_output_with_the_response_masked() {
         let ids = data::encode(loaded, p, &Default::default()).unwrap();
         assert_eq!(&ex.tokens[..ex.prompt_tokens], &ids[..], "{}: prompt tokens", ex.id);
         let params = data::example_params(
-            &GenSettings { max_new_tokens: 16, temperature: 0.0, seed: 0, chat_template_kwargs: Default::default() },
+            &GenSettings {
+                max_new_tokens: 16,
+                temperature: 0.0,
+                seed: 0,
+                chat_template_kwargs: Default::default(),
+                responses: Default::default(),
+            },
             &ex.set,
             &ex.id,
         );
@@ -279,6 +291,7 @@ fn eval_prompt_check_catches_eval_sets_ids_and_texts() {
             text: "def has_close_elements(numbers, threshold):\n".into(),
             kind: specula::datasets::PromptKind::Completion,
             reference: None,
+            response: None,
         }],
     )];
     write(&[ex("sharegpt", "sharegpt/x", "def has_close_elements(numbers,  threshold):")]);
@@ -302,6 +315,50 @@ fn eval_prompt_check_catches_eval_sets_ids_and_texts() {
         let err = check_no_eval_prompts(&work).unwrap_err().to_string();
         assert!(err.contains(&first.id), "{key}: {err}");
     }
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
+fn dataset_responses_are_the_sets_own_answers_cut_at_the_limit() {
+    let work = tempdir("dataset-responses");
+    let prompts = prompts_file(&work);
+    let out = work.join("out");
+    let mut s = settings(&prompts, &out, 6);
+    s.gen.responses = ResponseSource::Dataset;
+    s.gen.max_new_tokens = 6;
+    let summary = generate_data(target(), &s, &mut |_| {}).unwrap();
+    assert_eq!((summary.written, summary.skipped.len()), (6, 0));
+    let loaded = target();
+    let source = datasets_prompts(&prompts);
+    let mut cut = 0;
+    for ex in examples(&out) {
+        let p = source.iter().find(|p| p.id == ex.id).expect("example of a known prompt");
+        let ids = data::encode(loaded, p, &Default::default()).unwrap();
+        assert_eq!(&ex.tokens[..ex.prompt_tokens], &ids[..], "{}: prompt tokens", ex.id);
+        let answer = loaded.tokenizer.encode(p.response.as_deref().unwrap(), false).unwrap();
+        assert!(answer.len() > 1, "{}", ex.id);
+        assert_eq!(ex.response(), &answer[..answer.len().min(6)], "{}: the set's answer, cut at 6 tokens", ex.id);
+        assert_eq!(ex.finish, if answer.len() > 6 { "length" } else { "stop" });
+        cut += usize::from(answer.len() > 6);
+        assert!(ex.loss_mask[ex.prompt_tokens..].iter().all(|&m| m == 1));
+        assert!(ex.loss_mask[..ex.prompt_tokens].iter().all(|&m| m == 0));
+    }
+    assert!(cut > 0, "some answers run past the limit");
+    let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["settings"]["responses"], "dataset");
+    // The same directory resumed with the target's answers is refused: not one kind of data.
+    let mut other = settings(&prompts, &out, 6);
+    other.gen.max_new_tokens = 6;
+    let err = generate_data(target(), &other, &mut |_| {}).unwrap_err().to_string();
+    assert!(err.contains("other settings"), "{err}");
+
+    // A chat without a model turn has no answer of its own: skipped, not an empty example.
+    let lone = work.join("lone.json");
+    std::fs::write(&lone, r#"[{"id": "q", "conversations": [{"from": "human", "value": "Hi there"}]}]"#).unwrap();
+    let mut s = settings(&lone, &work.join("lone"), 6);
+    s.gen.responses = ResponseSource::Dataset;
+    let summary = generate_data(target(), &s, &mut |_| {}).unwrap();
+    assert_eq!((summary.written, summary.skipped.clone()), (0, vec!["fastchat-dummy/fastchat-dummy/q".to_string()]));
     let _ = std::fs::remove_dir_all(&work);
 }
 

@@ -34,6 +34,11 @@ pub struct Eagle3Args {
     /// Training data directories (from `specula train data`), comma-separated.
     #[arg(long, value_delimiter = ',', required = true)]
     data: Vec<PathBuf>,
+    /// Take the held-out examples from these directories instead (the same prompts' examples
+    /// in --data are then left out of training): to validate drafters trained on other answers
+    /// (`train data --responses dataset`) on the target's own.
+    #[arg(long, value_delimiter = ',')]
+    val_data: Vec<PathBuf>,
     /// Output directory: OUT/drafter (the exported drafter), OUT/checkpoint, OUT/train-log.jsonl.
     #[arg(long)]
     out: PathBuf,
@@ -111,6 +116,11 @@ pub struct DflashArgs {
     /// Training data directories (from `specula train data`), comma-separated.
     #[arg(long, value_delimiter = ',', required = true)]
     data: Vec<PathBuf>,
+    /// Take the held-out examples from these directories instead (the same prompts' examples
+    /// in --data are then left out of training): to validate drafters trained on other answers
+    /// (`train data --responses dataset`) on the target's own.
+    #[arg(long, value_delimiter = ',')]
+    val_data: Vec<PathBuf>,
     /// Output directory: OUT/drafter (the exported drafter), OUT/checkpoint, OUT/train-log.jsonl.
     #[arg(long)]
     out: PathBuf,
@@ -259,6 +269,11 @@ pub struct DataArgs {
     /// Skip prompts longer than this many tokens (chat template included).
     #[arg(long)]
     max_prompt_tokens: Option<usize>,
+    /// Whose answers to store: `target` (the target generates them: what a drafter must
+    /// predict) or `dataset` (the prompt set's own answers, cut at --max-new-tokens: no
+    /// generation; prompts without an answer are skipped).
+    #[arg(long, default_value = "target")]
+    responses: String,
     /// Weight format in memory: native, q8_0, q4_0, f16, f32 (default: measured best).
     #[arg(long)]
     weights: Option<String>,
@@ -289,6 +304,7 @@ fn run_data(args: DataArgs) -> Result<()> {
                 Some(text) => crate::tokenize::parse_template_kwargs(text)?,
                 None => Default::default(),
             },
+            responses: data::ResponseSource::parse(&args.responses)?,
         },
         out: args.out.clone(),
         batch: args.batch,
@@ -316,7 +332,11 @@ fn run_data(args: DataArgs) -> Result<()> {
         eprintln!("dropped a cut-off last line left by an interrupted run");
     }
     if !summary.skipped.is_empty() {
-        eprintln!("skipped {} prompt(s) too long for the context or KV cache", summary.skipped.len());
+        eprintln!(
+            "skipped {} prompt(s) too long for the context, the KV cache or --max-prompt-tokens{}",
+            summary.skipped.len(),
+            if args.responses == "dataset" { ", or without an answer of their own" } else { "" }
+        );
     }
     println!(
         "{} prompts: {} already written, {} written now ({} response tokens in {:.1}s, {:.1} tokens/s at batch {}); {} examples in {}",
@@ -365,8 +385,7 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
     settings.validate()?;
     let export_dtype = export_dtype(&args.dtype)?;
     let target = load_target(&args.target, args.weights.as_deref())?;
-    let examples = load_examples(&target, &args.data, settings.max_tokens)?;
-    let (train, val) = td::split_validation(examples, settings.val_examples);
+    let (train, val) = split_examples(&target, &args.data, &args.val_data, settings.max_tokens, settings.val_examples)?;
     eprintln!("{} training examples, {} held out", train.len(), val.len());
     let run = TrainRun {
         target: &target.model,
@@ -454,6 +473,24 @@ fn load_examples(
     Ok(examples)
 }
 
+/// Training and validation examples: a split of `data` by [`crate::train::dflash::split_validation`],
+/// or, with `val_data`, that split of `val_data`'s examples held out and every example of `data`
+/// for the same prompts left out of training.
+fn split_examples(
+    target: &crate::engine::LoadedModel,
+    data: &[PathBuf],
+    val_data: &[PathBuf],
+    max_tokens: usize,
+    val_examples: usize,
+) -> Result<(Vec<crate::train::dflash::TrainExample>, Vec<crate::train::dflash::TrainExample>)> {
+    use crate::train::dflash::{split_validation, split_validation_from};
+    let examples = load_examples(target, data, max_tokens)?;
+    if val_data.is_empty() {
+        return Ok(split_validation(examples, val_examples));
+    }
+    split_validation_from(examples, load_examples(target, val_data, max_tokens)?, val_examples)
+}
+
 /// Target features of `layer_ids` for the examples: recomputed on use (`online`), or cached
 /// once in f16 (`offline`, in `dir` or OUT/features), the disk size printed first.
 fn open_features<'a>(
@@ -522,8 +559,7 @@ fn run_eagle3(args: Eagle3Args) -> Result<()> {
     settings.validate()?;
     let dtype = export_dtype(&args.dtype)?;
     let target = load_target(&args.target, args.weights.as_deref())?;
-    let examples = load_examples(&target, &args.data, settings.max_tokens)?;
-    let (train, val) = td::split_validation(examples, settings.val_examples);
+    let (train, val) = split_examples(&target, &args.data, &args.val_data, settings.max_tokens, settings.val_examples)?;
     eprintln!("{} training examples, {} held out", train.len(), val.len());
     let layer_ids = settings.feature_layers(&target.model);
     let run = Eagle3Run {

@@ -1,5 +1,6 @@
 //! `specula train data`: the target answers training prompts on the batching engine, and each
-//! prompt + response becomes one training example.
+//! prompt + response becomes one training example. With [`ResponseSource::Dataset`] the
+//! examples hold the prompt set's own answers instead (no generation).
 //!
 //! Output directory:
 //! - `shard-00000.jsonl`, `shard-00001.jsonl`, …: one [`Example`] per line, `shard_size` lines
@@ -123,6 +124,32 @@ impl TargetId {
     }
 }
 
+/// Who answers the prompts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponseSource {
+    /// The target, decoding on the batching engine: the text a drafter will be asked to predict.
+    #[default]
+    Target,
+    /// The prompt set's own answers (ShareGPT's first model turn, CodeI/O's code), tokenized
+    /// as they are, cut at `max_new_tokens`: no generation, so fast, but not the target's words.
+    Dataset,
+}
+
+impl ResponseSource {
+    pub fn parse(text: &str) -> Result<Self> {
+        match text {
+            "target" => Ok(Self::Target),
+            "dataset" => Ok(Self::Dataset),
+            other => bail!("--responses `{other}`: expected `target` or `dataset`"),
+        }
+    }
+
+    fn is_target(&self) -> bool {
+        *self == Self::Target
+    }
+}
+
 /// Generation settings that must stay the same across resumed runs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenSettings {
@@ -135,6 +162,9 @@ pub struct GenSettings {
     /// Qwen3 DFlash drafters were trained on answers without thinking).
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
+    /// Whose answers the examples hold.
+    #[serde(default, skip_serializing_if = "ResponseSource::is_target")]
+    pub responses: ResponseSource,
 }
 
 /// Throughput of one run.
@@ -495,6 +525,40 @@ impl EventSink for Sink {
     }
 }
 
+/// One example: the prompt's ids, then the response, learned from (loss mask 1).
+fn example(set: &str, p: &Prompt, ids: &[u32], response: &[u32], finish: String) -> Example {
+    let mut tokens = ids.to_vec();
+    tokens.extend_from_slice(response);
+    let mut loss_mask = vec![0u8; ids.len()];
+    loss_mask.resize(tokens.len(), 1);
+    Example {
+        set: set.to_string(),
+        id: p.id.clone(),
+        prompt: p.text.clone(),
+        prompt_tokens: ids.len(),
+        tokens,
+        loss_mask,
+        finish,
+    }
+}
+
+/// Writes one example and counts it.
+fn record(ex: Example, writer: &mut ShardWriter, meta: &mut Meta, run: &mut RunStats) -> Result<()> {
+    writer.write(&ex)?;
+    let response = ex.response().len() as u64;
+    run.examples += 1;
+    run.prompt_tokens += ex.prompt_tokens as u64;
+    run.response_tokens += response;
+    meta.examples += 1;
+    meta.prompt_tokens += ex.prompt_tokens as u64;
+    meta.response_tokens += response;
+    *meta.examples_per_set.entry(ex.set.clone()).or_default() += 1;
+    if !meta.prompt_sets.contains(&ex.set) {
+        meta.prompt_sets.push(ex.set);
+    }
+    Ok(())
+}
+
 /// Runs `specula train data` with a loaded target. `on_progress` is called after every
 /// example written.
 pub fn generate_data(
@@ -526,12 +590,13 @@ pub fn generate_data(
         }
         if m.settings != settings.gen {
             bail!(
-                "{} was made with other settings (max new tokens {}, temperature {}, seed {}, chat template kwargs {}): resume with the same ones or use another --out",
+                "{} was made with other settings (max new tokens {}, temperature {}, seed {}, chat template kwargs {}, responses {:?}): resume with the same ones or use another --out",
                 dir.display(),
                 m.settings.max_new_tokens,
                 m.settings.temperature,
                 m.settings.seed,
-                serde_json::Value::Object(m.settings.chat_template_kwargs.clone())
+                serde_json::Value::Object(m.settings.chat_template_kwargs.clone()),
+                m.settings.responses
             );
         }
     }
@@ -576,7 +641,10 @@ pub fn generate_data(
     for (set, p) in prompts.iter().filter(|(s, p)| !done.contains(&(s.clone(), p.id.clone()))) {
         let ids = encode(target, p, &settings.gen.chat_template_kwargs)
             .with_context(|| format!("encoding {set} {}", p.id))?;
-        if ids.is_empty()
+        let no_answer = settings.gen.responses == ResponseSource::Dataset
+            && p.response.as_deref().is_none_or(|r| r.trim().is_empty());
+        if no_answer
+            || ids.is_empty()
             || ids.len() + 1 >= ctx
             || ids.len() + 1 > settings.kv_tokens
             || settings.max_prompt_tokens.is_some_and(|m| ids.len() > m)
@@ -600,7 +668,25 @@ pub fn generate_data(
     let total = meta.examples + todo.len();
     let mut run = RunStats { batch: settings.batch, ..RunStats::default() };
     let started = Instant::now();
-    {
+    if settings.gen.responses == ResponseSource::Dataset {
+        for (set, p, ids) in &todo {
+            let answer = p.response.as_deref().unwrap_or_default();
+            let mut response =
+                target.tokenizer.encode(answer, false).with_context(|| format!("encoding {set} {}", p.id))?;
+            let finish = if response.len() > settings.gen.max_new_tokens { "length" } else { "stop" };
+            response.truncate(settings.gen.max_new_tokens);
+            record(example(set, p, ids, &response, finish.to_string()), &mut writer, &mut meta, &mut run)?;
+            let secs = started.elapsed().as_secs_f64();
+            on_progress(&Progress {
+                done: meta.examples,
+                total,
+                tokens_per_sec: run.response_tokens as f64 / secs.max(1e-9),
+                secs,
+            });
+        }
+        todo.clear();
+    }
+    if !todo.is_empty() {
         let pool = target.model.new_kv_pool(settings.kv_tokens);
         let config = EngineConfig {
             kv_tokens: settings.kv_tokens,
@@ -649,30 +735,7 @@ pub fn generate_data(
                     Some(Err(e)) => bail!("{set} {}: generation failed: {e}", p.id),
                     None => unreachable!("checked above"),
                 };
-                let mut tokens = ids.clone();
-                tokens.extend_from_slice(&o.tokens);
-                let mut loss_mask = vec![0u8; ids.len()];
-                loss_mask.resize(tokens.len(), 1);
-                let ex = Example {
-                    set: set.clone(),
-                    id: p.id.clone(),
-                    prompt: p.text.clone(),
-                    prompt_tokens: ids.len(),
-                    tokens,
-                    loss_mask,
-                    finish,
-                };
-                writer.write(&ex)?;
-                run.examples += 1;
-                run.prompt_tokens += ids.len() as u64;
-                run.response_tokens += o.tokens.len() as u64;
-                meta.examples += 1;
-                meta.prompt_tokens += ids.len() as u64;
-                meta.response_tokens += o.tokens.len() as u64;
-                *meta.examples_per_set.entry(set.clone()).or_default() += 1;
-                if !meta.prompt_sets.contains(set) {
-                    meta.prompt_sets.push(set.clone());
-                }
+                record(example(set, p, ids, &o.tokens, finish), &mut writer, &mut meta, &mut run)?;
                 let secs = started.elapsed().as_secs_f64();
                 on_progress(&Progress {
                     done: meta.examples,
@@ -834,6 +897,7 @@ mod tests {
                 text: "Write a  poem.".into(),
                 kind: PromptKind::Chat,
                 reference: None,
+                response: None,
             }],
         )];
         let write = |exs: &[Example]| {

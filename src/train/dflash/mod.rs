@@ -232,6 +232,27 @@ pub fn split_validation(mut examples: Vec<TrainExample>, val: usize) -> (Vec<Tra
     (train, val)
 }
 
+/// [`split_validation`] of `val_pool` (examples made apart, such as the target's answers when
+/// training on a data set's own) held out, and every example of `examples` for one of the same
+/// prompts left out of training. The held-out keys get a `val:` prefix so that an offline
+/// feature cache never mixes them with a training example of the same prompt.
+pub fn split_validation_from(
+    examples: Vec<TrainExample>,
+    val_pool: Vec<TrainExample>,
+    val: usize,
+) -> Result<(Vec<TrainExample>, Vec<TrainExample>)> {
+    let (_, mut held) = split_validation(val_pool, val);
+    let keys: std::collections::HashSet<&str> = held.iter().map(|e| e.key.as_str()).collect();
+    let train: Vec<TrainExample> = examples.into_iter().filter(|e| !keys.contains(e.key.as_str())).collect();
+    if train.is_empty() {
+        bail!("the validation data holds every prompt of the training data: nothing left to train on");
+    }
+    for e in &mut held {
+        e.key = format!("val:{}", e.key);
+    }
+    Ok((train, held))
+}
+
 /// The MASK token: the highest-numbered control/unused token of the target's tokenizer that
 /// never occurs in the examples, else the highest-numbered token that never occurs.
 pub fn pick_mask_token(tokenizer: &Tokenizer, vocab: usize, examples: &[TrainExample]) -> Result<u32> {

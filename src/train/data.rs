@@ -673,8 +673,15 @@ pub fn generate_data(
             let answer = p.response.as_deref().unwrap_or_default();
             let mut response =
                 target.tokenizer.encode(answer, false).with_context(|| format!("encoding {set} {}", p.id))?;
-            let finish = if response.len() > settings.gen.max_new_tokens { "length" } else { "stop" };
-            response.truncate(settings.gen.max_new_tokens);
+            // Cut where generation would have stopped: at the limit, or where the context ends.
+            let max_new = settings.gen.max_new_tokens;
+            let keep = max_new.min(ctx.saturating_sub(ids.len()));
+            let finish = match response.len() {
+                n if n <= keep => "stop",
+                _ if keep < max_new => "context_full",
+                _ => "length",
+            };
+            response.truncate(keep);
             record(example(set, p, ids, &response, finish.to_string()), &mut writer, &mut meta, &mut run)?;
             let secs = started.elapsed().as_secs_f64();
             on_progress(&Progress {

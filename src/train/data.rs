@@ -668,6 +668,18 @@ pub fn generate_data(
     let total = meta.examples + todo.len();
     let mut run = RunStats { batch: settings.batch, ..RunStats::default() };
     let started = Instant::now();
+    // Writes an example, counts it and reports progress.
+    let mut keep_example = |ex: Example| -> Result<()> {
+        record(ex, &mut writer, &mut meta, &mut run)?;
+        let secs = started.elapsed().as_secs_f64();
+        on_progress(&Progress {
+            done: meta.examples,
+            total,
+            tokens_per_sec: run.response_tokens as f64 / secs.max(1e-9),
+            secs,
+        });
+        Ok(())
+    };
     if settings.gen.responses == ResponseSource::Dataset {
         for (set, p, ids) in &todo {
             let answer = p.response.as_deref().unwrap_or_default();
@@ -682,14 +694,7 @@ pub fn generate_data(
                 _ => "length",
             };
             response.truncate(keep);
-            record(example(set, p, ids, &response, finish.to_string()), &mut writer, &mut meta, &mut run)?;
-            let secs = started.elapsed().as_secs_f64();
-            on_progress(&Progress {
-                done: meta.examples,
-                total,
-                tokens_per_sec: run.response_tokens as f64 / secs.max(1e-9),
-                secs,
-            });
+            keep_example(example(set, p, ids, &response, finish.to_string()))?;
         }
         todo.clear();
     }
@@ -742,14 +747,7 @@ pub fn generate_data(
                     Some(Err(e)) => bail!("{set} {}: generation failed: {e}", p.id),
                     None => unreachable!("checked above"),
                 };
-                record(example(set, p, ids, &o.tokens, finish), &mut writer, &mut meta, &mut run)?;
-                let secs = started.elapsed().as_secs_f64();
-                on_progress(&Progress {
-                    done: meta.examples,
-                    total,
-                    tokens_per_sec: run.response_tokens as f64 / secs.max(1e-9),
-                    secs,
-                });
+                keep_example(example(set, p, ids, &o.tokens, finish))?;
             }
         }
     }

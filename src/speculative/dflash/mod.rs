@@ -20,7 +20,7 @@ mod tests;
 
 pub use config::{default_target_layer_ids, DflashConfig, LayerAttention};
 pub use context_store::ContextStore;
-pub use model::{expected_tensors, DflashDrafter, LayerKv, TargetHead};
+pub use model::{expected_tensors, DflashDrafter, LayerKv, Packing, TargetHead};
 pub use proposer::{DflashProposer, DflashSettings};
 
 use super::weight_cache::WeightCache;

@@ -10,7 +10,7 @@
 use super::config::{DflashConfig, LayerAttention};
 use crate::model::{Linear as TargetLinear, Transformer};
 pub use crate::speculative::nn::LayerKv;
-use crate::speculative::nn::{attention, rms_norm, rope, Projection, RopeTable};
+use crate::speculative::nn::{block_attention, rms_norm, rope, BlockMasks, Projection, RopeTable};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::safetensors::MmapedSafetensors;
@@ -93,6 +93,21 @@ impl TargetHead {
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         self.lm_head.forward(hidden)
     }
+}
+
+/// How the rows of one [`DflashDrafter::forward_block`] call are packed.
+#[derive(Clone, Copy)]
+pub struct Packing<'a> {
+    /// Equal blocks of consecutive rows; a row attends to the rows of its own block only.
+    pub blocks: usize,
+    /// Additive (0 or −∞) `[rows, context]`: context rows a row must not see (training: those
+    /// at or after its block's anchor).
+    pub context_mask: Option<&'a Tensor>,
+}
+
+impl Packing<'_> {
+    /// One block seeing the whole context: drafting.
+    pub const ONE_BLOCK: Packing<'static> = Packing { blocks: 1, context_mask: None };
 }
 
 struct DflashLayer {
@@ -373,16 +388,17 @@ impl DflashDrafter {
 
     /// Runs block rows (token embeddings `[n, hidden]` at `block_positions`) against per-layer
     /// context K/V (`context[l]`, rows at `context_positions`) and returns the final-normed hidden
-    /// states `[n, hidden]`. Block queries see every context row and every block row unless the
-    /// layer is causal/windowed; `mask` (`[n, ctx + n]`, additive: 0 or −∞) hides more (training
-    /// packs several blocks into one call with a block-sparse mask).
+    /// states `[n, hidden]`. The rows are `packing.blocks` equal blocks of consecutive rows (one
+    /// when drafting; training packs every anchor of a sequence into one call): a row sees every
+    /// context row and every row of its own block, unless the layer is causal/windowed or
+    /// `packing.context_mask` hides context rows.
     pub fn forward_block(
         &self,
         block: &Tensor,
         block_positions: &[usize],
         context: &[LayerKv],
         context_positions: &[usize],
-        mask: Option<&Tensor>,
+        packing: Packing,
     ) -> Result<Tensor> {
         let c = &self.config;
         let n = block.dim(0)?;
@@ -392,6 +408,9 @@ impl DflashDrafter {
                 block_positions.len(),
                 context.len()
             );
+        }
+        if packing.blocks == 0 || n % packing.blocks != 0 {
+            bail!("forward_block: {n} rows do not split into {} equal blocks", packing.blocks);
         }
         let ctx_len = context_positions.len();
         let (cos, sin) = self.rope_tables(block_positions)?;
@@ -405,13 +424,15 @@ impl DflashDrafter {
             let q = rms_norm(&q, &layer.q_norm, c.rms_eps)?.transpose(0, 1)?.contiguous()?;
             let q = rope(&q, &cos, &sin)?;
             let own = self.project_kv(layer, &u, &cos, &sin)?;
-            let layer_mask = self.layer_mask(layer.attention, block_positions, context_positions)?;
-            let mask = match (mask, layer_mask) {
+            let (past_mask, own_mask) =
+                self.layer_masks(layer.attention, block_positions, packing.blocks, context_positions)?;
+            let past_mask = match (packing.context_mask, past_mask) {
                 (Some(a), Some(b)) => Some((a + b)?),
                 (Some(a), None) => Some(a.clone()),
                 (None, b) => b,
             };
-            let attn = attention(&q, ctx, &own, mask.as_ref())?;
+            let masks = BlockMasks { past: past_mask.as_ref(), own: own_mask.as_ref() };
+            let attn = block_attention(&q, ctx, &own, packing.blocks, masks)?;
             h = (h + layer.o_proj.forward(&attn)?)?;
             let u = rms_norm(&h, &layer.post_norm, c.rms_eps)?;
             let mlp = layer.down_proj.forward(&(layer.gate_proj.forward(&u)?.silu()? * layer.up_proj.forward(&u)?)?)?;
@@ -428,24 +449,37 @@ impl DflashDrafter {
         context_positions: &[usize],
         block: &Tensor,
         block_positions: &[usize],
-        mask: Option<&Tensor>,
+        packing: Packing,
     ) -> Result<Tensor> {
         let features = self.context_features(taps)?;
         let context = self.context_kv(&features, context_positions)?;
-        self.forward_block(block, block_positions, &context, context_positions, mask)
+        self.forward_block(block, block_positions, &context, context_positions, packing)
     }
 
-    /// The additive mask a causal or windowed layer needs, `[n, ctx + n]`; None for full layers.
-    fn layer_mask(&self, attention: LayerAttention, queries: &[usize], context: &[usize]) -> Result<Option<Tensor>> {
+    /// The additive masks a causal or windowed layer needs: over the context `[n, ctx]` and over
+    /// each row's own block `[n, b]` (rows are `blocks` equal blocks); None for full layers.
+    fn layer_masks(
+        &self,
+        attention: LayerAttention,
+        queries: &[usize],
+        blocks: usize,
+        context: &[usize],
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         if attention.is_full() {
-            return Ok(None);
+            return Ok((None, None));
         }
-        let keys: Vec<usize> = context.iter().chain(queries).copied().collect();
-        let values: Vec<f32> = queries
+        let b = queries.len() / blocks;
+        let mask = |q: usize, k: usize| if attention.visible(q, k) { 0.0 } else { f32::NEG_INFINITY };
+        let past: Vec<f32> = queries.iter().flat_map(|&q| context.iter().map(move |&k| mask(q, k))).collect();
+        let own: Vec<f32> = queries
             .iter()
-            .flat_map(|&q| keys.iter().map(move |&k| if attention.visible(q, k) { 0.0 } else { f32::NEG_INFINITY }))
+            .enumerate()
+            .flat_map(|(r, &q)| queries[r / b * b..(r / b + 1) * b].iter().map(move |&k| mask(q, k)))
             .collect();
-        Ok(Some(Tensor::from_vec(values, (queries.len(), keys.len()), &self.device)?))
+        Ok((
+            Some(Tensor::from_vec(past, (queries.len(), context.len()), &self.device)?),
+            Some(Tensor::from_vec(own, (queries.len(), b), &self.device)?),
+        ))
     }
 
     /// Draft logits `[rows, vocab]` for final-normed hidden states: the target's LM head, then

@@ -8,7 +8,7 @@
 //! not the context. Block K/V are computed inside each draft and never kept, and `observe` only
 //! ever sees committed rows, so no rejected token can leave a trace (spec §3.4).
 
-use super::model::{DflashDrafter, LayerKv, TargetHead};
+use super::model::{DflashDrafter, LayerKv, Packing, TargetHead};
 use crate::speculative::nn::RowBuffer;
 use crate::speculative::proposer::{DraftCostShape, Proposer};
 use crate::speculative::verify::Draft;
@@ -203,7 +203,8 @@ impl DflashProposer {
                 .map(|(k, v)| Ok(LayerKv { k: k.view(&block)?, v: v.view(&block)? }))
                 .collect::<Result<_>>()?,
         };
-        let hidden = self.drafter.forward_block(&block, &positions, &context, &self.cache.positions(), None)?;
+        let hidden =
+            self.drafter.forward_block(&block, &positions, &context, &self.cache.positions(), Packing::ONE_BLOCK)?;
         self.drafter.logits(&self.head, &hidden.narrow(0, 1, masks)?)
     }
 }

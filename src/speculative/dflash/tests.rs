@@ -91,7 +91,7 @@ fn stateless_logits(
     ids[0] = anchor;
     let block = h.embed(&ids).unwrap();
     let positions: Vec<usize> = (start..=start + masks).collect();
-    let hidden = d.forward(ctx_taps, ctx_positions, &block, &positions, None).unwrap();
+    let hidden = d.forward(ctx_taps, ctx_positions, &block, &positions, Packing::ONE_BLOCK).unwrap();
     d.logits(h, &hidden.narrow(0, 1, masks).unwrap()).unwrap().to_vec2().unwrap()
 }
 
@@ -227,7 +227,7 @@ fn a_context_window_keeps_only_the_last_rows_at_their_positions() {
 fn block_forward(d: &DflashDrafter, ctx: &[Tensor], block: &Tensor, start: usize) -> Vec<Vec<f32>> {
     let ctx_pos: Vec<usize> = (0..ctx[0].dim(0).unwrap()).collect();
     let pos: Vec<usize> = (start..start + block.dim(0).unwrap()).collect();
-    d.forward(ctx, &ctx_pos, block, &pos, None).unwrap().to_vec2().unwrap()
+    d.forward(ctx, &ctx_pos, block, &pos, Packing::ONE_BLOCK).unwrap().to_vec2().unwrap()
 }
 
 fn with_row(t: &Tensor, row: usize, seed: u64) -> Tensor {

@@ -4,13 +4,13 @@
 //! token `x[p]`, rows 1… the MASK token. Every row of the block sees the target's features of
 //! positions `0 … p−1` (strictly before the anchor) and all rows of its own block; blocks do not
 //! see each other. All anchors of a sequence run in one drafter forward
-//! ([`DflashDrafter::forward_block`], the same code that drafts when serving) with a
-//! block-sparse additive mask. Row `k ≥ 1` is scored against `x[p+k]` with weight
+//! ([`DflashDrafter::forward_block`], the same code that drafts when serving), packed as one
+//! block per anchor with a mask over the context. Row `k ≥ 1` is scored against `x[p+k]` with weight
 //! `exp(−(k−1)/γ)` when `p+k` is inside the sequence and a response token (and, with a reduced
 //! drafter vocabulary, one of its tokens); everything else weighs 0. The loss of a batch is
 //! `Σ w·CE / Σ w` over all its rows.
 
-use crate::speculative::dflash::{DflashDrafter, TargetHead};
+use crate::speculative::dflash::{DflashDrafter, Packing, TargetHead};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};
 
@@ -145,16 +145,16 @@ pub fn sequence_loss(
     if c.input_embedding_scale != 1.0 {
         embeddings = (embeddings * c.input_embedding_scale)?;
     }
-    let mut mask = vec![f32::NEG_INFINITY; n * (ctx_len + n)];
+    // Each block sees the context strictly before its anchor; its own rows are the packing's.
+    let mut mask = vec![f32::NEG_INFINITY; n * ctx_len];
     for (a, &p) in anchors.iter().enumerate() {
         for r in a * block..(a + 1) * block {
-            let line = &mut mask[r * (ctx_len + n)..(r + 1) * (ctx_len + n)];
-            line[..p].fill(0.0);
-            line[ctx_len + a * block..ctx_len + (a + 1) * block].fill(0.0);
+            mask[r * ctx_len..r * ctx_len + p].fill(0.0);
         }
     }
-    let mask = Tensor::from_vec(mask, (n, ctx_len + n), device)?;
-    let hidden = drafter.forward_block(&embeddings, &positions, &context, &ctx_positions, Some(&mask))?;
+    let mask = Tensor::from_vec(mask, (n, ctx_len), device)?;
+    let packing = Packing { blocks: anchors.len(), context_mask: Some(&mask) };
+    let hidden = drafter.forward_block(&embeddings, &positions, &context, &ctx_positions, packing)?;
 
     let mut scored = vec![0usize; block - 1];
     let mut hits = vec![0usize; block - 1];

@@ -6,6 +6,7 @@ pub mod dflash;
 pub mod draft_model;
 pub mod eagle3;
 pub mod factory;
+mod fused;
 pub mod metrics;
 pub mod ngram;
 pub mod nn;

@@ -1,7 +1,8 @@
-//! The building blocks the learned drafters (DFlash, EAGLE-3) share, written with plain
-//! differentiable candle ops so that one forward serves drafting and training: RMSNorm, NeoX
-//! RoPE (Hugging Face's `rotate_half`), and grouped-query attention over cached keys followed
-//! by the rows' own keys.
+//! The building blocks the learned drafters (DFlash, EAGLE-3) share, all differentiable so that
+//! one forward serves drafting and training: RMSNorm, NeoX RoPE (Hugging Face's
+//! `rotate_half`), softmax (one-pass CPU kernels with their backward written out, in
+//! [`super::fused`]), and grouped-query attention over cached keys followed by the rows' own
+//! keys.
 
 use anyhow::Result;
 use candle_core::{Device, Tensor, D};
@@ -16,12 +17,18 @@ pub struct LayerKv {
 
 /// `x * rsqrt(mean(x²) + eps) * w` over the last dimension (f32, as Hugging Face computes it).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    if let Some(fused) = super::fused::rms_norm(x, w, eps) {
+        return fused;
+    }
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
 }
 
 /// NeoX RoPE on `[heads, rows, head_dim]`: `x·cos + rotate_half(x)·sin`, tables `[rows, head_dim]`.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    if let Some(fused) = super::fused::rope(x, cos, sin) {
+        return fused;
+    }
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
@@ -85,7 +92,7 @@ pub fn attention(q: &Tensor, past: &LayerKv, own: &LayerKv, mask: Option<&Tensor
         }
         None => scores,
     };
-    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    let probs = softmax_last_dim(&scores)?;
     let mut out = probs.narrow(D::Minus1, m, n)?.matmul(&own.v)?;
     if m > 0 {
         out = (probs.narrow(D::Minus1, 0, m)?.matmul(&past.v)? + out)?;
@@ -152,7 +159,7 @@ pub fn block_attention(q: &Tensor, past: &LayerKv, own: &LayerKv, blocks: usize,
     } else {
         own_scores
     };
-    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    let probs = softmax_last_dim(&scores)?;
     let own_probs = per_block(&probs.narrow(D::Minus1, m, b)?, b)?;
     let mut out = from_blocks(&own_probs.matmul(&own_v)?, d)?;
     if m > 0 {
@@ -160,6 +167,14 @@ pub fn block_attention(q: &Tensor, past: &LayerKv, own: &LayerKv, blocks: usize,
     }
     // [n_kv, groups·n, d] → [n_heads, n, d] → [n, n_heads·d]
     Ok(out.reshape((n_heads, n, d))?.transpose(0, 1)?.reshape((n, n_heads * d))?)
+}
+
+/// Softmax over the last dimension.
+pub fn softmax_last_dim(x: &Tensor) -> candle_core::Result<Tensor> {
+    match super::fused::softmax_last_dim(x) {
+        Some(fused) => fused,
+        None => candle_nn::ops::softmax(x, D::Minus1),
+    }
 }
 
 /// A growable `[n_kv, capacity, head_dim]` buffer holding a window of rows `start..start+len`,

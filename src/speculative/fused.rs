@@ -1,0 +1,301 @@
+//! One-pass CPU kernels for the learned drafters' building blocks (RMSNorm, NeoX RoPE, softmax
+//! over the last dimension), each a candle custom op with its backward written out, so the same
+//! op serves drafting and training. Composed from candle's elementwise ops, each of these is
+//! five to seven passes with a fresh allocation each; a draft of a few rows is mostly that
+//! per-op overhead. Other devices and dtypes take the composed path
+//! ([`super::nn`]), and the backward passes are composed ops on every device, on detached
+//! inputs: gradients carry no graph of their own (an optimiser's moments built from them would
+//! otherwise keep every step's graph alive).
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
+
+/// Rows handed to one worker of candle's pool at a time.
+const ROWS_PER_TASK: usize = 64;
+
+/// Runs `f(first_row, rows_in, rows_out)` over chunks of `width`-wide rows, on candle's pool
+/// when there are many.
+fn for_row_chunks(input: &[f32], out: &mut [f32], width: usize, f: impl Fn(usize, &[f32], &mut [f32]) + Sync) {
+    let rows = input.len() / width.max(1);
+    let tasks = rows.div_ceil(ROWS_PER_TASK);
+    if tasks <= 1 {
+        f(0, input, out);
+        return;
+    }
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(tasks, |items| {
+        #[allow(clippy::redundant_locals)]
+        let out_ptr = out_ptr;
+        for t in items {
+            let (lo, hi) = (t * ROWS_PER_TASK, rows.min((t + 1) * ROWS_PER_TASK));
+            // SAFETY: tasks cover disjoint row ranges of `out`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(lo * width), (hi - lo) * width) };
+            f(lo, &input[lo * width..hi * width], dst);
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: only used to hand disjoint ranges of one buffer to the pool's workers.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let Some((lo, hi)) = l.contiguous_offsets() else {
+        candle_core::bail!("{what}: the input must be contiguous");
+    };
+    Ok(&s.as_slice::<f32>()?[lo..hi])
+}
+
+/// `x / sqrt(mean(x²) + eps) * w` over the last dimension.
+struct RmsNorm {
+    eps: f32,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "drafter-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, w) = (f32_slice(xs, xl, "rms_norm")?, f32_slice(ws, wl, "rms_norm")?);
+        let width = w.len();
+        if xl.dims().last() != Some(&width) {
+            candle_core::bail!("rms_norm: {width} weights for rows of {:?}", xl.dims());
+        }
+        let mut out = vec![0f32; x.len()];
+        let eps = self.eps;
+        for_row_chunks(x, &mut out, width, |_, x, out| {
+            for (row, dst) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+                let ms = row.iter().map(|v| v * v).sum::<f32>() / width as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for ((d, &v), &a) in dst.iter_mut().zip(row).zip(w) {
+                    *d = v * inv * a;
+                }
+            }
+        });
+        Ok((CpuStorage::F32(out), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (x, w, g) = (&x.detach(), &w.detach(), &g.detach());
+        // y = x·r·w, r = (mean(x²) + eps)^(−1/2):
+        // dx = r·(g·w) − x·r³·mean(g·w·x),  dw = Σ_rows g·x·r.
+        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps as f64)?.sqrt()?.recip()?;
+        let gw = g.broadcast_mul(w)?;
+        let dot = (&gw * x)?.mean_keepdim(D::Minus1)?;
+        let dx = (gw.broadcast_mul(&r)? - x.broadcast_mul(&(r.powf(3.0)? * dot)?)?)?;
+        let width = w.dim(0)?;
+        let dw = (g * x.broadcast_mul(&r)?)?.reshape(((), width))?.sum(0)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// NeoX RoPE of `x` `[…, rows, d]` with tables `[rows, d]`: `x·cos + rotate_half(x)·sin`,
+/// `rotate_half([a, b]) = [−b, a]`.
+struct Rope;
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "drafter-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, cos, sin) = (f32_slice(xs, xl, "rope")?, f32_slice(cs, cl, "rope")?, f32_slice(ss, sl, "rope")?);
+        let dims = xl.dims();
+        let (rows, d) = match dims {
+            [.., rows, d] => (*rows, *d),
+            _ => candle_core::bail!("rope: input of shape {dims:?}"),
+        };
+        if cl.dims() != [rows, d] || sl.dims() != [rows, d] || d % 2 != 0 {
+            candle_core::bail!("rope: tables {:?}/{:?} for input {dims:?}", cl.dims(), sl.dims());
+        }
+        let half = d / 2;
+        let mut out = vec![0f32; x.len()];
+        for_row_chunks(x, &mut out, d, |first, x, out| {
+            for (i, (src, dst)) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+                let r = (first + i) % rows;
+                let (c, s) = (&cos[r * d..(r + 1) * d], &sin[r * d..(r + 1) * d]);
+                for j in 0..half {
+                    dst[j] = src[j] * c[j] - src[j + half] * s[j];
+                    dst[j + half] = src[j + half] * c[j + half] + src[j] * s[j + half];
+                }
+            }
+        });
+        Ok((CpuStorage::F32(out), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (cos, sin, g) = (&cos.detach(), &sin.detach(), &g.detach());
+        // Linear in x: dx = g·cos + rotate_halfᵀ(g·sin), rotate_halfᵀ([a, b]) = [b, −a].
+        let gs = g.broadcast_mul(sin)?;
+        let half = gs.dim(D::Minus1)? / 2;
+        let rotated =
+            Tensor::cat(&[&gs.narrow(D::Minus1, half, half)?, &gs.narrow(D::Minus1, 0, half)?.neg()?], D::Minus1)?;
+        Ok((Some((g.broadcast_mul(cos)? + rotated)?), None, None))
+    }
+}
+
+/// Softmax over the last dimension (max-shifted).
+struct Softmax;
+
+impl CustomOp1 for Softmax {
+    fn name(&self) -> &'static str {
+        "drafter-softmax"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, "softmax")?;
+        let width = *xl.dims().last().unwrap_or(&1);
+        let mut out = vec![0f32; x.len()];
+        if width > 0 {
+            for_row_chunks(x, &mut out, width, |_, x, out| {
+                for (row, dst) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0f32;
+                    for (d, &v) in dst.iter_mut().zip(row) {
+                        *d = (v - max).exp();
+                        sum += *d;
+                    }
+                    for d in dst.iter_mut() {
+                        *d /= sum;
+                    }
+                }
+            });
+        }
+        Ok((CpuStorage::F32(out), xl.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (y, g) = (&y.detach(), &g.detach());
+        // dx = y·(g − Σ g·y)
+        let dot = (g * y)?.sum_keepdim(D::Minus1)?;
+        Ok(Some((y * g.broadcast_sub(&dot)?)?))
+    }
+}
+
+fn fused_ok(tensors: &[&Tensor]) -> bool {
+    tensors.iter().all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+}
+
+/// RMSNorm over the last dimension; None when the inputs are not f32 on the CPU.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Option<candle_core::Result<Tensor>> {
+    fused_ok(&[x, w]).then(|| x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 }))
+}
+
+/// NeoX RoPE; None when the inputs are not f32 on the CPU.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<candle_core::Result<Tensor>> {
+    fused_ok(&[x, cos, sin]).then(|| x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope))
+}
+
+/// Softmax over the last dimension; None when the input is not f32 on the CPU.
+pub fn softmax_last_dim(x: &Tensor) -> Option<candle_core::Result<Tensor>> {
+    fused_ok(&[x]).then(|| x.contiguous()?.apply_op1(Softmax))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn random(shape: &[usize], seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let values: Vec<f32> = (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    }
+
+    fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
+        let (a, b): (Vec<f32>, Vec<f32>) =
+            (a.flatten_all().unwrap().to_vec1().unwrap(), b.flatten_all().unwrap().to_vec1().unwrap());
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}: {x} vs {y}");
+        }
+    }
+
+    /// Each fused op's value and gradients equal those of the same function composed from
+    /// candle's differentiable ops (their backward is candle's own), on inputs whose rows span
+    /// several of the pool's tasks.
+    #[test]
+    fn fused_ops_match_composed_ops_in_value_and_gradient() {
+        let (heads, rows, d) = (3, 150, 16);
+        let x = Var::from_tensor(&random(&[heads, rows, d], 1)).unwrap();
+        let w = Var::from_tensor(&(random(&[d], 2) + 1.5).unwrap()).unwrap();
+        let probe = random(&[heads, rows, d], 3);
+
+        // RMSNorm
+        let composed = {
+            let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+            x.broadcast_div(&(ms + 1e-6).unwrap().sqrt().unwrap()).unwrap().broadcast_mul(&w).unwrap()
+        };
+        let fused = rms_norm(&x, &w, 1e-6).unwrap().unwrap();
+        close(&fused, &composed, 1e-6, "rms_norm value");
+        let gc = (composed * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let gf = (fused * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), 1e-5, "rms_norm dx");
+        close(gf.get(&w).unwrap(), gc.get(&w).unwrap(), 1e-4, "rms_norm dw");
+
+        // RoPE
+        let angles: Vec<f32> = (0..rows * d).map(|i| (i / d) as f32 * 0.1 * (1 + i % (d / 2)) as f32).collect();
+        let angles = Tensor::from_vec(angles, (rows, d), &Device::Cpu).unwrap();
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let composed = {
+            let x1 = x.narrow(D::Minus1, 0, d / 2).unwrap();
+            let x2 = x.narrow(D::Minus1, d / 2, d / 2).unwrap();
+            let rotated = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
+            (x.broadcast_mul(&cos).unwrap() + rotated.broadcast_mul(&sin).unwrap()).unwrap()
+        };
+        let fused = rope(&x, &cos, &sin).unwrap().unwrap();
+        close(&fused, &composed, 1e-6, "rope value");
+        let gc = (composed * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let gf = (fused * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), 1e-5, "rope dx");
+
+        // Softmax, with a row that is −∞ but for one entry.
+        let mask: Vec<f32> =
+            (0..rows * d).map(|i| if i / d == 7 && i % d != 3 { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, (rows, d), &Device::Cpu).unwrap();
+        let scores = x.broadcast_add(&mask).unwrap();
+        let composed = candle_nn::ops::softmax(&scores, D::Minus1).unwrap();
+        let fused = softmax_last_dim(&scores).unwrap().unwrap();
+        close(&fused, &composed, 1e-6, "softmax value");
+        let gc = (composed * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let gf = (fused * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), 1e-5, "softmax dx");
+    }
+}

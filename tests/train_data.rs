@@ -359,6 +359,33 @@ fn dataset_responses_are_the_sets_own_answers_cut_at_the_limit() {
     s.gen.responses = ResponseSource::Dataset;
     let summary = generate_data(target(), &s, &mut |_| {}).unwrap();
     assert_eq!((summary.written, summary.skipped.clone()), (0, vec!["fastchat-dummy/fastchat-dummy/q".to_string()]));
+
+    // A prompt that leaves 3 tokens of context: its answer is cut there, as generation would
+    // have stopped, and says so.
+    let ctx = target().model.config.context_len;
+    let long = work.join("long.json");
+    let write_chat = |words: usize| {
+        let chat = serde_json::json!([{"id": "long", "conversations": [
+            {"from": "human", "value": "a ".repeat(words)},
+            {"from": "gpt", "value": "one two three four five six seven eight nine ten"}]}]);
+        std::fs::write(&long, chat.to_string()).unwrap();
+        data::encode(target(), &datasets_prompts(&long)[0], &Default::default()).unwrap().len()
+    };
+    let mut words = ctx;
+    for _ in 0..4 {
+        let len = write_chat(words);
+        words = (words + ctx - 3).saturating_sub(len);
+    }
+    assert_eq!(write_chat(words), ctx - 3, "a prompt of exactly ctx − 3 tokens");
+    let mut s = settings(&long, &work.join("long"), 1);
+    s.gen.responses = ResponseSource::Dataset;
+    s.gen.max_new_tokens = 6;
+    s.kv_tokens = 2 * ctx;
+    let summary = generate_data(target(), &s, &mut |_| {}).unwrap();
+    assert_eq!(summary.written, 1, "skipped: {:?}", summary.skipped);
+    let ex = examples(&work.join("long")).remove(0);
+    let answer = target().tokenizer.encode("one two three four five six seven eight nine ten", false).unwrap();
+    assert_eq!((ex.response(), ex.finish.as_str()), (&answer[..3], "context_full"));
     let _ = std::fs::remove_dir_all(&work);
 }
 

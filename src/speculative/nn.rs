@@ -169,6 +169,49 @@ pub fn block_attention(q: &Tensor, past: &LayerKv, own: &LayerKv, blocks: usize,
     Ok(out.reshape((n_heads, n, d))?.transpose(0, 1)?.reshape((n, n_heads * d))?)
 }
 
+/// Attention of one unrolled step of EAGLE-3's training-time test: query i sees the `context`
+/// rows `context_mask` (`[n, m]`, additive) leaves visible, and row i of every earlier step's
+/// K/V (`earlier`, `[n_kv, n, d]` each) and of its own (`own`). Those are the only step keys
+/// it may see, so they are scored row by row (`n·steps` scores) rather than against all
+/// `n·steps` step rows with a mask. `q` `[n_heads, n, d]`; returns `[n, n_heads·d]`.
+pub fn unrolled_attention(
+    q: &Tensor,
+    context: &LayerKv,
+    context_mask: &Tensor,
+    earlier: &[LayerKv],
+    own: &LayerKv,
+) -> Result<Tensor> {
+    let (n_heads, n, d) = q.dims3()?;
+    let n_kv = own.k.dim(0)?;
+    let groups = n_heads / n_kv;
+    let scale = 1.0 / (d as f64).sqrt();
+    let m = context.k.dim(1)?;
+    // Step keys and values [n_kv, 1, n, steps, d] (a singleton for the query groups).
+    let stack = |part: fn(&LayerKv) -> &Tensor| -> candle_core::Result<Tensor> {
+        let parts: Vec<&Tensor> = earlier.iter().chain(std::iter::once(own)).map(part).collect();
+        Tensor::stack(&parts, 2)?.unsqueeze(1)
+    };
+    let (step_k, step_v) = (stack(|kv| &kv.k)?, stack(|kv| &kv.v)?);
+    let steps = earlier.len() + 1;
+    let q4 = q.reshape((n_kv, groups, n, d))?;
+    let step_scores = (q4.unsqueeze(3)?.broadcast_mul(&step_k)?.sum(D::Minus1)? * scale)?; // [n_kv, groups, n, steps]
+    let scores = if m > 0 {
+        let ctx = (q.reshape((n_kv, groups * n, d))?.matmul(&context.k.t()?)? * scale)?;
+        let ctx = ctx.reshape((n_kv, groups, n, m))?.broadcast_add(context_mask)?;
+        Tensor::cat(&[&ctx, &step_scores], D::Minus1)?
+    } else {
+        step_scores
+    };
+    let probs = softmax_last_dim(&scores)?;
+    let step_probs = probs.narrow(D::Minus1, m, steps)?.unsqueeze(D::Minus1)?; // [n_kv, groups, n, steps, 1]
+    let mut out = step_probs.broadcast_mul(&step_v)?.sum(3)?; // [n_kv, groups, n, d]
+    if m > 0 {
+        let ctx_probs = probs.narrow(D::Minus1, 0, m)?.reshape((n_kv, groups * n, m))?;
+        out = (ctx_probs.matmul(&context.v)?.reshape((n_kv, groups, n, d))? + out)?;
+    }
+    Ok(out.reshape((n_heads, n, d))?.transpose(0, 1)?.reshape((n, n_heads * d))?)
+}
+
 /// Softmax over the last dimension.
 pub fn softmax_last_dim(x: &Tensor) -> candle_core::Result<Tensor> {
     match super::fused::softmax_last_dim(x) {
@@ -338,6 +381,44 @@ mod tests {
                 assert!((e - p).abs() < 1e-6, "m = {m}: {e} vs {p}");
             }
             assert!(block_attention(&q, &past, &own, 5, BlockMasks::default()).is_err(), "12 rows in 5 blocks");
+        }
+    }
+
+    /// An unrolled step gives what [`attention`] gives over the context and all step rows
+    /// concatenated, with the mask that leaves each query its own row of every step.
+    #[test]
+    fn unrolled_attention_equals_attention_over_every_step_with_a_diagonal_mask() {
+        let (n_heads, n_kv, d, n, m) = (6, 2, 8, 5, 7);
+        let q = random(&[n_heads, n, d], 11);
+        let context = LayerKv { k: random(&[n_kv, m, d], 12), v: random(&[n_kv, m, d], 13) };
+        let steps: Vec<LayerKv> =
+            (0..3).map(|s| LayerKv { k: random(&[n_kv, n, d], 20 + s), v: random(&[n_kv, n, d], 30 + s) }).collect();
+        let (earlier, own) = steps.split_at(2);
+        // Query i sees context rows ..= i + 1.
+        let context_mask: Vec<f32> =
+            (0..n).flat_map(|i| (0..m).map(move |k| if k <= i + 1 { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let width = m + 2 * n;
+        let dense: Vec<f32> = (0..n)
+            .flat_map(|i| {
+                let context_mask = &context_mask;
+                (0..width + n).map(move |k| match k.checked_sub(m) {
+                    None => context_mask[i * m + k],
+                    Some(j) if j % n == i => 0.0,
+                    Some(_) => f32::NEG_INFINITY,
+                })
+            })
+            .collect();
+        let past = LayerKv {
+            k: Tensor::cat(&[&context.k, &earlier[0].k, &earlier[1].k], 1).unwrap(),
+            v: Tensor::cat(&[&context.v, &earlier[0].v, &earlier[1].v], 1).unwrap(),
+        };
+        let dense = Tensor::from_vec(dense, (n, width + n), &Device::Cpu).unwrap();
+        let expected: Vec<Vec<f32>> = attention(&q, &past, &own[0], Some(&dense)).unwrap().to_vec2().unwrap();
+        let context_mask = Tensor::from_vec(context_mask, (n, m), &Device::Cpu).unwrap();
+        let unrolled: Vec<Vec<f32>> =
+            unrolled_attention(&q, &context, &context_mask, earlier, &own[0]).unwrap().to_vec2().unwrap();
+        for (e, u) in expected.iter().flatten().zip(unrolled.iter().flatten()) {
+            assert!((e - u).abs() < 1e-6, "{e} vs {u}");
         }
     }
 }

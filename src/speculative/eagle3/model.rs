@@ -11,7 +11,7 @@
 use super::config::{Eagle3Config, N_TAPS};
 use crate::model::KernelSettings;
 use crate::speculative::dflash::TargetHead;
-use crate::speculative::nn::{attention, rms_norm, rope, LayerKv, Projection, RopeTable};
+use crate::speculative::nn::{attention, rms_norm, rope, unrolled_attention, LayerKv, Projection, RopeTable};
 use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
@@ -254,6 +254,44 @@ impl Eagle3Drafter {
         past: &LayerKv,
         mask: Option<&Tensor>,
     ) -> Result<(Tensor, LayerKv)> {
+        self.pass(embeds, features, positions, |q, own| {
+            let n = q.dim(1)?;
+            let causal;
+            let mask = match mask {
+                Some(m) => Some(m),
+                None if n > 1 => {
+                    causal = causal_mask(past.k.dim(1)?, n, &self.device)?;
+                    Some(&causal)
+                }
+                None => None,
+            };
+            attention(q, past, own, mask)
+        })
+    }
+
+    /// An unrolled step of the training-time test ([`Self::forward`] otherwise): query i sees
+    /// the `context` rows `context_mask` (`[n, context]`, additive) leaves visible, and its own
+    /// row of every `earlier` step's K/V and of this step's.
+    pub fn forward_unrolled(
+        &self,
+        embeds: &Tensor,
+        features: &Tensor,
+        positions: &[usize],
+        context: &LayerKv,
+        context_mask: &Tensor,
+        earlier: &[LayerKv],
+    ) -> Result<(Tensor, LayerKv)> {
+        self.pass(embeds, features, positions, |q, own| unrolled_attention(q, context, context_mask, earlier, own))
+    }
+
+    /// The decoder layer, with `attend(q, own K/V)` → `[n, heads·head_dim]` for its attention.
+    fn pass(
+        &self,
+        embeds: &Tensor,
+        features: &Tensor,
+        positions: &[usize],
+        attend: impl FnOnce(&Tensor, &LayerKv) -> Result<Tensor>,
+    ) -> Result<(Tensor, LayerKv)> {
         let c = &self.config;
         let n = embeds.dim(0)?;
         if features.dims() != [n, c.hidden] || embeds.dims() != [n, c.hidden] || positions.len() != n {
@@ -275,16 +313,7 @@ impl Eagle3Drafter {
         let k = rope(&heads(self.k_proj.forward(&x)?, c.n_kv_heads)?, &cos, &sin)?;
         let v = heads(self.v_proj.forward(&x)?, c.n_kv_heads)?;
         let own = LayerKv { k, v };
-        let causal;
-        let mask = match mask {
-            Some(m) => Some(m),
-            None if n > 1 => {
-                causal = causal_mask(past.k.dim(1)?, n, &self.device)?;
-                Some(&causal)
-            }
-            None => None,
-        };
-        let h = (residual + self.o_proj.forward(&attention(&q, past, &own, mask)?)?)?;
+        let h = (residual + self.o_proj.forward(&attend(&q, &own)?)?)?;
         let u = rms_norm(&h, &self.post_norm, c.rms_eps)?;
         let mlp = self.down_proj.forward(&(self.gate_proj.forward(&u)?.silu()? * self.up_proj.forward(&u)?)?)?;
         Ok(((h + mlp)?, own))

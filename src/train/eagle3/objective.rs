@@ -122,7 +122,10 @@ pub fn sequence_loss(
     let positions0: Vec<usize> = (0..rows).collect();
     let (out0, kv0) = drafter.forward(&embeds0, &features0, &positions0, &drafter.empty_kv()?, None)?;
     let mut h = out0.index_select(&r_ids, 0)?;
-    let mut past = kv0;
+    // Unrolled steps see the step-0 rows up to their own source row, and their own row of
+    // every step.
+    let context_mask = context_mask(&r, rows, device)?;
+    let mut earlier: Vec<LayerKv> = Vec::with_capacity(steps);
 
     let mut weighted = zero;
     let (mut scored_n, mut hits) = (vec![0usize; steps], vec![0usize; steps]);
@@ -134,9 +137,8 @@ pub fn sequence_loss(
             let ids: Vec<u32> = r.iter().map(|&t| tokens[(t + 1 + j).min(n - 1)]).collect();
             let embeds = drafter.embed(&ids, Some(&frozen.head))?;
             let positions: Vec<usize> = r.iter().map(|&t| t + j).collect();
-            let mask = ttt_mask(&r, rows, j, device)?;
-            let (out, kv) = drafter.forward(&embeds, &h, &positions, &past, Some(&mask))?;
-            past = LayerKv { k: Tensor::cat(&[&past.k, &kv.k], 1)?, v: Tensor::cat(&[&past.v, &kv.v], 1)? };
+            let (out, kv) = drafter.forward_unrolled(&embeds, &h, &positions, &kv0, &context_mask, &earlier)?;
+            earlier.push(kv);
             h = out;
         }
         let logp = candle_nn::ops::log_softmax(&drafter.logits(&h)?, D::Minus1)?;
@@ -167,20 +169,13 @@ pub fn sequence_loss(
     Ok(SequenceLoss { weighted_ce: weighted, scored: scored_n, hits, accepted, ce_sum, ce_terms })
 }
 
-/// Step j's additive mask `[|r|, rows + j·|r|]`: row i (position `r[i]`) sees the step-0 rows
-/// up to `r[i]`, and its own row in each of steps 1..=j.
-fn ttt_mask(r: &[usize], rows: usize, j: usize, device: &candle_core::Device) -> Result<Tensor> {
-    let m = r.len();
-    let width = rows + j * m;
-    let mut v = vec![f32::NEG_INFINITY; m * width];
+/// Which step-0 rows the scored rows `r` see, `[r, rows]` additive: row t sees rows `..=t`.
+fn context_mask(r: &[usize], rows: usize, device: &candle_core::Device) -> Result<Tensor> {
+    let mut v = vec![f32::NEG_INFINITY; r.len() * rows];
     for (i, &t) in r.iter().enumerate() {
-        let row = &mut v[i * width..(i + 1) * width];
-        row[..=t].iter_mut().for_each(|x| *x = 0.0);
-        for s in 0..j {
-            row[rows + s * m + i] = 0.0;
-        }
+        v[i * rows..i * rows + t + 1].fill(0.0);
     }
-    Ok(Tensor::from_vec(v, (m, width), device)?)
+    Ok(Tensor::from_vec(v, (r.len(), rows), device)?)
 }
 
 #[cfg(test)]
@@ -188,11 +183,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_mask_sees_the_causal_context_and_the_rows_own_steps() {
-        let m = ttt_mask(&[1, 3], 4, 2, &candle_core::Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
+    fn unrolled_rows_see_the_step_zero_rows_up_to_their_own() {
+        let m = context_mask(&[1, 3], 4, &candle_core::Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
         let seen = |row: &Vec<f32>| row.iter().map(|x| x.is_finite()).collect::<Vec<_>>();
-        // step-0 rows 0..4, step-1 rows (r0, r1), step-2 rows (r0, r1)
-        assert_eq!(seen(&m[0]), [true, true, false, false, true, false, true, false]);
-        assert_eq!(seen(&m[1]), [true, true, true, true, false, true, false, true]);
+        assert_eq!(seen(&m[0]), [true, true, false, false]);
+        assert_eq!(seen(&m[1]), [true, true, true, true]);
     }
 }

@@ -52,6 +52,7 @@ fn prompts_file(dir: &Path) -> PathBuf {
 fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
     DataSettings {
         sources: vec![PromptSource::File { key: "fastchat-dummy".into(), path: prompts.to_path_buf() }],
+        skip: 0,
         limit: Some(limit),
         gen: GenSettings {
             max_new_tokens: 8,
@@ -406,5 +407,25 @@ fn sampled_data_does_not_depend_on_the_batch() {
     let batched = run(4, "b4");
     let alone = run(1, "b1");
     assert_eq!(batched, alone, "each example samples with its own seed, whatever runs beside it");
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[test]
+fn skip_leaves_out_the_first_prompts_of_a_set() {
+    let work = tempdir("skip");
+    let prompts = prompts_file(&work);
+    let mut s = settings(&prompts, &work.join("out"), 3);
+    s.skip = 2;
+    s.gen.responses = ResponseSource::Dataset;
+    let summary = generate_data(target(), &s, &mut |_| {}).unwrap();
+    assert_eq!(summary.written, 3);
+    let mut got: Vec<String> = examples(&work.join("out")).into_iter().map(|e| e.id).collect();
+    got.sort();
+    let mut want: Vec<String> = datasets_prompts(&prompts)[2..5].iter().map(|p| p.id.clone()).collect();
+    want.sort();
+    assert_eq!(got, want, "prompts 3 to 5 of the set");
+    s.skip = 6;
+    let err = generate_data(target(), &s, &mut |_| {}).unwrap_err().to_string();
+    assert!(err.contains("none left after skipping 6"), "{err}");
     let _ = std::fs::remove_dir_all(&work);
 }

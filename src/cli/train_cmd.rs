@@ -237,6 +237,10 @@ pub struct DataArgs {
     /// A local file in a set's format, KEY=PATH (e.g. fastchat-dummy=chats.json); repeatable.
     #[arg(long)]
     prompts_file: Vec<String>,
+    /// Prompts skipped at the start of each set before --limit counts (--skip 4000 --limit 2000:
+    /// the 2,000 after the first 4,000, for more data from prompts not used yet).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
     /// Prompts per set at most (default: all).
     #[arg(long)]
     limit: Option<usize>,
@@ -295,6 +299,7 @@ fn run_data(args: DataArgs) -> Result<()> {
     }
     let settings = DataSettings {
         sources,
+        skip: args.skip,
         limit: args.limit,
         gen: GenSettings {
             max_new_tokens: args.max_new_tokens,

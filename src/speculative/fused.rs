@@ -9,15 +9,18 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
 
-/// Rows handed to one worker of candle's pool at a time.
-const ROWS_PER_TASK: usize = 64;
+/// Elements below which a kernel runs on the calling thread: waking candle's pool costs more
+/// than a draft's few rows (a drafting step has dozens of these ops), while a training batch's
+/// tensors are far larger.
+const MIN_PARALLEL: usize = 1 << 16;
 
 /// Runs `f(first_row, rows_in, rows_out)` over chunks of `width`-wide rows, on candle's pool
-/// when there are many.
+/// (chunks of about a quarter of [`MIN_PARALLEL`] elements) when there are many.
 fn for_row_chunks(input: &[f32], out: &mut [f32], width: usize, f: impl Fn(usize, &[f32], &mut [f32]) + Sync) {
     let rows = input.len() / width.max(1);
-    let tasks = rows.div_ceil(ROWS_PER_TASK);
-    if tasks <= 1 {
+    let rows_per_task = (MIN_PARALLEL / 4 / width.max(1)).max(1);
+    let tasks = rows.div_ceil(rows_per_task);
+    if input.len() < MIN_PARALLEL || tasks <= 1 {
         f(0, input, out);
         return;
     }
@@ -26,7 +29,7 @@ fn for_row_chunks(input: &[f32], out: &mut [f32], width: usize, f: impl Fn(usize
         #[allow(clippy::redundant_locals)]
         let out_ptr = out_ptr;
         for t in items {
-            let (lo, hi) = (t * ROWS_PER_TASK, rows.min((t + 1) * ROWS_PER_TASK));
+            let (lo, hi) = (t * rows_per_task, rows.min((t + 1) * rows_per_task));
             // SAFETY: tasks cover disjoint row ranges of `out`.
             let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(lo * width), (hi - lo) * width) };
             f(lo, &input[lo * width..hi * width], dst);
@@ -253,7 +256,7 @@ mod tests {
     /// several of the pool's tasks.
     #[test]
     fn fused_ops_match_composed_ops_in_value_and_gradient() {
-        let (heads, rows, d) = (3, 150, 16);
+        let (heads, rows, d) = (3, 1400, 16); // 67,200 elements: past MIN_PARALLEL, on the pool
         let x = Var::from_tensor(&random(&[heads, rows, d], 1)).unwrap();
         let w = Var::from_tensor(&(random(&[d], 2) + 1.5).unwrap()).unwrap();
         let probe = random(&[heads, rows, d], 3);

@@ -204,6 +204,8 @@ pub struct Meta {
 #[derive(Debug, Clone)]
 pub struct DataSettings {
     pub sources: Vec<PromptSource>,
+    /// Prompts skipped at the start of each set, before `limit` counts.
+    pub skip: usize,
     /// Prompts per set at most.
     pub limit: Option<usize>,
     pub gen: GenSettings,
@@ -282,22 +284,28 @@ pub fn check_training_set(key: &str) -> Result<()> {
     Ok(())
 }
 
-/// The prompts of every source, `limit` per set, each with its set key. Evaluation sets,
-/// unknown sets and empty sets are errors; a repeated id within a set keeps its first prompt.
-pub fn load_prompts(sources: &[PromptSource], limit: Option<usize>) -> Result<Vec<(String, Prompt)>> {
+/// The prompts of every source, the first `skip` of each left out and `limit` per set after
+/// them, each with its set key. Evaluation sets, unknown sets and empty selections are errors;
+/// a repeated id within a set keeps its first prompt.
+pub fn load_prompts(sources: &[PromptSource], skip: usize, limit: Option<usize>) -> Result<Vec<(String, Prompt)>> {
+    let read = limit.map(|l| l.saturating_add(skip));
     let mut out = Vec::new();
     let mut seen = HashSet::new();
     for source in sources {
         let key = source.key();
         check_training_set(key)?;
         let prompts = match source {
-            PromptSource::Set(k) => datasets::load(k, limit).with_context(|| format!("loading prompt set `{k}`"))?,
-            PromptSource::File { key, path } => datasets::load_from_path(key, path, limit)?,
+            PromptSource::Set(k) => datasets::load(k, read).with_context(|| format!("loading prompt set `{k}`"))?,
+            PromptSource::File { key, path } => datasets::load_from_path(key, path, read)?,
         };
-        if prompts.is_empty() {
+        let total = prompts.len();
+        if total == 0 {
             bail!("prompt set `{key}` has no prompts");
         }
-        for p in prompts {
+        if total <= skip {
+            bail!("prompt set `{key}` has {total} prompts, none left after skipping {skip}");
+        }
+        for p in prompts.into_iter().skip(skip) {
             if seen.insert((key.to_string(), p.id.clone())) {
                 out.push((key.to_string(), p));
             }
@@ -567,7 +575,7 @@ pub fn generate_data(
     on_progress: &mut dyn FnMut(&Progress),
 ) -> Result<DataSummary> {
     settings.validate()?;
-    let prompts = load_prompts(&settings.sources, settings.limit)?;
+    let prompts = load_prompts(&settings.sources, settings.skip, settings.limit)?;
     let dir = &settings.out;
     if dir.exists() && !dir.is_dir() {
         bail!("--out {} is not a directory", dir.display());
@@ -862,7 +870,7 @@ mod tests {
         assert!(check_training_set("fastchat-dummy").is_ok());
         let err = check_training_set("nope").unwrap_err().to_string();
         assert!(err.contains("unknown prompt set") && err.contains("sharegpt"), "{err}");
-        let err = load_prompts(&[PromptSource::Set("mt-bench".into())], Some(1)).unwrap_err().to_string();
+        let err = load_prompts(&[PromptSource::Set("mt-bench".into())], 0, Some(1)).unwrap_err().to_string();
         assert!(err.contains("evaluation set"), "{err}");
     }
 

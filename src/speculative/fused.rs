@@ -7,6 +7,7 @@
 //! inputs: gradients carry no graph of their own (an optimiser's moments built from them would
 //! otherwise keep every step's graph alive).
 
+use crate::parallel::SyncPtr;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
 
 /// Elements below which a kernel runs on the calling thread: waking candle's pool costs more
@@ -26,22 +27,17 @@ fn for_row_chunks(input: &[f32], out: &mut [f32], width: usize, f: impl Fn(usize
     }
     let out_ptr = SyncPtr(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(tasks, |items| {
+        // Captures the whole `SyncPtr` (a closure would otherwise capture its raw field).
         #[allow(clippy::redundant_locals)]
         let out_ptr = out_ptr;
         for t in items {
             let (lo, hi) = (t * rows_per_task, rows.min((t + 1) * rows_per_task));
             // SAFETY: tasks cover disjoint row ranges of `out`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(lo * width), (hi - lo) * width) };
+            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(lo * width), (hi - lo) * width) };
             f(lo, &input[lo * width..hi * width], dst);
         }
     });
 }
-
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: only used to hand disjoint ranges of one buffer to the pool's workers.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
 
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
     let Some((lo, hi)) = l.contiguous_offsets() else {
@@ -226,21 +222,8 @@ pub fn softmax_last_dim(x: &Tensor) -> Option<candle_core::Result<Tensor>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::speculative::nn::tests::random;
     use candle_core::{Device, Var};
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let n: usize = shape.iter().product();
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let values: Vec<f32> = (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect();
-        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
-    }
 
     fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
         let (a, b): (Vec<f32>, Vec<f32>) =

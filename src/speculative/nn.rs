@@ -328,10 +328,11 @@ impl Projection {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn random(shape: &[usize], seed: u64) -> Tensor {
+    /// A reproducible tensor of uniform values in [−1, 1) (xorshift).
+    pub(crate) fn random(shape: &[usize], seed: u64) -> Tensor {
         let n: usize = shape.iter().product();
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let values: Vec<f32> = (0..n)

@@ -545,7 +545,7 @@ fn export_loads_in_the_reference_package() {
 }
 
 /// `--init-from`: a run can start from an exported drafter (its shape, MASK and reduced
-/// vocabulary come with it).
+/// vocabulary come with it), at its own block size or another.
 #[test]
 fn a_run_starts_from_an_exported_drafter() {
     let target = tiny_target();
@@ -565,7 +565,7 @@ fn a_run_starts_from_an_exported_drafter() {
         adam: td::optim::AdamWSettings { lr: 1e-12, weight_decay: 0.0, ..Default::default() },
         ..tiny_settings(1)
     };
-    run_training(&target, &examples, settings, second.path(), false, None);
+    run_training(&target, &examples, settings.clone(), second.path(), false, None);
     let a = candle_core::safetensors::load(first.path().join("drafter/model.safetensors"), &Device::Cpu).unwrap();
     let b = candle_core::safetensors::load(second.path().join("drafter/model.safetensors"), &Device::Cpu).unwrap();
     assert_eq!(a.len(), b.len());
@@ -580,6 +580,15 @@ fn a_run_starts_from_an_exported_drafter() {
             .unwrap();
         assert!(diff <= 1e-6, "{name} moved by {diff}");
     }
+    // The same weights train on another block size; the export records the new one.
+    let third = tempfile::tempdir().unwrap();
+    let settings = TrainSettings { block: 4, ..settings };
+    run_training(&target, &examples, settings, third.path(), false, None);
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(third.path().join("drafter/config.json")).unwrap()).unwrap();
+    assert_eq!(config["block_size"], 4);
+    let c = candle_core::safetensors::load(third.path().join("drafter/model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(c.len(), a.len());
 }
 
 /// `--init-from-target`: drafter layer i starts with target layer i's weights.

@@ -212,7 +212,7 @@ pub struct DflashArgs {
     #[arg(long)]
     resume: bool,
     /// Start from an exported drafter directory's weights (its shape, MASK and vocabulary)
-    /// instead of a fresh initialisation.
+    /// instead of a fresh initialisation; --block may differ from its block size.
     #[arg(long)]
     init_from: Option<PathBuf>,
     /// Stop after this many steps in this run (the schedule still spans every step).

@@ -725,8 +725,17 @@ impl TrainRun<'_> {
             let drafter = DflashDrafter::load(dir, &device)?;
             let config = drafter.config.clone();
             config.check_target(&self.target.config).with_context(|| format!("--init-from {}", dir.display()))?;
+            let mut config = config;
             if config.block_size != s.block {
-                bail!("--init-from {}: block size {}, --block {}", dir.display(), config.block_size, s.block);
+                // The weights do not depend on the block size: the same drafter trains (and
+                // drafts) on blocks of any length.
+                eprintln!(
+                    "--init-from {}: block size {} becomes --block {}",
+                    dir.display(),
+                    config.block_size,
+                    s.block
+                );
+                config.block_size = s.block;
             }
             let vocab = drafter.draft_vocab().map(|v| v.to_vec());
             let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &device)?;

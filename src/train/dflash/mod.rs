@@ -723,9 +723,8 @@ impl TrainRun<'_> {
             (config, meta.draft_vocab, params, meta.step, meta.history, meta.train_secs, Some(tensors))
         } else if let Some(dir) = &s.init_from {
             let drafter = DflashDrafter::load(dir, &device)?;
-            let config = drafter.config.clone();
+            let mut config = drafter.config.clone();
             config.check_target(&self.target.config).with_context(|| format!("--init-from {}", dir.display()))?;
-            let mut config = config;
             if config.block_size != s.block {
                 // The weights do not depend on the block size: the same drafter trains (and
                 // drafts) on blocks of any length.

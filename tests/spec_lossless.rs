@@ -456,10 +456,17 @@ fn smollm2_greedy_ngram_and_draft_model_proposers() {
     for (i, prompt) in smollm2_prompts(m).iter().enumerate() {
         let plain = plain_greedy(&m.model, prompt, &stop, REAL_TOKENS);
         let ngram = DrafterSpec::Ngram { max_ngram: 3 };
-        let cases: [(&DrafterSpec, GenerateOptions); 2] = if i == 0 {
-            [(&ngram, GenerateOptions::fixed_draft(5)), (&draft_spec, GenerateOptions::fixed_draft(4))]
+        // Prompt lookup first, the shipped DFlash drafter where it finds nothing.
+        let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters/smollm2-135m-dflash");
+        let combined = DrafterSpec::parse(&format!("ngram+dflash:{}", shipped.display())).unwrap();
+        let cases: [(&DrafterSpec, GenerateOptions); 3] = if i == 0 {
+            [
+                (&ngram, GenerateOptions::fixed_draft(5)),
+                (&draft_spec, GenerateOptions::fixed_draft(4)),
+                (&combined, GenerateOptions::fixed_draft(6)),
+            ]
         } else {
-            [(&ngram, adaptive()), (&draft_spec, adaptive())]
+            [(&ngram, adaptive()), (&draft_spec, adaptive()), (&combined, adaptive())]
         };
         for (spec, opts) in cases {
             let mut p = build_proposer(spec, m.target()).unwrap();
@@ -467,6 +474,12 @@ fn smollm2_greedy_ngram_and_draft_model_proposers() {
             assert_eq!(gen.tokens, plain, "{spec:?}, prompt {i}");
             if matches!(spec, DrafterSpec::DraftModel { .. }) {
                 assert!(gen.metrics.acceptance_rate() > 0.9, "self-drafting accepts: {:?}", gen.metrics);
+            }
+            if matches!(spec, DrafterSpec::Combined { .. }) && i == 0 {
+                // Where lookup finds nothing DFlash drafts, so every step with room drafted (only
+                // the last may have none), and some of it was accepted.
+                let m = &gen.metrics;
+                assert!(m.accepted > 0 && m.spec_steps + 1 >= m.steps, "{m:?}");
             }
         }
     }
@@ -536,13 +549,14 @@ fn tiny_model_sampling_distribution_is_the_targets() {
     let total: f64 = exact.values().sum();
     assert!((total - 1.0).abs() < 1e-4);
 
-    let arms: [&str; 6] = [
+    let arms: [&str; 7] = [
         "plain",
         "self draft model",
         "perturbed draft model",
         "stochastic drafter",
         "eagle3 drafter",
         "dflash drafter",
+        "ngram:1 then dflash drafter",
     ];
     // A random EAGLE-3 drafter that reads the target's hidden states; its vocabulary is the
     // target's two likeliest first tokens, so it is right part of the time.
@@ -578,6 +592,15 @@ fn tiny_model_sampling_distribution_is_the_targets() {
                 5 => Some(Box::new(
                     specula::speculative::dflash::build_proposer(dflash_dir.path(), &dflash_settings, target).unwrap(),
                 )),
+                // Single-token lookup drafts whenever the last token occurred before, DFlash
+                // otherwise: both kinds of draft within one sequence.
+                6 => Some(Box::new(specula::speculative::combined::CombinedProposer::new(
+                    Box::new(specula::speculative::ngram::NgramProposer::new(1, 1).unwrap()),
+                    Box::new(
+                        specula::speculative::dflash::build_proposer(dflash_dir.path(), &dflash_settings, target)
+                            .unwrap(),
+                    ),
+                ))),
                 _ => {
                     // q(t) ∝ t + 1 on ids 0..8 (a distribution: it sums to 1).
                     let q = (0..TINY_VOCAB).map(|t| if t < 8 { (1 + t) as f32 / 36.0 } else { 0.0 }).collect();

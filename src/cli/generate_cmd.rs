@@ -53,7 +53,8 @@ pub struct GenerateArgs {
     /// Speculative decoding drafter: `ngram[:N]` (prompt lookup over the prompt and output,
     /// n-grams of N tokens (default 3) down to 2), `draft-model:MODEL` (a smaller model with
     /// the same tokenizer), `dflash:DIR` or `eagle3:DIR` (learned drafters that read the target's
-    /// hidden states). Output is what decoding without one gives; only the speed changes.
+    /// hidden states), or two joined by `+` (`ngram+dflash:DIR`: the second drafts where the
+    /// first finds nothing). Output is what decoding without one gives; only the speed changes.
     #[arg(long)]
     drafter: Option<String>,
     /// Draft tokens per step with --drafter: a number, or `auto` (measure this model's verify

@@ -14,7 +14,8 @@ use std::time::Duration;
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Drafter for every request: ngram[:N], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, or `none`. The
+    /// Drafter for every request: ngram[:N], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, two of
+    /// those joined by `+` (the second drafts where the first finds nothing), or `none`. The
     /// draft length adapts per request and to the load (down to none when the batch is
     /// compute-bound); a request can opt out with "speculate": false.
     #[arg(long, default_value = "ngram")]

@@ -1,5 +1,6 @@
 //! Builds a proposer from a `--drafter` string.
 
+use super::combined::CombinedProposer;
 use super::draft_model::{check_vocab_compatible, DraftModelProposer};
 use super::ngram::{NgramProposer, MAX_NGRAM_LIMIT};
 use super::weight_cache::WeightCache;
@@ -27,10 +28,22 @@ pub enum DrafterSpec {
     Dflash { path: PathBuf, settings: super::dflash::DflashSettings },
     /// `eagle3:PATH[,max=N]`: an EAGLE-3 drafter directory in the published layout (docs/eagle3.md).
     Eagle3 { path: PathBuf, settings: super::eagle3::Eagle3Settings },
+    /// `A+B`: A drafts first, B when A proposes nothing (`ngram+dflash:DIR`).
+    Combined { first: Box<DrafterSpec>, then: Box<DrafterSpec> },
 }
 
 impl DrafterSpec {
     pub fn parse(s: &str) -> Result<Self> {
+        // `A+B`, split at the first `+` where both sides are drafters (a path may hold a `+`).
+        for (at, _) in s.match_indices('+') {
+            if let (Ok(first), Ok(then)) = (Self::parse_one(&s[..at]), Self::parse(&s[at + 1..])) {
+                return Ok(DrafterSpec::Combined { first: Box::new(first), then: Box::new(then) });
+            }
+        }
+        Self::parse_one(s)
+    }
+
+    fn parse_one(s: &str) -> Result<Self> {
         let (kind, arg) = s.split_once(':').map_or((s, None), |(k, a)| (k, Some(a)));
         Ok(match kind {
             "ngram" => {
@@ -57,7 +70,10 @@ impl DrafterSpec {
                 DrafterSpec::Eagle3 { path, settings }
             }
             other => {
-                bail!("unknown drafter `{other}` (available: ngram[:N], draft-model:MODEL, dflash:PATH, eagle3:PATH)")
+                bail!(
+                    "unknown drafter `{other}` (available: ngram[:N], draft-model:MODEL, dflash:PATH, eagle3:PATH, \
+                     or two joined by `+`)"
+                )
             }
         })
     }
@@ -69,6 +85,7 @@ impl DrafterSpec {
             DrafterSpec::DraftModel { model } => format!("draft-model:{model}"),
             DrafterSpec::Dflash { path, settings } => super::dflash::drafter_label(path, settings),
             DrafterSpec::Eagle3 { path, settings } => super::eagle3::drafter_label(path, settings),
+            DrafterSpec::Combined { first, then } => format!("{}+{}", first.label(), then.label()),
         }
     }
 }
@@ -98,6 +115,9 @@ pub fn build_proposer(spec: &DrafterSpec, target: Target<'_>) -> Result<Box<dyn 
         DrafterSpec::Eagle3 { path, settings } => {
             Ok(Box::new(super::eagle3::build_proposer(path, settings, target.model)?))
         }
+        DrafterSpec::Combined { first, then } => {
+            Ok(Box::new(CombinedProposer::new(build_proposer(first, target)?, build_proposer(then, target)?)))
+        }
     }
 }
 
@@ -125,4 +145,25 @@ fn load_draft_model(path: &std::path::Path, target: &Tokenizer) -> Result<Arc<Dr
             Ok(DraftAssets { model: Arc::new(model), tokenizer })
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_drafters_joined_by_a_plus_combine() {
+        let spec = DrafterSpec::parse("ngram:4+dflash:some/dir+x,max=7").unwrap();
+        let DrafterSpec::Combined { first, then } = &spec else { panic!("{spec:?}") };
+        assert_eq!(**first, DrafterSpec::Ngram { max_ngram: 4 });
+        // The `+` inside the path is part of it: `x,max=7` alone is no drafter.
+        let DrafterSpec::Dflash { path, settings } = &**then else { panic!("{then:?}") };
+        assert_eq!(path, &PathBuf::from("some/dir+x"));
+        assert_eq!(settings.max_draft, Some(7));
+        assert_eq!(spec.label(), format!("ngram:4+{}", then.label()));
+        assert_eq!(DrafterSpec::parse("dflash:a+b").unwrap(), DrafterSpec::parse_one("dflash:a+b").unwrap());
+        let err = format!("{:#}", DrafterSpec::parse("ngram+nope").unwrap_err());
+        assert!(err.contains("unknown drafter `ngram+nope`") && err.contains("joined by `+`"), "{err}");
+        assert!(DrafterSpec::parse("ngram+").is_err());
+    }
 }

@@ -2,6 +2,7 @@
 //! step-cost model and draft-length policy, and a factory that builds a drafter from a
 //! `--drafter` string. Depends on `model`, `kv`, `tokenize` and `sample`, never on `engine`.
 
+pub mod combined;
 pub mod dflash;
 pub mod draft_model;
 pub mod eagle3;

@@ -1,0 +1,159 @@
+//! Two drafters in one (`--drafter A+B`): each step A drafts first, and B drafts only when A
+//! proposes nothing. Prompt lookup is the natural A: free to run, and right most of the time
+//! when it finds a match, but it finds none on much of what a model writes; a learned drafter
+//! (DFlash, EAGLE-3) as B drafts those steps instead of leaving them plain.
+//!
+//! Both drafters see every step (`begin`, `observe`), so B's context is complete whenever it is
+//! asked for a draft; DFlash defers projecting the target's hidden states until it drafts, so
+//! the steps A drafts cost B nothing but keeping the taps.
+
+use super::proposer::{DraftCostShape, Proposer};
+use super::verify::Draft;
+use anyhow::Result;
+use candle_core::Tensor;
+use std::ops::Range;
+
+pub struct CombinedProposer<'a> {
+    first: Box<dyn Proposer + 'a>,
+    then: Box<dyn Proposer + 'a>,
+    name: String,
+    /// `first`'s tap layers followed by `then`'s: the engine hands over one tensor per entry,
+    /// in this order, so `observe` splits them at `first`'s count.
+    taps: Vec<usize>,
+    /// Drafts made by each so far (for callers that inspect the proposer afterwards).
+    pub drafts_by_first: u64,
+    pub drafts_by_then: u64,
+}
+
+impl<'a> CombinedProposer<'a> {
+    pub fn new(first: Box<dyn Proposer + 'a>, then: Box<dyn Proposer + 'a>) -> Self {
+        let name = format!("{}+{}", first.name(), then.name());
+        let taps = first.tap_layers().iter().chain(then.tap_layers()).copied().collect();
+        Self { first, then, name, taps, drafts_by_first: 0, drafts_by_then: 0 }
+    }
+}
+
+impl Proposer for CombinedProposer<'_> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn tap_layers(&self) -> &[usize] {
+        &self.taps
+    }
+
+    fn draft_cost_shape(&self) -> DraftCostShape {
+        // What drafting costs is the second drafter's: a lookup is free.
+        self.then.draft_cost_shape()
+    }
+
+    fn restorable_prefix(&self, prompt: &[u32]) -> usize {
+        self.first.restorable_prefix(prompt).min(self.then.restorable_prefix(prompt))
+    }
+
+    fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+        self.first.begin(prompt)?;
+        self.then.begin(prompt)
+    }
+
+    fn observe(&mut self, tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()> {
+        // No taps at all: nothing was asked of the forward (a step with no rows to cache).
+        let split = self.first.tap_layers().len().min(taps.len());
+        self.first.observe(tokens, cached.clone(), &taps[..split])?;
+        self.then.observe(tokens, cached, &taps[split..])
+    }
+
+    fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
+        let draft = self.first.propose(tokens, max_len)?;
+        if !draft.tokens.is_empty() || max_len == 0 {
+            self.drafts_by_first += u64::from(!draft.tokens.is_empty());
+            return Ok(draft);
+        }
+        let draft = self.then.propose(tokens, max_len)?;
+        self.drafts_by_then += u64::from(!draft.tokens.is_empty());
+        Ok(draft)
+    }
+
+    fn pending_catch_up(&self, tokens: &[u32]) -> usize {
+        self.first.pending_catch_up(tokens) + self.then.pending_catch_up(tokens)
+    }
+
+    fn catch_up(&mut self, tokens: &[u32]) -> Result<usize> {
+        Ok(self.first.catch_up(tokens)? + self.then.catch_up(tokens)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use std::sync::{Arc, Mutex};
+
+    /// A drafter that proposes a fixed draft and records what it was told.
+    struct Scripted {
+        name: &'static str,
+        taps: Vec<usize>,
+        draft: Vec<u32>,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Proposer for Scripted {
+        fn name(&self) -> &str {
+            self.name
+        }
+        fn tap_layers(&self) -> &[usize] {
+            &self.taps
+        }
+        fn begin(&mut self, prompt: &[u32]) -> Result<()> {
+            self.log.lock().unwrap().push(format!("{} begin {}", self.name, prompt.len()));
+            Ok(())
+        }
+        fn observe(&mut self, _tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()> {
+            let widths: Vec<usize> = taps.iter().map(|t| t.dim(1).unwrap()).collect();
+            self.log.lock().unwrap().push(format!("{} observe {cached:?} {widths:?}", self.name));
+            Ok(())
+        }
+        fn propose(&mut self, _tokens: &[u32], max_len: usize) -> Result<Draft> {
+            self.log.lock().unwrap().push(format!("{} propose {max_len}", self.name));
+            Ok(Draft::deterministic(self.draft.iter().copied().take(max_len).collect()))
+        }
+    }
+
+    fn pair(first: Vec<u32>, then: Vec<u32>) -> (CombinedProposer<'static>, Arc<Mutex<Vec<String>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let a = Scripted { name: "a", taps: vec![], draft: first, log: log.clone() };
+        let b = Scripted { name: "b", taps: vec![3, 7], draft: then, log: log.clone() };
+        (CombinedProposer::new(Box::new(a), Box::new(b)), log)
+    }
+
+    #[test]
+    fn the_second_drafts_only_when_the_first_has_nothing() {
+        let (mut p, log) = pair(vec![1, 2, 3], vec![9, 9]);
+        assert_eq!(p.name(), "a+b");
+        assert_eq!(p.propose(&[5], 2).unwrap().tokens, [1, 2]);
+        assert_eq!(log.lock().unwrap().as_slice(), ["a propose 2"]);
+        let (mut p, log) = pair(vec![], vec![9, 8, 7]);
+        assert_eq!(p.propose(&[5], 2).unwrap().tokens, [9, 8]);
+        assert_eq!(log.lock().unwrap().as_slice(), ["a propose 2", "b propose 2"]);
+        assert_eq!((p.drafts_by_first, p.drafts_by_then), (0, 1));
+        // Nothing asked for: neither drafts.
+        assert!(p.propose(&[5], 0).unwrap().tokens.is_empty());
+        assert_eq!(log.lock().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn both_see_every_step_and_each_gets_its_own_taps() {
+        let (mut p, log) = pair(vec![], vec![]);
+        assert_eq!(p.tap_layers(), [3, 7]);
+        p.begin(&[1, 2, 3]).unwrap();
+        let taps = [
+            Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap(),
+            Tensor::zeros((2, 6), DType::F32, &Device::Cpu).unwrap(),
+        ];
+        p.observe(&[1, 2, 3], 0..2, &taps).unwrap();
+        assert_eq!(
+            log.lock().unwrap().as_slice(),
+            ["a begin 3", "b begin 3", "a observe 0..2 []", "b observe 0..2 [4, 6]"]
+        );
+    }
+}

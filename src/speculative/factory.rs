@@ -35,8 +35,10 @@ pub enum DrafterSpec {
 impl DrafterSpec {
     pub fn parse(s: &str) -> Result<Self> {
         // `A+B`, split at the first `+` where both sides are drafters (a path may hold a `+`).
+        // Two at most: each side is one drafter, so parsing stays linear in the `+` count.
         for (at, _) in s.match_indices('+') {
-            if let (Ok(first), Ok(then)) = (Self::parse_one(&s[..at]), Self::parse(&s[at + 1..])) {
+            let Ok(first) = Self::parse_one(&s[..at]) else { continue };
+            if let Ok(then) = Self::parse_one(&s[at + 1..]) {
                 return Ok(DrafterSpec::Combined { first: Box::new(first), then: Box::new(then) });
             }
         }
@@ -165,5 +167,11 @@ mod tests {
         let err = format!("{:#}", DrafterSpec::parse("ngram+nope").unwrap_err());
         assert!(err.contains("unknown drafter `ngram+nope`") && err.contains("joined by `+`"), "{err}");
         assert!(DrafterSpec::parse("ngram+").is_err());
+        // Three drafters are not a combination: the last two would be one path.
+        let three = DrafterSpec::parse("ngram+ngram+ngram");
+        assert!(three.is_err(), "{three:?}");
+        // Many `+` in a path parse in linear time.
+        let long = format!("dflash:{}", "a+".repeat(5000));
+        assert!(DrafterSpec::parse(&long).is_ok());
     }
 }

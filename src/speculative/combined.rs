@@ -4,8 +4,10 @@
 //! (DFlash, EAGLE-3) as B drafts those steps instead of leaving them plain.
 //!
 //! Both drafters see every step (`begin`, `observe`), so B's context is complete whenever it is
-//! asked for a draft; DFlash defers projecting the target's hidden states until it drafts, so
-//! the steps A drafts cost B nothing but keeping the taps.
+//! asked for a draft. B catches up on the steps it missed inside its own `propose`, only when
+//! it is asked: DFlash projects the waiting target hidden states in one pass then, so the
+//! steps A drafts cost B nothing but keeping the taps (a draft model would otherwise feed
+//! every committed token through itself on every step).
 
 use super::proposer::{DraftCostShape, Proposer};
 use super::verify::Draft;
@@ -74,12 +76,14 @@ impl Proposer for CombinedProposer<'_> {
         Ok(draft)
     }
 
+    // The engine catches up before every draft, and most steps are A's: B's catching up waits
+    // for a step it drafts (every drafter's `propose` does its own), and counts as drafting.
     fn pending_catch_up(&self, tokens: &[u32]) -> usize {
-        self.first.pending_catch_up(tokens) + self.then.pending_catch_up(tokens)
+        self.first.pending_catch_up(tokens)
     }
 
     fn catch_up(&mut self, tokens: &[u32]) -> Result<usize> {
-        Ok(self.first.catch_up(tokens)? + self.then.catch_up(tokens)?)
+        self.first.catch_up(tokens)
     }
 }
 

@@ -149,7 +149,8 @@ impl<'a> EngineCore<'a> {
                     let max_tokens = req.params.max_tokens.unwrap_or(ctx.saturating_sub(req.prompt.len()));
                     let shape = p.draft_cost_shape();
                     let probe = self.fleet.start_with_probe(cost, shape, self.max_draft, req.prompt.len(), max_tokens);
-                    DraftChoice::Adaptive(AdaptiveState::new(self.max_draft, cost.clone(), shape, probe))
+                    let shapes: Vec<_> = (0..p.sources()).map(|s| p.source_cost_shape(s)).collect();
+                    DraftChoice::Adaptive(AdaptiveState::with_sources(self.max_draft, cost.clone(), &shapes, probe))
                 }
                 None => DraftChoice::None,
             },
@@ -291,8 +292,11 @@ impl<'a> EngineCore<'a> {
                 DraftChoice::None => DraftBid::default(),
                 DraftChoice::Fixed(n) => DraftBid { max_len: (*n).min(room), exact: true, ..DraftBid::default() },
                 DraftChoice::Adaptive(policy) => {
-                    let pending = a.proposer.as_ref().map_or(0, |p| p.pending_catch_up(&a.seq.tokens));
-                    let want = policy.choose(&a.metrics, pending).min(room);
+                    let (source, pending) = a
+                        .proposer
+                        .as_mut()
+                        .map_or((0, 0), |p| (p.next_source(&a.seq.tokens), p.pending_catch_up(&a.seq.tokens)));
+                    let want = policy.choose_for(source, &a.metrics, pending).min(room);
                     // A one-pass drafter's time is spread over the length its policy chose.
                     let draft = policy.draft_cost();
                     let secs_per_token = draft.of(want) / want.max(1) as f64 * policy.step_secs();

@@ -8,6 +8,10 @@
 //! it is asked: DFlash projects the waiting target hidden states in one pass then, so the
 //! steps A drafts cost B nothing but keeping the taps (a draft model would otherwise feed
 //! every committed token through itself on every step).
+//!
+//! Before each step the engine asks which of the two will draft ([`Proposer::next_source`]:
+//! B exactly when A knows it has nothing, as lookup does), and its draft-length policy prices
+//! each drafter on its own acceptance and cost.
 
 use super::proposer::{DraftCostShape, Proposer};
 use super::verify::Draft;
@@ -47,6 +51,30 @@ impl Proposer for CombinedProposer<'_> {
     fn draft_cost_shape(&self) -> DraftCostShape {
         // What drafting costs is the second drafter's: a lookup is free.
         self.then.draft_cost_shape()
+    }
+
+    fn sources(&self) -> usize {
+        2
+    }
+
+    fn source_cost_shape(&self, source: usize) -> DraftCostShape {
+        if source == 0 {
+            self.first.draft_cost_shape()
+        } else {
+            self.then.draft_cost_shape()
+        }
+    }
+
+    // Where A cannot tell without drafting, its drafts and B's count as A's.
+    fn next_source(&mut self, tokens: &[u32]) -> usize {
+        usize::from(self.first.has_draft(tokens) == Some(false))
+    }
+
+    fn has_draft(&mut self, tokens: &[u32]) -> Option<bool> {
+        match self.first.has_draft(tokens) {
+            Some(false) => self.then.has_draft(tokens),
+            known => known,
+        }
     }
 
     fn restorable_prefix(&self, prompt: &[u32]) -> usize {
@@ -143,6 +171,28 @@ mod tests {
         // Nothing asked for: neither drafts.
         assert!(p.propose(&[5], 0).unwrap().tokens.is_empty());
         assert_eq!(log.lock().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn says_which_drafter_drafts_next() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let lookup = crate::speculative::ngram::NgramProposer::new(1, 3).unwrap();
+        let b = Scripted { name: "b", taps: vec![], draft: vec![9], log: log.clone() };
+        let mut p = CombinedProposer::new(Box::new(lookup), Box::new(b));
+        assert_eq!(p.sources(), 2);
+        assert_eq!(p.source_cost_shape(0), DraftCostShape::PerToken);
+        // 7 occurred before, followed by 8: lookup drafts.
+        let matching = [7, 8, 5, 7];
+        p.begin(&matching).unwrap();
+        assert_eq!((p.next_source(&matching), p.has_draft(&matching)), (0, Some(true)));
+        assert_eq!(p.propose(&matching, 2).unwrap().tokens, [8, 5]);
+        // No earlier 6: the second drafts, and what it can tell is all that is known.
+        let fresh = [7, 8, 5, 7, 8, 6];
+        assert_eq!((p.next_source(&fresh), p.has_draft(&fresh)), (1, None));
+        assert_eq!(p.propose(&fresh, 2).unwrap().tokens, [9]);
+        // A first drafter that cannot tell ahead: its steps and the second's count as its own.
+        let (mut p, _) = pair(vec![], vec![9]);
+        assert_eq!(p.next_source(&fresh), 0);
     }
 
     #[test]

@@ -119,6 +119,11 @@ impl Proposer for NgramProposer {
         self.sync(tokens);
         Ok(Draft::deterministic(self.lookup(max_len)))
     }
+
+    fn has_draft(&mut self, tokens: &[u32]) -> Option<bool> {
+        self.sync(tokens);
+        Some(!self.lookup(1).is_empty())
+    }
 }
 
 #[cfg(test)]

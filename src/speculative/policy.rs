@@ -34,6 +34,12 @@
 //! an optimistic α (one standard error above the estimate) no longer pays: otherwise two
 //! unlucky steps at the start of a request, on a drafter accepted 90% of the time, switched it
 //! off for the whole request.
+//!
+//! A proposer that chooses between drafters step by step (`A+B`: prompt lookup where it finds
+//! a match, a learned drafter elsewhere) says before each step which one will draft, and the
+//! policy keeps acceptance, drafting time and probing apart for each: one estimate over both
+//! priced lookup's free, often-right drafts like the learned drafter's and cut them short.
+//! What belongs to the target (its step time, how dear verifying is) is shared.
 
 use super::metrics::SpecMetrics;
 use super::proposer::DraftCostShape;
@@ -154,11 +160,13 @@ mod tuning {
     pub const MIN_GAIN: f64 = 0.05;
 }
 
-/// The adaptive policy's running estimates.
+/// What the policy knows about one drafter. A proposer that chooses between drafters step by
+/// step (`A+B`: prompt lookup where it finds a match, a learned drafter elsewhere) has one per
+/// drafter: priced with one shared estimate, lookup's free, often-right drafts would be cut to
+/// what the learned drafter's dearer, less reliable ones are worth, and the learned drafter
+/// would be asked for drafts as long as lookup's.
 #[derive(Debug, Clone)]
-pub struct AdaptiveState {
-    max: usize,
-    cost: Arc<StepCost>,
+struct SourceState {
     /// Decayed counts of accepted draft positions and of positions tried (a position is tried
     /// when every earlier one was accepted).
     accepted: f64,
@@ -168,10 +176,8 @@ pub struct AdaptiveState {
     draft_shape: DraftCostShape,
     draft_cost_sum: f64,
     draft_cost_weight: f64,
-    /// Counters at the previous call, to recover the last step from cumulative metrics.
-    last: Snapshot,
     zero_streak: u32,
-    /// Consecutive steps that chose to draft.
+    /// Consecutive steps of this drafter that chose to draft.
     on_streak: u32,
     probe_after: u32,
     /// A probe was asked for and the drafter has not produced a draft yet.
@@ -179,8 +185,56 @@ pub struct AdaptiveState {
     /// The acceptance evidence predates a stretch of plain decoding: the probe that ends the
     /// stretch replaces it instead of being averaged into it.
     stale: bool,
-    /// The last step drafted, so the drafter had no tokens to catch up on in the next one.
+    /// The last step was this drafter's draft, so it had nothing to catch up on in the next.
     drafter_warm: bool,
+    /// Steps since this drafter's last draft.
+    idle_steps: u32,
+    /// No draft until the next scheduled probe (a request told not to start with one, or a
+    /// probe that was not affordable).
+    hold: bool,
+}
+
+impl SourceState {
+    fn new(draft_shape: DraftCostShape, probe_first: bool) -> Self {
+        Self {
+            accepted: 0.0,
+            trials: 0.0,
+            draft_shape,
+            draft_cost_sum: 0.0,
+            draft_cost_weight: 0.0,
+            zero_streak: 0,
+            on_streak: 0,
+            probe_after: tuning::PROBE_AFTER,
+            probing: probe_first,
+            stale: false,
+            drafter_warm: false,
+            idle_steps: 0,
+            hold: !probe_first,
+        }
+    }
+
+    fn alpha(&self) -> f64 {
+        alpha_estimate(self.accepted, self.trials, tuning::PRIOR_ALPHA, tuning::PRIOR_TRIALS)
+    }
+
+    fn draft_cost(&self) -> DraftCost {
+        let r = if self.draft_cost_weight > 0.0 { self.draft_cost_sum / self.draft_cost_weight } else { 0.0 };
+        DraftCost { shape: self.draft_shape, r }
+    }
+}
+
+/// The adaptive policy's running estimates: per drafter what depends on the drafter
+/// (acceptance, drafting time, probing), shared what depends on the target (its step time,
+/// how dear verifying is in this decode).
+#[derive(Debug, Clone)]
+pub struct AdaptiveState {
+    max: usize,
+    cost: Arc<StepCost>,
+    sources: Vec<SourceState>,
+    /// The drafter the last [`Self::choose_for`] was about: the steps observed next are its.
+    current: usize,
+    /// Counters at the previous call, to recover the last step from cumulative metrics.
+    last: Snapshot,
     /// Decayed time of one target decode step, in seconds: from this request's plain steps once
     /// it has had one, from drafting steps' verify times and the curve before.
     step_secs: f64,
@@ -193,11 +247,6 @@ pub struct AdaptiveState {
     /// curve says.
     excess_sum: f64,
     excess_weight: f64,
-    /// Steps since the last draft.
-    idle_steps: u32,
-    /// No draft until the next scheduled probe (a request told not to start with one, or a
-    /// probe that was not affordable).
-    hold: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -227,46 +276,53 @@ impl AdaptiveState {
     /// `probe_first`: start with a short draft (nothing is known about this drafter on this
     /// text yet), or idle until the first scheduled probe.
     pub fn new(max: usize, cost: Arc<StepCost>, draft_shape: DraftCostShape, probe_first: bool) -> Self {
+        Self::with_sources(max, cost, &[draft_shape], probe_first)
+    }
+
+    /// A policy for a proposer that chooses between drafters, one cost shape each (at least
+    /// one; none is taken as one per-token drafter).
+    pub fn with_sources(max: usize, cost: Arc<StepCost>, shapes: &[DraftCostShape], probe_first: bool) -> Self {
+        let mut sources: Vec<SourceState> = shapes.iter().map(|&s| SourceState::new(s, probe_first)).collect();
+        if sources.is_empty() {
+            sources.push(SourceState::new(DraftCostShape::PerToken, probe_first));
+        }
         Self {
             max,
             cost,
-            accepted: 0.0,
-            trials: 0.0,
-            draft_shape,
-            draft_cost_sum: 0.0,
-            draft_cost_weight: 0.0,
+            sources,
+            current: 0,
             last: Snapshot::default(),
-            zero_streak: 0,
-            on_streak: 0,
-            probe_after: tuning::PROBE_AFTER,
-            probing: probe_first,
-            stale: false,
-            drafter_warm: false,
             step_secs: 0.0,
             plain_seen: false,
             solo_plain_secs: 0.0,
             excess_sum: 0.0,
             excess_weight: 0.0,
-            idle_steps: 0,
-            hold: !probe_first,
         }
     }
 
-    /// Estimated acceptance α of one draft position given the earlier ones were accepted.
+    fn src(&self) -> &SourceState {
+        &self.sources[self.current]
+    }
+
+    fn src_mut(&mut self) -> &mut SourceState {
+        &mut self.sources[self.current]
+    }
+
+    /// Estimated acceptance α of one draft position given the earlier ones were accepted
+    /// (of the drafter last chosen for).
     pub fn alpha(&self) -> f64 {
-        alpha_estimate(self.accepted, self.trials, tuning::PRIOR_ALPHA, tuning::PRIOR_TRIALS)
+        self.src().alpha()
     }
 
     /// The decayed (accepted, tried) draft-position counts behind [`Self::alpha`], for callers
     /// that bring their own prior (the server: the acceptance of its other requests).
     pub fn acceptance_counts(&self) -> (f64, f64) {
-        (self.accepted, self.trials)
+        (self.src().accepted, self.src().trials)
     }
 
     /// Estimated drafting time relative to one target decode step.
     pub fn draft_cost(&self) -> DraftCost {
-        let r = if self.draft_cost_weight > 0.0 { self.draft_cost_sum / self.draft_cost_weight } else { 0.0 };
-        DraftCost { shape: self.draft_shape, r }
+        self.src().draft_cost()
     }
 
     /// How much dearer a verify block is in this decode than the curve says (1: as the curve).
@@ -300,7 +356,7 @@ impl AdaptiveState {
     /// α one standard error above the estimate (its weight: the decayed tried positions).
     fn optimistic_alpha(&self) -> f64 {
         let a = self.alpha();
-        (a + (a * (1.0 - a) / (self.trials + tuning::PRIOR_TRIALS)).sqrt()).min(1.0)
+        (a + (a * (1.0 - a) / (self.src().trials + tuning::PRIOR_TRIALS)).sqrt()).min(1.0)
     }
 
     /// Whether catching up after an idle stretch costs more per missed token than the probe
@@ -310,7 +366,8 @@ impl AdaptiveState {
             && catch_up_secs_per_token(m).is_some_and(|secs| secs > tuning::PROBE_BUDGET * self.step_secs)
     }
 
-    /// Folds in the step(s) since the last call.
+    /// Folds in the step(s) since the last call: the drafter they drafted with (if any) is
+    /// the one the last call chose for.
     fn observe(&mut self, m: &SpecMetrics) {
         let now = Snapshot::of(m);
         let prev = std::mem::replace(&mut self.last, now);
@@ -341,22 +398,31 @@ impl AdaptiveState {
             self.excess_weight = self.excess_weight * tuning::DECAY + 1.0;
         }
         let one_step = self.step_secs;
-        self.idle_steps = if drafted > 0.0 { 0 } else { self.idle_steps.saturating_add(steps as u32) };
-        let warm = std::mem::replace(&mut self.drafter_warm, drafted > 0.0 && steps == 1);
+        let current = self.current;
+        let mut warm = false;
+        for (i, s) in self.sources.iter_mut().enumerate() {
+            let drafted_here = i == current && drafted > 0.0;
+            s.idle_steps = if drafted_here { 0 } else { s.idle_steps.saturating_add(steps as u32) };
+            let was_warm = std::mem::replace(&mut s.drafter_warm, drafted_here && steps == 1);
+            if i == current {
+                warm = was_warm;
+            }
+        }
         if drafted == 0.0 {
             return; // a plain step says nothing about the drafter
         }
-        self.hold = false;
+        let s = self.src_mut();
+        s.hold = false;
         // Positions tried: the accepted ones plus the first rejected one (if any draft
         // position was left). Exact for a single step; an approximation over several.
         let tried = (accepted + steps as f64).min(drafted);
         let decay = tuning::DECAY.powi(steps as i32);
-        if std::mem::take(&mut self.stale) {
-            self.accepted = 0.0;
-            self.trials = 0.0;
+        if std::mem::take(&mut s.stale) {
+            s.accepted = 0.0;
+            s.trials = 0.0;
         }
-        self.accepted = self.accepted * decay + accepted;
-        self.trials = self.trials * decay + tried;
+        s.accepted = s.accepted * decay + accepted;
+        s.trials = s.trials * decay + tried;
 
         // Draft time per token relative to one decode step: the verify time of this step
         // divided by the curve's cost of its block gives the time of one decode step. Only
@@ -366,17 +432,17 @@ impl AdaptiveState {
         let draft_secs = now.draft_secs - prev.draft_secs;
         if warm && one_step > 0.0 && draft_secs >= 0.0 {
             // A warm stretch is one step, so one draft.
-            let units = DraftCost::units(self.draft_shape, drafted, 1.0);
-            self.draft_cost_sum = self.draft_cost_sum * decay + draft_secs / one_step;
-            self.draft_cost_weight = self.draft_cost_weight * decay + units;
+            let units = DraftCost::units(s.draft_shape, drafted, 1.0);
+            s.draft_cost_sum = s.draft_cost_sum * decay + draft_secs / one_step;
+            s.draft_cost_weight = s.draft_cost_weight * decay + units;
         }
-        self.probing = false;
+        s.probing = false;
     }
 
     /// Whether the draft length [`Self::choose`] returned last is a probe (short, made to
     /// re-measure acceptance rather than because drafting is expected to pay).
     pub fn is_probing(&self) -> bool {
-        self.probing
+        self.src().probing
     }
 
     /// Seconds of one target decode step, as measured so far (0 before any step).
@@ -390,45 +456,56 @@ impl AdaptiveState {
             // Nothing to catch up on, or its price is not known yet.
             _ if pending == 0 || self.step_secs <= 0.0 => true,
             None => true,
-            Some(secs) => secs * pending as f64 <= tuning::PROBE_BUDGET * self.idle_steps as f64 * self.step_secs,
+            Some(secs) => secs * pending as f64 <= tuning::PROBE_BUDGET * self.src().idle_steps as f64 * self.step_secs,
         }
     }
 
-    /// The draft length for the next step, given the metrics so far and the tokens the
-    /// drafter would have to catch up on before drafting.
+    /// The draft length for the next step of a single-drafter proposer.
     pub fn choose(&mut self, m: &SpecMetrics, pending_catch_up: usize) -> usize {
+        self.choose_for(0, m, pending_catch_up)
+    }
+
+    /// The draft length for the next step, drafted by drafter `source` (out of range: the
+    /// last), given the metrics so far and the tokens it would have to catch up on first.
+    pub fn choose_for(&mut self, source: usize, m: &SpecMetrics, pending_catch_up: usize) -> usize {
         self.observe(m);
+        self.current = source.min(self.sources.len() - 1);
         if self.max == 0 {
             return 0;
         }
-        if self.probing {
+        if self.src().probing {
             if self.probe_affordable(m, pending_catch_up) {
                 return tuning::PROBE_LEN.min(self.max);
             }
-            self.probing = false;
-            self.hold = true;
+            let s = self.src_mut();
+            s.probing = false;
+            s.hold = true;
         }
-        let mut k = if self.hold { 0 } else { self.best_len() };
-        if k == 0 && !self.hold && self.drafter_warm && self.resuming_is_dear(m) {
+        let hold = self.src().hold;
+        let mut k = if hold { 0 } else { self.best_len() };
+        if k == 0 && !hold && self.src().drafter_warm && self.resuming_is_dear(m) {
             // Stopping a drafter that cannot afford to resume is for good: it takes more than
             // a few unlucky steps.
             k = self.best_len_at(self.optimistic_alpha());
         }
         if k > 0 {
-            self.zero_streak = 0;
-            self.on_streak += 1;
-            if self.on_streak >= tuning::PROBE_AFTER {
-                self.probe_after = tuning::PROBE_AFTER;
+            let s = self.src_mut();
+            s.zero_streak = 0;
+            s.on_streak += 1;
+            if s.on_streak >= tuning::PROBE_AFTER {
+                s.probe_after = tuning::PROBE_AFTER;
             }
             return k;
         }
-        self.on_streak = 0;
-        self.zero_streak += 1;
-        if self.zero_streak >= self.probe_after && self.probe_affordable(m, pending_catch_up) {
-            self.zero_streak = 0;
-            self.probe_after = (self.probe_after * 2).min(tuning::PROBE_AFTER_MAX);
-            self.probing = true;
-            self.stale = true;
+        let affordable = self.probe_affordable(m, pending_catch_up);
+        let s = self.src_mut();
+        s.on_streak = 0;
+        s.zero_streak += 1;
+        if s.zero_streak >= s.probe_after && affordable {
+            s.zero_streak = 0;
+            s.probe_after = (s.probe_after * 2).min(tuning::PROBE_AFTER_MAX);
+            s.probing = true;
+            s.stale = true;
             return tuning::PROBE_LEN.min(self.max);
         }
         0
@@ -515,12 +592,13 @@ mod tests {
         // inside what estimates from a few steps miss by; drafting like that ran at 0.97×.
         let curve = Arc::new(StepCost::from_points(smollm2_points()));
         let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerDraft, false);
-        state.hold = false;
-        state.draft_cost_sum = 0.29;
-        state.draft_cost_weight = 1.0;
+        state.sources[0].hold = false;
+        state.sources[0].draft_cost_sum = 0.29;
+        state.sources[0].draft_cost_weight = 1.0;
         let mut with_alpha = |alpha: f64| {
-            state.trials = 1000.0;
-            state.accepted = alpha * (state.trials + tuning::PRIOR_TRIALS) - tuning::PRIOR_ALPHA * tuning::PRIOR_TRIALS;
+            state.sources[0].trials = 1000.0;
+            state.sources[0].accepted =
+                alpha * (state.sources[0].trials + tuning::PRIOR_TRIALS) - tuning::PRIOR_ALPHA * tuning::PRIOR_TRIALS;
             assert!((state.alpha() - alpha).abs() < 1e-9);
             let (k, s) = best_len(&curve, 15, alpha, state.draft_cost(), 1.0);
             (state.best_len(), k, s)
@@ -636,12 +714,12 @@ mod tests {
         let mut free = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, true);
         let mut dear = AdaptiveState::new(15, curve, DraftCostShape::PerToken, true);
         for s in [&mut free, &mut dear] {
-            s.accepted = 80.0;
-            s.trials = 100.0;
-            s.probing = false;
+            s.sources[0].accepted = 80.0;
+            s.sources[0].trials = 100.0;
+            s.sources[0].probing = false;
         }
-        dear.draft_cost_sum = 0.5;
-        dear.draft_cost_weight = 1.0;
+        dear.sources[0].draft_cost_sum = 0.5;
+        dear.sources[0].draft_cost_weight = 1.0;
         assert!(free.best_len() > dear.best_len(), "{} vs {}", free.best_len(), dear.best_len());
         // With α = 0.8 and drafting at half a decode step per token, 1 token still pays:
         // E[1]/cost = 1.8 / (1.05 + 0.5) > 1.
@@ -782,8 +860,8 @@ mod tests {
         let curve = Arc::new(StepCost::from_points(vec![(1, 1.0), (2, 1.22), (3, 1.5), (4, 1.77)]));
         let steps = |dear: bool| {
             let mut state = AdaptiveState::new(3, curve.clone(), DraftCostShape::PerToken, true);
-            state.draft_cost_sum = 0.4;
-            state.draft_cost_weight = 1.0;
+            state.sources[0].draft_cost_sum = 0.4;
+            state.sources[0].draft_cost_weight = 1.0;
             let mut m = SpecMetrics::default();
             if dear {
                 m.catch_up_tokens = 100;
@@ -820,6 +898,49 @@ mod tests {
         );
         let drafting = chosen.iter().filter(|&&k| k > 0).count();
         assert!(drafting <= 8, "drafted on {drafting} steps: {chosen:?}");
+    }
+
+    #[test]
+    fn each_drafter_of_a_combined_proposer_is_priced_on_its_own() {
+        // ngram+DFlash on SmolLM2 as measured: lookup finds a match on about a third of the
+        // steps, is free and right 70% of the time; DFlash drafts the rest, one pass costing
+        // 0.3 decode steps, right 30% of the time. Lookup's steps should draft as long as lookup
+        // alone would (k = 3 at α = 0.7), and DFlash's stay off.
+        let points = smollm2_points();
+        let curve = Arc::new(StepCost::from_points(points.clone()));
+        let simulate = |state: &mut AdaptiveState, separate: bool| {
+            let mut m = SpecMetrics::default();
+            let mut rng = crate::sample::SamplerRng::from_seed(5);
+            let mut by_source = [Vec::new(), Vec::new()];
+            for _ in 0..3000 {
+                let source = usize::from(rng.next_f64() >= 0.35);
+                let k = if separate { state.choose_for(source, &m, 0) } else { state.choose(&m, 0) };
+                by_source[source].push(k);
+                let alpha = [0.7, 0.3][source];
+                let accepted = (0..k).take_while(|_| rng.next_f64() < alpha).count();
+                m.record(k, accepted, accepted + 1);
+                if k > 0 {
+                    m.draft_secs += [0.0, 0.003][source];
+                }
+                m.verify_secs += 0.01 * points[k].1;
+            }
+            let mean = |c: &[usize]| c[500..].iter().sum::<usize>() as f64 / (c.len() - 500) as f64;
+            (mean(&by_source[0]), mean(&by_source[1]), m.verify_secs + m.draft_secs, m.committed)
+        };
+        let shapes = [DraftCostShape::PerToken, DraftCostShape::PerDraft];
+        let mut separate = AdaptiveState::with_sources(15, curve.clone(), &shapes, true);
+        let (lookup_k, dflash_k, secs, generated) = simulate(&mut separate, true);
+        assert!(lookup_k > 2.5 && lookup_k < 4.0, "lookup drafts {lookup_k} per step");
+        assert!(dflash_k < 0.3, "DFlash drafts {dflash_k} per step");
+        // One estimate over both: lookup's drafts get shorter, and the decode slower.
+        let mut shared = AdaptiveState::new(15, curve, DraftCostShape::PerDraft, true);
+        let (shared_lookup_k, _, shared_secs, shared_generated) = simulate(&mut shared, false);
+        assert!(shared_lookup_k < lookup_k - 0.5, "shared: lookup drafts {shared_lookup_k} per step");
+        let (speed, shared_speed) = (generated as f64 / secs, shared_generated as f64 / shared_secs);
+        eprintln!(
+            "lookup k {lookup_k} (shared {shared_lookup_k}), DFlash k {dflash_k}, {speed} vs {shared_speed} tokens/s"
+        );
+        assert!(speed > shared_speed * 1.05, "{speed} tokens/s apart, {shared_speed} shared");
     }
 
     #[test]

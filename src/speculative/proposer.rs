@@ -33,6 +33,29 @@ pub trait Proposer: Send {
         DraftCostShape::PerToken
     }
 
+    /// How many drafters this proposer chooses between step by step (two for `A+B`). The
+    /// adaptive draft-length policy keeps acceptance and cost estimates for each.
+    fn sources(&self) -> usize {
+        1
+    }
+
+    /// How drafting time grows with the draft length for drafter `source`.
+    fn source_cost_shape(&self, _source: usize) -> DraftCostShape {
+        self.draft_cost_shape()
+    }
+
+    /// Which of [`Self::sources`] drafts the next `propose` after `tokens`, asked before its
+    /// length is chosen.
+    fn next_source(&mut self, _tokens: &[u32]) -> usize {
+        0
+    }
+
+    /// Whether `propose` after `tokens` would return a draft, where that is known without
+    /// drafting (prompt lookup: whether the context has a match); None where it is not.
+    fn has_draft(&mut self, _tokens: &[u32]) -> Option<bool> {
+        None
+    }
+
     /// Starts a new sequence with its prompt.
     fn begin(&mut self, prompt: &[u32]) -> Result<()>;
 
@@ -87,6 +110,18 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn draft_cost_shape(&self) -> DraftCostShape {
         (**self).draft_cost_shape()
+    }
+    fn sources(&self) -> usize {
+        (**self).sources()
+    }
+    fn source_cost_shape(&self, source: usize) -> DraftCostShape {
+        (**self).source_cost_shape(source)
+    }
+    fn next_source(&mut self, tokens: &[u32]) -> usize {
+        (**self).next_source(tokens)
+    }
+    fn has_draft(&mut self, tokens: &[u32]) -> Option<bool> {
+        (**self).has_draft(tokens)
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {

@@ -53,8 +53,10 @@ pub struct GenerateArgs {
     /// Speculative decoding drafter: `ngram[:N]` (prompt lookup over the prompt and output,
     /// n-grams of N tokens (default 3) down to 2), `draft-model:MODEL` (a smaller model with
     /// the same tokenizer), `dflash:DIR` or `eagle3:DIR` (learned drafters that read the target's
-    /// hidden states), or two joined by `+` (`ngram+dflash:DIR`: the second drafts where the
-    /// first finds nothing). Output is what decoding without one gives; only the speed changes.
+    /// hidden states), two joined by `+` (`ngram+dflash:DIR`: the second drafts where the
+    /// first finds nothing), or `auto` (prompt lookup, with the repository's DFlash drafter for
+    /// the model behind it where there is one). Output is what decoding without one gives; only
+    /// the speed changes.
     #[arg(long)]
     drafter: Option<String>,
     /// Draft tokens per step with --drafter: a number, or `auto` (measure this model's verify
@@ -110,7 +112,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     params.validate()?;
     let pool = args.model.kv_pool(&loaded.model)?;
-    let spec = args.drafter.as_deref().map(DrafterSpec::parse).transpose().context("--drafter")?;
+    let spec = args
+        .drafter
+        .as_deref()
+        .map(|d| DrafterSpec::parse_for_model(d, &args.model.model))
+        .transpose()
+        .context("--drafter")?;
     let mut proposer: Option<Box<dyn Proposer>> = match &spec {
         Some(spec) => Some(build_proposer(spec, loaded.target())?),
         None => None,

@@ -15,7 +15,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Drafter for every request: ngram[:N], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, two of
-    /// those joined by `+` (the second drafts where the first finds nothing), or `none`. The
+    /// those joined by `+` (the second drafts where the first finds nothing), `auto` (prompt
+    /// lookup, with the repository's DFlash drafter for the model behind it where there is
+    /// one), or `none`. The
     /// draft length adapts per request and to the load (down to none when the batch is
     /// compute-bound); a request can opt out with "speculate": false.
     #[arg(long, default_value = "ngram")]
@@ -68,7 +70,7 @@ pub struct ServeArgs {
 pub fn run(args: ServeArgs) -> Result<()> {
     let drafter = match args.drafter.as_str() {
         "none" => None,
-        spec => Some(DrafterSpec::parse(spec).context("--drafter")?),
+        spec => Some(DrafterSpec::parse_for_model(spec, &args.model.model).context("--drafter")?),
     };
     let kv_dtype = crate::kv::KvDtype::parse(&args.model.kv_type).map_err(anyhow::Error::msg)?;
     let loaded = Arc::new(args.model.load()?);

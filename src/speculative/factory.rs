@@ -45,6 +45,24 @@ impl DrafterSpec {
         Self::parse_one(s)
     }
 
+    /// [`Self::parse`], plus `auto` for the target `model` (a model key or a GGUF path): prompt
+    /// lookup with the repository's DFlash drafter for that model behind it where there is one
+    /// (lookup's free drafts where the context has a match, the learned drafter's elsewhere),
+    /// prompt lookup alone otherwise.
+    pub fn parse_for_model(s: &str, model: &str) -> Result<Self> {
+        if !s.trim().eq_ignore_ascii_case("auto") {
+            return Self::parse(s);
+        }
+        let lookup = DrafterSpec::Ngram { max_ngram: 3 };
+        Ok(match shipped_dflash_drafter(model) {
+            Some(path) => DrafterSpec::Combined {
+                first: Box::new(lookup),
+                then: Box::new(DrafterSpec::Dflash { path, settings: Default::default() }),
+            },
+            None => lookup,
+        })
+    }
+
     fn parse_one(s: &str) -> Result<Self> {
         let (kind, arg) = s.split_once(':').map_or((s, None), |(k, a)| (k, Some(a)));
         Ok(match kind {
@@ -71,6 +89,7 @@ impl DrafterSpec {
                 let (path, settings) = super::eagle3::parse_drafter_arg(arg.unwrap_or(""))?;
                 DrafterSpec::Eagle3 { path, settings }
             }
+            "auto" => bail!("`auto` picks the drafter for the target model in serve and generate; name one here"),
             other => {
                 bail!(
                     "unknown drafter `{other}` (available: ngram[:N], draft-model:MODEL, dflash:PATH, eagle3:PATH, \
@@ -90,6 +109,20 @@ impl DrafterSpec {
             DrafterSpec::Combined { first, then } => format!("{}+{}", first.label(), then.label()),
         }
     }
+}
+
+/// The DFlash drafter this repository ships for the model `key` (`drafters/KEY-dflash`, beside
+/// the working directory or in the source tree the binary was built from), if any.
+pub fn shipped_dflash_drafter(key: &str) -> Option<PathBuf> {
+    // Model keys only: a path or anything odd names no shipped drafter.
+    if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')) {
+        return None;
+    }
+    let name = format!("{}-dflash", key.to_ascii_lowercase());
+    [PathBuf::from("drafters"), std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters")]
+        .into_iter()
+        .map(|dir| dir.join(&name))
+        .find(|dir| dir.join("config.json").is_file() && dir.join("model.safetensors").is_file())
 }
 
 /// The model a drafter drafts for: its weights and its vocabulary.
@@ -152,6 +185,24 @@ fn load_draft_model(path: &std::path::Path, target: &Tokenizer) -> Result<Arc<Dr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_puts_the_shipped_drafter_behind_lookup() {
+        let spec = DrafterSpec::parse_for_model("auto", "smollm2-135m").unwrap();
+        let DrafterSpec::Combined { first, then } = &spec else { panic!("{spec:?}") };
+        assert_eq!(**first, DrafterSpec::Ngram { max_ngram: 3 });
+        let DrafterSpec::Dflash { path, settings } = &**then else { panic!("{then:?}") };
+        assert!(path.ends_with("drafters/smollm2-135m-dflash"), "{}", path.display());
+        assert_eq!(*settings, Default::default());
+        // No drafter shipped for the model, or a path: lookup alone.
+        for model in ["qwen2.5-coder-1.5b", "models/smollm2-135m.gguf", "../drafters/x", ""] {
+            assert_eq!(DrafterSpec::parse_for_model("AUTO", model).unwrap(), DrafterSpec::Ngram { max_ngram: 3 });
+        }
+        assert_eq!(
+            DrafterSpec::parse_for_model("ngram:4", "smollm2-135m").unwrap(),
+            DrafterSpec::Ngram { max_ngram: 4 }
+        );
+    }
 
     #[test]
     fn two_drafters_joined_by_a_plus_combine() {

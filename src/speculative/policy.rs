@@ -38,8 +38,8 @@
 //! A proposer that chooses between drafters step by step (`A+B`: prompt lookup where it finds
 //! a match, a learned drafter elsewhere) says before each step which one will draft, and the
 //! policy keeps acceptance, drafting time and probing apart for each: one estimate over both
-//! priced lookup's free, often-right drafts like the learned drafter's and cut them short.
-//! What belongs to the target (its step time, how dear verifying is) is shared.
+//! would price lookup's free, often-right drafts like the learned drafter's and cut them
+//! short. What belongs to the target (its step time, how dear verifying is) is shared.
 
 use super::metrics::SpecMetrics;
 use super::proposer::DraftCostShape;

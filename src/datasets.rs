@@ -9,6 +9,14 @@
 //! the model a complete reference function (prompt + canonical solution) and asks for a small
 //! edit of it, so most of the answer repeats the given code. That is the workload where prompt
 //! lookup (n-gram drafting) pays most: code rewriting and editing.
+//!
+//! `codeio-completion` is derived from CodeI/O: raw Python for the model to continue, the
+//! imports and `main_solution` signature of a record's code with its task as the docstring,
+//! shaped like a HumanEval prompt (which the model also continues without a chat template).
+//!
+//! `reasoning-gym-math` is not fetched: no maths training set ships in a package, so its
+//! questions were generated once from fixed seeds (`tools/prompt_sets/`) and live in the
+//! repository (`data/prompts/`), built into the binary.
 
 use std::path::Path;
 
@@ -45,7 +53,7 @@ pub const EVALUATION_SETS: &[&str] =
     &["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "humaneval-rust", "mt-bench", "math500"];
 
 /// Sets that may feed training (drafter heads and the like); prompts only.
-pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy", "codeio"];
+pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy", "codeio", "codeio-completion", "reasoning-gym-math"];
 
 /// Sets [`load`] turns into prompts.
 pub const PROMPT_SETS: &[&str] = &[
@@ -57,8 +65,14 @@ pub const PROMPT_SETS: &[&str] = &[
     "sharegpt",
     "fastchat-dummy",
     "codeio",
+    "codeio-completion",
     "humaneval-rust",
+    "reasoning-gym-math",
 ];
+
+/// Sets whose file is in the repository rather than fetched.
+const REPOSITORY_SETS: &[(&str, &[u8])] =
+    &[("reasoning-gym-math", include_bytes!("../data/prompts/reasoning-gym-math.jsonl"))];
 
 /// CodeI/O records (1-based) left out because they ask for what an evaluation prompt asks for.
 /// Every record's task was compared with every evaluation prompt by shared runs of 8 words; of
@@ -78,6 +92,7 @@ const CODE_EDITS: &[&str] = &[
 fn source_file_key(key: &str) -> &str {
     match key {
         "humaneval-edit" => "humaneval",
+        "codeio-completion" => "codeio",
         other => other,
     }
 }
@@ -93,6 +108,9 @@ pub fn is_training_set(key: &str) -> bool {
 /// Loads up to `limit` prompts of a set, fetching it first when it is not cached yet.
 pub fn load(key: &str, limit: Option<usize>) -> Result<Vec<Prompt>> {
     check_prompt_set(key)?;
+    if let Some((_, bytes)) = REPOSITORY_SETS.iter().find(|(k, _)| *k == key) {
+        return parse(key, bytes, limit.unwrap_or(usize::MAX));
+    }
     let path = fetch::fetch(source_file_key(key), true)?;
     load_from_path(key, &path, limit)
 }
@@ -235,9 +253,80 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                 prompts.len() < limit
             })?;
         }
+        "codeio-completion" => {
+            #[derive(Deserialize)]
+            struct Row {
+                task_description: String,
+                #[serde(default)]
+                code_sample: Option<String>,
+            }
+            let mut line = 0usize;
+            for_each_json_line(bytes, usize::MAX, |row: Row| {
+                line += 1;
+                if CODEIO_NEAR_EVALUATION.contains(&line) {
+                    return true;
+                }
+                if let Some((text, body)) =
+                    row.code_sample.as_deref().and_then(|c| completion_prompt(&row.task_description, c))
+                {
+                    prompts.push(Prompt {
+                        id: format!("codeio-completion/{line}"),
+                        text,
+                        kind: PromptKind::Completion,
+                        reference: None,
+                        response: Some(body),
+                    });
+                }
+                prompts.len() < limit
+            })?;
+        }
+        "reasoning-gym-math" => {
+            #[derive(Deserialize)]
+            struct Row {
+                id: String,
+                question: String,
+                answer: String,
+            }
+            for_each_json_line(bytes, limit, |row: Row| {
+                prompts.push(chat(format!("reasoning-gym-math/{}", row.id), row.question, Some(row.answer)));
+                true
+            })?;
+        }
         _ => bail!("unknown prompt set `{key}`"),
     }
     Ok(prompts)
+}
+
+/// A HumanEval-shaped prompt from a CodeI/O record: its imports, the `main_solution` signature
+/// and the task as a docstring; and the record's own body after it. None without a
+/// one-line `main_solution` signature.
+fn completion_prompt(task: &str, code: &str) -> Option<(String, String)> {
+    let lines: Vec<&str> = code.lines().collect();
+    let def = lines.iter().position(|l| l.starts_with("def main_solution(") && l.trim_end().ends_with(':'))?;
+    let imports: Vec<&str> =
+        lines.iter().copied().filter(|l| l.starts_with("import ") || l.starts_with("from ")).collect();
+    let mut text = String::new();
+    if !imports.is_empty() {
+        text.push_str(&imports.join("\n"));
+        text.push_str("\n\n\n");
+    }
+    text.push_str(lines[def].trim_end());
+    text.push_str("\n    \"\"\"");
+    let mut width = 7;
+    for (i, word) in task.split_whitespace().enumerate() {
+        if i > 0 && width + 1 + word.len() > 88 {
+            text.push_str("\n    ");
+            width = 4;
+        } else if i > 0 {
+            text.push(' ');
+            width += 1;
+        }
+        text.push_str(word);
+        width += word.len();
+    }
+    text.push_str("\n    \"\"\"\n");
+    let body = lines[def + 1..].join("\n");
+    (!body.trim().is_empty() && !task.trim().is_empty()).then(|| (text, body.trim_end().to_string() + "\n"))
 }
 
 fn chat(id: String, text: String, reference: Option<String>) -> Prompt {
@@ -427,6 +516,26 @@ mod tests {
     }
 
     #[test]
+    fn codeio_completion_prompts_are_shaped_like_humaneval() {
+        let code = "# import necessary packages\nimport math\nfrom os import path\n\ndef helper(x):\n    return x\n\n# main function\ndef main_solution(d):\n    # d (int): a number.\n    return {\"r\": math.sqrt(d)}\n";
+        let rows = [
+            serde_json::json!({"task_description": "Find the square root of a number, returned in a dictionary under the key r, for every non-negative integer input it is given.", "code_sample": code}),
+            serde_json::json!({"task_description": "No main function.", "code_sample": "def f(x):\n    return x\n"}),
+        ];
+        let text: String = rows.iter().map(|r| r.to_string() + "\n").collect();
+        let prompts = parse("codeio-completion", text.as_bytes(), usize::MAX).unwrap();
+        assert_eq!(prompts.len(), 1, "a record without main_solution is skipped");
+        let p = &prompts[0];
+        assert_eq!((p.id.as_str(), p.kind), ("codeio-completion/1", PromptKind::Completion));
+        assert_eq!(
+            p.text,
+            "import math\nfrom os import path\n\n\ndef main_solution(d):\n    \"\"\"Find the square root of a number, returned in a dictionary under the key r, for\n    every non-negative integer input it is given.\n    \"\"\"\n"
+        );
+        assert_eq!(p.response.as_deref(), Some("    # d (int): a number.\n    return {\"r\": math.sqrt(d)}\n"));
+        assert!(p.text.lines().all(|l| l.len() <= 88), "{}", p.text);
+    }
+
+    #[test]
     fn jsonl_sets_read_their_fields() {
         let gsm = "{\"id\": \"0000\", \"id_orig\": 473, \"question\": \"Q?\", \"answer\": \"x\\n#### 10\", \"final_answer\": \"10\"}\n\n";
         let p = parse("gsm8k-100", gsm.as_bytes(), usize::MAX).unwrap();
@@ -476,8 +585,27 @@ mod tests {
             assert!(!is_evaluation_set(key), "{key}");
         }
         for key in EVALUATION_SETS.iter().chain(TRAINING_SETS) {
-            assert!(fetch::find_asset(source_file_key(key)).is_some(), "{key} has no fetchable asset");
+            let in_repository = REPOSITORY_SETS.iter().any(|(k, _)| k == key);
+            assert!(in_repository || fetch::find_asset(source_file_key(key)).is_some(), "{key} has no file");
         }
+    }
+
+    #[test]
+    fn the_maths_set_is_in_the_repository_and_holds_no_gsm8k_templates() {
+        let prompts = load("reasoning-gym-math", None).unwrap();
+        assert_eq!(prompts.len(), 1_820);
+        let mut ids: Vec<_> = prompts.iter().map(|p| &p.id).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), prompts.len(), "ids are unique");
+        let tasks: std::collections::BTreeSet<_> =
+            prompts.iter().map(|p| p.id.split('/').nth(1).unwrap().to_string()).collect();
+        assert_eq!(tasks.len(), 26, "{tasks:?}");
+        // GSM-Symbolic's generators are GSM8K's test problems with new numbers.
+        assert!(!tasks.iter().any(|t| t.contains("gsm")), "{tasks:?}");
+        assert_eq!(prompts[0].id, "reasoning-gym-math/aiw/0");
+        assert!(prompts.iter().all(|p| p.kind == PromptKind::Chat && !p.text.is_empty() && p.reference.is_some()));
+        assert_eq!(load("reasoning-gym-math", Some(3)).unwrap(), prompts[..3].to_vec());
     }
 
     #[test]
@@ -501,6 +629,8 @@ mod tests {
             ("math500", 311),
             ("fastchat-dummy", 500),
             ("codeio", 3_001),
+            ("codeio-completion", 2_999),
+            ("reasoning-gym-math", 1_820),
         ];
         for (key, n) in expected {
             let prompts = load(key, None).unwrap();

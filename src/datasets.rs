@@ -235,12 +235,7 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                 #[serde(default)]
                 code_sample: Option<String>,
             }
-            let mut line = 0usize;
-            for_each_json_line(bytes, usize::MAX, |row: Row| {
-                line += 1;
-                if CODEIO_NEAR_EVALUATION.contains(&line) {
-                    return true;
-                }
+            for_each_codeio_record(bytes, |line, row: Row| {
                 let text = format!(
                     "{}\n\n{}\n\nWrite a Python function `main_solution` with these inputs that returns this output.",
                     row.task_description.trim(),
@@ -260,12 +255,7 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
                 #[serde(default)]
                 code_sample: Option<String>,
             }
-            let mut line = 0usize;
-            for_each_json_line(bytes, usize::MAX, |row: Row| {
-                line += 1;
-                if CODEIO_NEAR_EVALUATION.contains(&line) {
-                    return true;
-                }
+            for_each_codeio_record(bytes, |line, row: Row| {
                 if let Some((text, body)) =
                     row.code_sample.as_deref().and_then(|c| completion_prompt(&row.task_description, c))
                 {
@@ -295,6 +285,16 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
         _ => bail!("unknown prompt set `{key}`"),
     }
     Ok(prompts)
+}
+
+/// Visits CodeI/O's records with their 1-based line number, leaving out those near an
+/// evaluation prompt ([`CODEIO_NEAR_EVALUATION`]), until `visit` returns false.
+fn for_each_codeio_record<T: DeserializeOwned>(bytes: &[u8], mut visit: impl FnMut(usize, T) -> bool) -> Result<()> {
+    let mut line = 0usize;
+    for_each_json_line(bytes, usize::MAX, |row: T| {
+        line += 1;
+        CODEIO_NEAR_EVALUATION.contains(&line) || visit(line, row)
+    })
 }
 
 /// A HumanEval-shaped prompt from a CodeI/O record: its imports, the `main_solution` signature

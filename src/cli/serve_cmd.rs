@@ -17,9 +17,8 @@ pub struct ServeArgs {
     /// Drafter for every request: ngram[:N], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, two of
     /// those joined by `+` (the second drafts where the first finds nothing), `auto` (prompt
     /// lookup, with the repository's DFlash drafter for the model behind it where there is
-    /// one), or `none`. The
-    /// draft length adapts per request and to the load (down to none when the batch is
-    /// compute-bound); a request can opt out with "speculate": false.
+    /// one), or `none`. The draft length adapts per request and to the load (down to none when
+    /// the batch is compute-bound); a request can opt out with "speculate": false.
     #[arg(long, default_value = "ngram")]
     drafter: String,
     /// Address to listen on (loopback by default; anything else exposes the server).

@@ -32,6 +32,9 @@ pub enum DrafterSpec {
     Combined { first: Box<DrafterSpec>, then: Box<DrafterSpec> },
 }
 
+/// Prompt lookup's longest n-gram when `ngram` names none (and what `auto` uses).
+const DEFAULT_MAX_NGRAM: usize = 3;
+
 impl DrafterSpec {
     pub fn parse(s: &str) -> Result<Self> {
         // `A+B`, split at the first `+` where both sides are drafters (a path may hold a `+`).
@@ -53,7 +56,7 @@ impl DrafterSpec {
         if !s.trim().eq_ignore_ascii_case("auto") {
             return Self::parse(s);
         }
-        let lookup = DrafterSpec::Ngram { max_ngram: 3 };
+        let lookup = DrafterSpec::Ngram { max_ngram: DEFAULT_MAX_NGRAM };
         Ok(match shipped_dflash_drafter(model) {
             Some(path) => DrafterSpec::Combined {
                 first: Box::new(lookup),
@@ -68,7 +71,7 @@ impl DrafterSpec {
         Ok(match kind {
             "ngram" => {
                 let max_ngram = match arg {
-                    None => 3,
+                    None => DEFAULT_MAX_NGRAM,
                     Some(a) => a
                         .parse::<usize>()
                         .ok()

@@ -726,18 +726,32 @@ fn quantize_range_portable(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [
 }
 
 /// One level of one block of 32 values: `q = round(x / d)` (ties to even), `d = max|x| / 127`;
-/// returns `d` and Σq.
+/// returns `d` and Σq. `q` stays within ±127 (the AVX2 kernels rely on it; only non-finite
+/// input could reach −128), and a block of values so small that `1/d` overflows is zeros.
 #[inline(always)]
 fn quantize_block_portable(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
     let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let (d, id) = block_scale(amax);
     let mut sum = 0;
     for (q, x) in qs.iter_mut().zip(xs) {
-        *q = (x * id).round_ties_even() as i8;
+        *q = (x * id).round_ties_even().max(-127.0) as i8;
         sum += *q as i32;
     }
     (d, sum)
+}
+
+/// `d = max|x| / 127` and `1/d` for a block whose largest magnitude is `amax`; both 0 when
+/// `amax` is 0 or so small (subnormal) that `1/d` would overflow, so every code path
+/// quantises such a block to zeros.
+#[inline(always)]
+fn block_scale(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    if id.is_finite() {
+        (d, id)
+    } else {
+        (0.0, 0.0)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1258,12 +1272,13 @@ mod avx512 {
     unsafe fn quantize_level(lo: __m512, hi: __m512, out: *mut i8) -> (f32, i32, i32, __m512, __m512) {
         unsafe {
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let (d, id) = super::block_scale(amax);
             let vid = _mm512_set1_ps(id);
-            // Round to nearest even, as `round_ties_even` in the portable version.
-            let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid));
-            let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
+            // Round to nearest even, as `round_ties_even` in the portable version, and no
+            // lower than −127, as its `max(−127)`.
+            let floor = _mm512_set1_epi32(-127);
+            let qlo = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, vid)), floor);
+            let qhi = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, vid)), floor);
             _mm_storeu_si128(out as *mut __m128i, _mm512_cvtsepi32_epi8(qlo));
             _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
             let total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
@@ -1333,9 +1348,12 @@ mod avx512 {
 /// then `vpmaddwd` by ones (pairs into i32). The i16 pair sums are exact while a weight byte
 /// stays below 128: the 4- to 6-bit types do (at most 2·63·127), but Q8_0's bytes carry +128,
 /// so its weights go signed, as their absolute value times the activation with the weight's
-/// sign (llama.cpp's trick), at most 2·128·127. Integer sums are exact either way, and the
-/// float operations are the AVX-512 kernels' in the same order, so both give the portable
-/// loops' results bit for bit. Activations are quantised by the portable code.
+/// sign (llama.cpp's trick), at most 2·128·127. The small types' i16 sums of several groups
+/// of 4 inputs are added before one `vpmaddwd` widens them (`avx2::dot_groups`), which
+/// halves the multiply instructions for 4-bit weights: on AVX2 those multiplies are what a
+/// batch of rows waits for. Integer sums are exact either way, and the float operations are the
+/// AVX-512 kernels' in the same order, so both give the portable loops' results bit for bit.
+/// Activations are quantised by the portable code.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{
@@ -1442,56 +1460,64 @@ mod avx2 {
         }
     }
 
-    /// `acc + Σ_{4 bytes} w·a` per 32-bit lane (`vpdpbusd`), exact while no i16 pair sum
-    /// overflows; with `sign`, the weights are `|w|` and each activation byte takes `sign`'s.
+    /// `init + Σ_{groups from..to} Σ_{4 bytes} w·a` per 32-bit lane: `vpdpbusd` as
+    /// `vpmaddubsw` (pairs of products, in i16) and `vpmaddwd` (pairs of those, in i32). The i16
+    /// sums of `PER` groups are added before one `vpmaddwd` widens them, which halves the
+    /// multiply instructions for 4-bit weights: a lane of one group holds two products of at
+    /// most `w_max·127` (activations stay within ±127), so `PER` groups fit while
+    /// `2·PER·w_max·127 ≤ 32767`: 8 for 4-bit weights, 4 for 5-bit, 2 for 6-bit, 1 for Q8_0.
+    /// The sums are exact either way, so the result is too. With `signs` (Q8_0), the weights
+    /// are `|w|` and each activation byte takes `w`'s sign.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dpbusd(acc: TileI32, w: TileI32, a: i32, sign: Option<TileI32>) -> TileI32 {
-        let ones = _mm256_set1_epi16(1);
-        let a = _mm256_set1_epi32(a);
-        let half = |h: usize| {
-            let a = match sign {
-                Some(s) => _mm256_sign_epi8(a, s.0[h]),
-                None => a,
-            };
-            _mm256_add_epi32(acc.0[h], _mm256_madd_epi16(_mm256_maddubs_epi16(w.0[h], a), ones))
-        };
-        TileI32([half(0), half(1)])
+    unsafe fn dot_groups<const PER: usize>(
+        init: TileI32,
+        w: &TileBlock,
+        a: *const i32,
+        from: usize,
+        to: usize,
+    ) -> TileI32 {
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = init;
+            let mut g = from;
+            while g < to {
+                let mut sums = [_mm256_setzero_si256(); 2];
+                for j in 0..PER {
+                    let av = _mm256_set1_epi32(a.add(g + j).read_unaligned());
+                    for (h, sum) in sums.iter_mut().enumerate() {
+                        let av = match &w.signs {
+                            Some(s) => _mm256_sign_epi8(av, s[g + j].0[h]),
+                            None => av,
+                        };
+                        let pairs = _mm256_maddubs_epi16(w.wv[g + j].0[h], av);
+                        *sum = if j == 0 { pairs } else { _mm256_add_epi16(*sum, pairs) };
+                    }
+                }
+                acc = add_i32(acc, TileI32(sums.map(|sum| _mm256_madd_epi16(sum, ones))));
+                g += PER;
+            }
+            acc
+        }
     }
 
-    /// Σ over 8 groups of 4 inputs, from `init`, in two chains.
+    /// Σ over the 8 groups of 4 inputs, from `init`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_block(init: TileI32, w: &TileBlock, a: *const i32) -> TileI32 {
-        unsafe {
-            let mut even = init;
-            let mut odd = set1_i32(0);
-            for g in (0..8).step_by(2) {
-                even = dpbusd(even, w.wv[g], a.add(g).read_unaligned(), w.signs.map(|s| s[g]));
-                odd = dpbusd(odd, w.wv[g + 1], a.add(g + 1).read_unaligned(), w.signs.map(|s| s[g + 1]));
-            }
-            add_i32(even, odd)
-        }
+    unsafe fn dot_block<const PER: usize>(init: TileI32, w: &TileBlock, a: *const i32) -> TileI32 {
+        unsafe { dot_groups::<PER>(init, w, a, 0, 8) }
     }
 
     /// Σ over groups 0..4 and over groups 4..8 apart, from `init_lo` and `init_hi`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_halves(init_lo: TileI32, init_hi: TileI32, w: &TileBlock, a: *const i32) -> (TileI32, TileI32) {
-        unsafe {
-            let at = |g: usize| a.add(g).read_unaligned();
-            let s = |g: usize| w.signs.map(|s| s[g]);
-            let zero = set1_i32(0);
-            let lo0 = dpbusd(init_lo, w.wv[0], at(0), s(0));
-            let lo1 = dpbusd(zero, w.wv[1], at(1), s(1));
-            let hi0 = dpbusd(init_hi, w.wv[4], at(4), s(4));
-            let hi1 = dpbusd(zero, w.wv[5], at(5), s(5));
-            let lo0 = dpbusd(lo0, w.wv[2], at(2), s(2));
-            let lo1 = dpbusd(lo1, w.wv[3], at(3), s(3));
-            let hi0 = dpbusd(hi0, w.wv[6], at(6), s(6));
-            let hi1 = dpbusd(hi1, w.wv[7], at(7), s(7));
-            (add_i32(lo0, lo1), add_i32(hi0, hi1))
-        }
+    unsafe fn dot_halves<const PER: usize>(
+        init_lo: TileI32,
+        init_hi: TileI32,
+        w: &TileBlock,
+        a: *const i32,
+    ) -> (TileI32, TileI32) {
+        unsafe { (dot_groups::<PER>(init_lo, w, a, 0, 4), dot_groups::<PER>(init_hi, w, a, 4, 8)) }
     }
 
     /// As the AVX-512 kernels' `TileBlock`, plus Q8_0's weight signs.
@@ -1506,10 +1532,10 @@ mod avx2 {
         min: Option<TileF32>,
     }
 
-    /// The AVX-512 `tile_rows` on two halves.
+    /// The AVX-512 `tile_rows` on two halves; `PER` groups share each i16 sum ([`dot_groups`]).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_rows<const ROWS: usize>(
+    unsafe fn tile_rows<const ROWS: usize, const PER: usize>(
         p: &PackedMatrix,
         nt: usize,
         acts: &QuantizedRows,
@@ -1520,10 +1546,10 @@ mod avx2 {
     ) {
         unsafe {
             let acc = match acts.levels {
-                ActivationLevels::Two => levels_loop::<ROWS, true>(p, acts, r0, &mut block),
-                ActivationLevels::One => levels_loop::<ROWS, false>(p, acts, r0, &mut block),
+                ActivationLevels::Two => levels_loop::<ROWS, PER, true>(p, acts, r0, &mut block),
+                ActivationLevels::One => levels_loop::<ROWS, PER, false>(p, acts, r0, &mut block),
                 ActivationLevels::Outliers => {
-                    let mut acc = levels_loop::<ROWS, false>(p, acts, r0, &mut block);
+                    let mut acc = levels_loop::<ROWS, PER, false>(p, acts, r0, &mut block);
                     let g = r0 / MAX_ROWS;
                     let inputs = acts.group_at[g] as usize..acts.group_at[g + 1] as usize;
                     for (&(b, i), xs) in acts.group_inputs[inputs.clone()].iter().zip(&acts.group_x[inputs]) {
@@ -1546,7 +1572,7 @@ mod avx2 {
     /// The AVX-512 `levels_loop` on two halves.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn levels_loop<const ROWS: usize, const SECOND: bool>(
+    unsafe fn levels_loop<const ROWS: usize, const PER: usize, const SECOND: bool>(
         p: &PackedMatrix,
         acts: &QuantizedRows,
         r0: usize,
@@ -1565,18 +1591,18 @@ mod avx2 {
                     let a = acts.blocks.get_unchecked(row * kb_n + b);
                     if let Some(scale_hi) = w.scale_hi {
                         let init = |sum: i32| set1_i32(-w.offset * sum);
-                        let (lo, hi) = dot_halves(init(a.sum_lo), init(a.sum - a.sum_lo), &w, q);
+                        let (lo, hi) = dot_halves::<PER>(init(a.sum_lo), init(a.sum - a.sum_lo), &w, q);
                         *acc = fmadd(cvt(lo), mul(w.scale, set1_f32(a.d)), *acc);
                         *acc = fmadd(cvt(hi), mul(scale_hi, set1_f32(a.d)), *acc);
                         if SECOND {
-                            *acc = add_remainder(*acc, &w, a, rest);
+                            *acc = add_remainder::<PER>(*acc, &w, a, rest);
                         }
                         continue;
                     }
-                    let isum = dot_block(set1_i32(-w.offset * a.sum), &w, q);
+                    let isum = dot_block::<PER>(set1_i32(-w.offset * a.sum), &w, q);
                     *acc = fmadd(cvt(isum), mul(w.scale, set1_f32(a.d)), *acc);
                     if SECOND {
-                        *acc = add_remainder(*acc, &w, a, rest);
+                        *acc = add_remainder::<PER>(*acc, &w, a, rest);
                     }
                     if let Some(min) = w.min {
                         *acc = fmadd(min, set1_f32(a.s), *acc);
@@ -1589,16 +1615,16 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn add_remainder(acc: TileF32, w: &TileBlock, a: &ActBlock, rest: *const i32) -> TileF32 {
+    unsafe fn add_remainder<const PER: usize>(acc: TileF32, w: &TileBlock, a: &ActBlock, rest: *const i32) -> TileF32 {
         unsafe {
             let init = |sum: i32| set1_i32(-w.offset * sum);
             if let Some(scale_hi) = w.scale_hi {
-                let (lo, hi) = dot_halves(init(a.sum_r_lo), init(a.sum_r - a.sum_r_lo), w, rest);
+                let (lo, hi) = dot_halves::<PER>(init(a.sum_r_lo), init(a.sum_r - a.sum_r_lo), w, rest);
                 let (dl, dh) = (mul(w.scale, set1_f32(a.d_r)), mul(scale_hi, set1_f32(a.d_r)));
                 let acc = fmadd(cvt(lo), dl, acc);
                 return fmadd(cvt(hi), dh, acc);
             }
-            let isum_r = dot_block(init(a.sum_r), w, rest);
+            let isum_r = dot_block::<PER>(init(a.sum_r), w, rest);
             fmadd(cvt(isum_r), mul(w.scale, set1_f32(a.d_r)), acc)
         }
     }
@@ -1657,7 +1683,7 @@ mod avx2 {
         let kb_n = p.k / BLOCK;
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK);
         let d = d.as_ptr().add(nt * kb_n * TILE_N);
-        tile_rows::<ROWS>(
+        tile_rows::<ROWS, 1>(
             p,
             nt,
             acts,
@@ -1697,7 +1723,7 @@ mod avx2 {
         let kb_n = p.k / BLOCK;
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
         let (d, m) = (d.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
-        tile_rows::<ROWS>(
+        tile_rows::<ROWS, 8>(
             p,
             nt,
             acts,
@@ -1760,7 +1786,7 @@ mod avx2 {
         let kb_n = p.k / BLOCK;
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
         let (qh, d) = (qh.as_ptr().add(nt * kb_n * TILE_N), d.as_ptr().add(nt * kb_n * TILE_N));
-        tile_rows::<ROWS>(
+        tile_rows::<ROWS, 4>(
             p,
             nt,
             acts,
@@ -1826,7 +1852,7 @@ mod avx2 {
         let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
         let (sc, m) = (sc.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
         let (d, dmin_neg) = (d.as_ptr().add(nt * sb_n * TILE_N), dmin_neg.as_ptr().add(nt * sb_n * TILE_N));
-        tile_rows::<ROWS>(
+        tile_rows::<ROWS, 8>(
             p,
             nt,
             acts,
@@ -1891,7 +1917,7 @@ mod avx2 {
         let qh = qh.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 4);
         let sc = sc.as_ptr().add(nt * kb_n * 2 * TILE_N);
         let d = d.as_ptr().add(nt * sb_n * TILE_N);
-        tile_rows::<ROWS>(
+        tile_rows::<ROWS, 2>(
             p,
             nt,
             acts,
@@ -2103,6 +2129,35 @@ mod tests {
                 }
                 let first = p.matmul_on(&x[..5 * k], isa).unwrap();
                 assert_eq!(&all[..5 * n], first.as_slice(), "{dtype:?} {isa:?} first 5 rows");
+            }
+        }
+    }
+
+    /// The largest integer sums the kernels can meet: every block's weights at the top of their
+    /// range (one value at the bottom sets the scale) against activations that all quantise to
+    /// +127 or −127. The AVX2 kernels add several groups' products in 16 bits before widening;
+    /// any overflow there would part them from the portable loops' 32-bit sums. Blocks of
+    /// subnormal values, whose reciprocal scale overflows (they used to quantise to −128 and
+    /// flip Q8_0's signed products on AVX2), count as zeros on every path.
+    #[test]
+    fn kernels_stay_exact_at_the_largest_integer_sums() {
+        if !available() {
+            eprintln!("skipped: no vector kernels on this CPU");
+            return;
+        }
+        for dtype in ALL_TYPES {
+            let (n, k) = (32, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 256 });
+            let w: Vec<f32> = (0..n * k).map(|i| if i % BLOCK == 0 { -1.0 } else { 0.999 }).collect();
+            let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
+            for levels in ALL_LEVELS {
+                let p = PackedMatrix::from_qtensor(&q, levels).unwrap().unwrap();
+                let x: Vec<f32> = [1.0f32, -1.0, -1e-40, 1e-40].iter().flat_map(|&v| vec![v; k]).collect();
+                let expected = matmul_portable(&p, &x);
+                assert!(expected[..2 * n].iter().all(|v| v.abs() > 100.0), "{dtype:?} {levels:?}: {expected:?}");
+                assert!(expected[2 * n..].iter().all(|&v| v == 0.0), "{dtype:?} {levels:?}: {expected:?}");
+                for isa in runnable_isas() {
+                    assert_eq!(p.matmul_on(&x, isa).unwrap(), expected, "{dtype:?} {levels:?} {isa:?}");
+                }
             }
         }
     }

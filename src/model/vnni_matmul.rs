@@ -726,8 +726,8 @@ fn quantize_range_portable(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [
 }
 
 /// One level of one block of 32 values: `q = round(x / d)` (ties to even), `d = max|x| / 127`;
-/// returns `d` and Σq. `q` stays within ±127 (the AVX2 kernels rely on it; only non-finite
-/// input could reach −128), and a block of values so small that `1/d` overflows is zeros.
+/// returns `d` and Σq. `q` stays within ±127, even for non-finite input (the AVX2 kernels'
+/// 16-bit sums rely on it), and a block of values so small that `1/d` overflows is zeros.
 #[inline(always)]
 fn quantize_block_portable(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
     let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));

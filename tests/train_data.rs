@@ -429,3 +429,25 @@ fn skip_leaves_out_the_first_prompts_of_a_set() {
     assert!(err.contains("none left after skipping 6"), "{err}");
     let _ = std::fs::remove_dir_all(&work);
 }
+
+/// The data directories kept in the repository (`data/`) hold no prompt of any evaluation set
+/// (gsm8k-100, humaneval and its edit variant, humaneval-rust, mt-bench, math500), by set, id
+/// or text.
+#[test]
+fn kept_data_directories_hold_no_evaluation_prompt() {
+    for key in ["gsm8k-100", "humaneval", "mt-bench", "math500", "humaneval-rust"] {
+        specula::fetch::fetch_once(key, false).unwrap_or_else(|e| panic!("fetching {key}: {e:#}"));
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("data");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        if !dir.join("meta.json").is_file() {
+            continue;
+        }
+        let check = check_no_eval_prompts(&dir).unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(check.examples > 0 && check.sets_unavailable.is_empty(), "{}: {check:?}", dir.display());
+        checked += 1;
+    }
+    assert!(checked >= 3, "{checked} data directories under {}", root.display());
+}

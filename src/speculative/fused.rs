@@ -8,7 +8,7 @@
 //! otherwise keep every step's graph alive).
 
 use crate::parallel::SyncPtr;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
 
 /// Elements below which a kernel runs on the calling thread: waking candle's pool costs more
 /// than a draft's few rows (a drafting step has dozens of these ops), while a training batch's
@@ -200,6 +200,52 @@ impl CustomOp1 for Softmax {
     }
 }
 
+/// `x · wᵀ` for `x` `[rows, in]` and a frozen `w` `[out, in]` (the target's LM head): the
+/// backward gives `x`'s gradient only. candle's matmul backward also forms the other operand's
+/// gradient, a product as large as the forward, which for a frozen weight is thrown away.
+struct MatmulFrozenWeight {
+    w: Tensor,
+}
+
+impl CustomOp1 for MatmulFrozenWeight {
+    fn name(&self) -> &'static str {
+        "matmul-frozen-weight"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = Tensor::from_slice(f32_slice(xs, xl, "matmul_frozen_weight")?, xl.shape(), &Device::Cpu)?;
+        let y = x.matmul(&self.w.t()?)?;
+        Ok((CpuStorage::F32(y.flatten_all()?.to_vec1()?), y.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(g.detach().matmul(&self.w)?))
+    }
+}
+
+/// `x · wᵀ` for a constant `x` `[rows, in]` (the target's features) and a trained `w`
+/// `[out, in]`, the op's argument: the backward gives `w`'s gradient only, not the unused one of
+/// `x` (for the feature fusion, a product as large as its forward).
+struct MatmulConstantInput {
+    x: Tensor,
+}
+
+impl CustomOp1 for MatmulConstantInput {
+    fn name(&self) -> &'static str {
+        "matmul-constant-input"
+    }
+
+    fn cpu_fwd(&self, ws: &CpuStorage, wl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let w = Tensor::from_slice(f32_slice(ws, wl, "matmul_constant_input")?, wl.shape(), &Device::Cpu)?;
+        let y = self.x.matmul(&w.t()?)?;
+        Ok((CpuStorage::F32(y.flatten_all()?.to_vec1()?), y.shape().clone()))
+    }
+
+    fn bwd(&self, _w: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(g.detach().t()?.matmul(&self.x)?))
+    }
+}
+
 fn fused_ok(tensors: &[&Tensor]) -> bool {
     tensors.iter().all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
 }
@@ -217,6 +263,26 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<candle_core::Resul
 /// Softmax over the last dimension; None when the input is not f32 on the CPU.
 pub fn softmax_last_dim(x: &Tensor) -> Option<candle_core::Result<Tensor>> {
     fused_ok(&[x]).then(|| x.contiguous()?.apply_op1(Softmax))
+}
+
+/// `x · wᵀ` (`x` `[rows, in]`, `w` `[out, in]`) where `w` takes no gradient: the target's frozen
+/// LM head under a drafter's hidden states. Other devices and shapes take candle's matmul.
+pub fn matmul_frozen_weight(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let w = w.detach();
+    if fused_ok(&[x, &w]) && x.rank() == 2 && w.rank() == 2 {
+        return x.contiguous()?.apply_op1(MatmulFrozenWeight { w: w.contiguous()? });
+    }
+    x.matmul(&w.t()?)
+}
+
+/// `x · wᵀ` (`x` `[rows, in]`, `w` `[out, in]`) where `x` takes no gradient: the target's
+/// features into a drafter's fusion layer. Other devices and shapes take candle's matmul.
+pub fn matmul_constant_input(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let x = x.detach();
+    if fused_ok(&[&x, w]) && x.rank() == 2 && w.rank() == 2 {
+        return w.contiguous()?.apply_op1(MatmulConstantInput { x: x.contiguous()? });
+    }
+    x.matmul(&w.t()?)
 }
 
 #[cfg(test)]
@@ -283,5 +349,29 @@ mod tests {
         let gc = (composed * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         let gf = (fused * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), 1e-5, "softmax dx");
+    }
+
+    /// The one-sided products give the values and the one gradient that candle's matmul gives,
+    /// and no gradient for the operand that takes none.
+    #[test]
+    fn one_sided_matmuls_match_candles_matmul() {
+        let (rows, inner, out) = (37, 48, 80);
+        let x = Var::from_tensor(&random(&[rows, inner], 4)).unwrap();
+        let w = Var::from_tensor(&random(&[out, inner], 5)).unwrap();
+        let probe = random(&[rows, out], 6);
+        let composed = x.matmul(&w.t().unwrap()).unwrap();
+        let gc = (&composed * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+
+        let frozen_w = matmul_frozen_weight(&x, &w).unwrap();
+        close(&frozen_w, &composed, 1e-6, "frozen weight value");
+        let g = (frozen_w * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        close(g.get(&x).unwrap(), gc.get(&x).unwrap(), 1e-5, "frozen weight dx");
+        assert!(g.get(&w).is_none(), "a frozen weight takes no gradient");
+
+        let constant_x = matmul_constant_input(&x, &w).unwrap();
+        close(&constant_x, &composed, 1e-6, "constant input value");
+        let g = (constant_x * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        close(g.get(&w).unwrap(), gc.get(&w).unwrap(), 1e-5, "constant input dw");
+        assert!(g.get(&x).is_none(), "a constant input takes no gradient");
     }
 }

@@ -7,6 +7,8 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor, D};
 
+pub use super::fused::{matmul_constant_input, matmul_frozen_weight};
+
 /// One attention layer's K and V for a run of rows: `[n_kv_heads, rows, head_dim]` each, K
 /// already normed (where the layer norms keys) and rotated at the rows' absolute positions.
 #[derive(Clone, Debug)]
@@ -304,6 +306,21 @@ impl Projection {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Projection::Exact(l) => Ok(candle_core::Module::forward(l, x)?),
+            Projection::Served(l) => l.forward(x),
+        }
+    }
+
+    /// The projection of an input that takes no gradient (the target's features): training
+    /// then forms the weight's gradient only.
+    pub fn forward_constant_input(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Projection::Exact(l) => {
+                let y = matmul_constant_input(x, l.weight())?;
+                Ok(match l.bias() {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                })
+            }
             Projection::Served(l) => l.forward(x),
         }
     }

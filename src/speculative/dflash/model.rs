@@ -363,9 +363,9 @@ impl DflashDrafter {
     }
 
     /// [`Self::context_features`] of taps already concatenated, `[rows, taps·hidden]` f32 (the
-    /// trainer keeps them so).
+    /// trainer keeps them so). The taps are the target's and take no gradient.
     pub fn fuse_features(&self, concat: &Tensor) -> Result<Tensor> {
-        Ok(rms_norm(&self.fc.forward(concat)?, &self.hidden_norm, self.config.rms_eps)?)
+        Ok(rms_norm(&self.fc.forward_constant_input(concat)?, &self.hidden_norm, self.config.rms_eps)?)
     }
 
     /// Per layer, the K/V of context rows with features `[rows, hidden]` at `positions`:

@@ -239,7 +239,7 @@ impl Eagle3Drafter {
         if taps.rank() != 2 || taps.dim(1)? != want {
             bail!("EAGLE-3 fuses target states of shape [rows, {want}], got {:?}", taps.dims());
         }
-        self.fc.forward(&taps.to_dtype(DType::F32)?)
+        self.fc.forward_constant_input(&taps.to_dtype(DType::F32)?)
     }
 
     /// One pass of the decoder layer over `n` rows at `positions`: `embeds` and `features`

@@ -11,6 +11,7 @@
 //! `Σ w·CE / Σ w` over all its rows.
 
 use crate::speculative::dflash::{DflashDrafter, Packing, TargetHead};
+use crate::speculative::nn::matmul_frozen_weight;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};
 
@@ -165,7 +166,7 @@ pub fn sequence_loss(
     }
     let index = Tensor::new(rows.iter().map(|r| r.row as u32).collect::<Vec<_>>(), device)?;
     let selected = hidden.index_select(&index, 0)?;
-    let logits = drafter.finish_logits(selected.matmul(&frozen.lm_head.t()?)?)?;
+    let logits = drafter.finish_logits(matmul_frozen_weight(&selected, &frozen.lm_head)?)?;
     let labels = Tensor::new(rows.iter().map(|r| r.label).collect::<Vec<_>>(), device)?.unsqueeze(1)?;
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?;

@@ -200,49 +200,31 @@ impl CustomOp1 for Softmax {
     }
 }
 
-/// `x · wᵀ` for `x` `[rows, in]` and a frozen `w` `[out, in]` (the target's LM head): the
-/// backward gives `x`'s gradient only. candle's matmul backward also forms the other operand's
-/// gradient, a product as large as the forward, which for a frozen weight is thrown away.
-struct MatmulFrozenWeight {
-    w: Tensor,
+/// `x · wᵀ` (`x` `[rows, in]`, `w` `[out, in]`) where one operand is fixed and takes no
+/// gradient; the op's argument is the other one, and the backward gives its gradient only.
+/// candle's matmul backward forms both operands' gradients, and the unused one is a product as
+/// large as the forward (the target's frozen LM head; the target's features into `fc`).
+struct OneSidedMatmul {
+    fixed: Tensor,
+    /// Whether the argument is `w` (the fixed operand is `x`) rather than `x`.
+    argument_is_weight: bool,
 }
 
-impl CustomOp1 for MatmulFrozenWeight {
+impl CustomOp1 for OneSidedMatmul {
     fn name(&self) -> &'static str {
-        "matmul-frozen-weight"
+        "one-sided-matmul"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = Tensor::from_slice(f32_slice(xs, xl, "matmul_frozen_weight")?, xl.shape(), &Device::Cpu)?;
-        let y = x.matmul(&self.w.t()?)?;
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let arg = Tensor::from_slice(f32_slice(s, l, "one_sided_matmul")?, l.shape(), &Device::Cpu)?;
+        let y = if self.argument_is_weight { self.fixed.matmul(&arg.t()?)? } else { arg.matmul(&self.fixed.t()?)? };
         Ok((CpuStorage::F32(y.flatten_all()?.to_vec1()?), y.shape().clone()))
     }
 
-    fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(g.detach().matmul(&self.w)?))
-    }
-}
-
-/// `x · wᵀ` for a constant `x` `[rows, in]` (the target's features) and a trained `w`
-/// `[out, in]`, the op's argument: the backward gives `w`'s gradient only, not the unused one of
-/// `x` (for the feature fusion, a product as large as its forward).
-struct MatmulConstantInput {
-    x: Tensor,
-}
-
-impl CustomOp1 for MatmulConstantInput {
-    fn name(&self) -> &'static str {
-        "matmul-constant-input"
-    }
-
-    fn cpu_fwd(&self, ws: &CpuStorage, wl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let w = Tensor::from_slice(f32_slice(ws, wl, "matmul_constant_input")?, wl.shape(), &Device::Cpu)?;
-        let y = self.x.matmul(&w.t()?)?;
-        Ok((CpuStorage::F32(y.flatten_all()?.to_vec1()?), y.shape().clone()))
-    }
-
-    fn bwd(&self, _w: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(g.detach().t()?.matmul(&self.x)?))
+    fn bwd(&self, _arg: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let g = g.detach();
+        // dx = g·w, dw = gᵀ·x
+        Ok(Some(if self.argument_is_weight { g.t()?.matmul(&self.fixed)? } else { g.matmul(&self.fixed)? }))
     }
 }
 
@@ -270,7 +252,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Option<candle_core::Result<Tensor>> {
 pub fn matmul_frozen_weight(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let w = w.detach();
     if fused_ok(&[x, &w]) && x.rank() == 2 && w.rank() == 2 {
-        return x.contiguous()?.apply_op1(MatmulFrozenWeight { w: w.contiguous()? });
+        return x.contiguous()?.apply_op1(OneSidedMatmul { fixed: w.contiguous()?, argument_is_weight: false });
     }
     x.matmul(&w.t()?)
 }
@@ -280,7 +262,7 @@ pub fn matmul_frozen_weight(x: &Tensor, w: &Tensor) -> candle_core::Result<Tenso
 pub fn matmul_constant_input(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let x = x.detach();
     if fused_ok(&[&x, w]) && x.rank() == 2 && w.rank() == 2 {
-        return w.contiguous()?.apply_op1(MatmulConstantInput { x: x.contiguous()? });
+        return w.contiguous()?.apply_op1(OneSidedMatmul { fixed: x.contiguous()?, argument_is_weight: true });
     }
     x.matmul(&w.t()?)
 }

@@ -58,7 +58,10 @@ fn table_row(c: &CellSummary) -> String {
 /// One table per model: a row per data set × temperature × mode (plain decoding included).
 pub fn render_markdown(report: &SpecBenchReport) -> String {
     let mut s = String::new();
-    let limit = report.limit.map_or("all".to_string(), |l| l.to_string());
+    let mut limit = report.limit.map_or("all".to_string(), |l| l.to_string());
+    if report.skip > 0 {
+        limit = format!("{limit} after the first {}", report.skip);
+    }
     let _ = writeln!(
         s,
         "Prompts per data set: {limit} · max tokens: {} · batch 1 · seed {} · threads: {}\n",
@@ -465,6 +468,7 @@ mod tests {
             datasets,
             temperatures: temps.to_vec(),
             modes: modes.iter().map(Mode::label).collect(),
+            skip: 0,
             limit: Some(1),
             max_tokens: 32,
             seed: 0,

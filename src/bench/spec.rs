@@ -73,6 +73,9 @@ pub struct SpecBenchSettings {
     /// Upper limit of the adaptive policy's draft length.
     pub max_auto_draft_len: usize,
     pub datasets: Vec<String>,
+    /// Prompts left out at the start of each set (to measure on prompts a drafter was not
+    /// trained on, from a set it was trained on).
+    pub skip: usize,
     pub limit: Option<usize>,
     pub max_tokens: usize,
     pub temperatures: Vec<f32>,
@@ -231,6 +234,8 @@ pub struct SpecBenchReport {
     pub datasets: Vec<String>,
     pub temperatures: Vec<f32>,
     pub modes: Vec<String>,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub skip: usize,
     pub limit: Option<usize>,
     pub max_tokens: usize,
     pub seed: u64,
@@ -459,9 +464,13 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
     // All prompts first: a missing or empty set fails before any model loads.
     let mut sets: Vec<(String, Vec<Prompt>)> = Vec::new();
     for key in &settings.datasets {
-        let prompts = datasets::load(key, settings.limit)?;
+        let mut prompts = datasets::load(key, settings.limit.map(|l| l.saturating_add(settings.skip)))?;
+        prompts.drain(..settings.skip.min(prompts.len()));
         if prompts.is_empty() {
-            bail!("data set {key} has no prompts");
+            bail!(
+                "data set {key} has no prompts{}",
+                if settings.skip > 0 { format!(" after the first {}", settings.skip) } else { String::new() }
+            );
         }
         sets.push((key.clone(), prompts));
     }
@@ -591,6 +600,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         datasets: settings.datasets.clone(),
         temperatures: settings.temperatures.clone(),
         modes: modes.iter().map(Mode::label).collect(),
+        skip: settings.skip,
         limit: settings.limit,
         max_tokens: settings.max_tokens,
         seed: settings.seed,
@@ -736,6 +746,7 @@ mod tests {
             starts: vec![false, true],
             max_auto_draft_len: 8,
             datasets: vec!["humaneval".into()],
+            skip: 0,
             limit: None,
             max_tokens: 16,
             temperatures: vec![0.0],
@@ -760,4 +771,8 @@ mod tests {
         assert!(SpecBenchSettings { drafters: vec!["bogus".into()], ..s.clone() }.validate().is_err());
         assert!(SpecBenchSettings { datasets: vec!["nope".into()], ..s }.validate().is_err());
     }
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }

@@ -52,9 +52,14 @@ pub struct BenchArgs {
     /// Longest draft the adaptive policy may choose.
     #[arg(long, default_value_t = MAX_DRAFT)]
     max_draft_len: usize,
-    /// Prompt set: gsm8k-100, humaneval, humaneval-edit, mt-bench, math500, sharegpt; repeatable.
+    /// Prompt set: gsm8k-100, humaneval, humaneval-edit, mt-bench, math500, or a training set
+    /// (sharegpt, codeio, codeio-completion, reasoning-gym-math: with `--skip`, prompts a drafter
+    /// was not trained on); repeatable.
     #[arg(long, default_values_t = vec!["humaneval".to_string(), "gsm8k-100".to_string()])]
     dataset: Vec<String>,
+    /// Prompts left out at the start of each data set (`--mode spec`).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
     /// Prompts per data set (default: all).
     #[arg(long)]
     limit: Option<usize>,
@@ -108,6 +113,7 @@ fn run_spec(args: BenchArgs) -> Result<()> {
             .collect::<Result<_>>()?,
         max_auto_draft_len: args.max_draft_len,
         datasets: args.dataset.clone(),
+        skip: args.skip,
         limit: args.limit,
         max_tokens: args.max_tokens,
         temperatures: args.temperatures.clone(),

@@ -609,6 +609,11 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
     })
 }
 
+/// Leaves `skip` out of a report's JSON when no prompt was skipped.
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -771,8 +776,4 @@ mod tests {
         assert!(SpecBenchSettings { drafters: vec!["bogus".into()], ..s.clone() }.validate().is_err());
         assert!(SpecBenchSettings { datasets: vec!["nope".into()], ..s }.validate().is_err());
     }
-}
-
-fn is_zero(n: &usize) -> bool {
-    *n == 0
 }

@@ -81,7 +81,7 @@ fn pooled_loss(
     target: &Transformer,
     batch: &FixtureBatch,
 ) -> (Tensor, f64, Vec<usize>, Vec<usize>) {
-    let settings = ObjectiveSettings { block: batch.block, gamma: batch.gamma };
+    let settings = ObjectiveSettings::hard(batch.block, batch.gamma);
     let mut terms = Vec::new();
     let (mut weight, mut scored, mut hits) = (0.0, vec![0; batch.block - 1], vec![0; batch.block - 1]);
     for (tokens, mask, anchors) in &batch.sequences {
@@ -172,7 +172,7 @@ fn training_and_serving_forwards_agree() {
         // Training: one anchor, its loss over the block's rows.
         let f = target_features(&target.model, &config.target_layer_ids, tokens, KvDtype::F32).unwrap();
         let input = SequenceInput { tokens, loss_mask: mask, features: &f, anchors: &[anchor] };
-        let settings = ObjectiveSettings { block, gamma: 4.0 };
+        let settings = ObjectiveSettings::hard(block, 4.0);
         let l = sequence_loss(&train_drafter, &frozen, &input, settings).unwrap();
         let train_loss = l.weighted_ce.to_scalar::<f32>().unwrap() as f64;
 
@@ -191,6 +191,72 @@ fn training_and_serving_forwards_agree() {
             "anchor {anchor}: training {train_loss} vs serving {serve_loss}"
         );
     }
+}
+
+/// `distill`: each row is scored by soft cross-entropy against the target's own next-token
+/// distribution, taken from a plain forward with logits on every row; the reported loss stays
+/// the hard one.
+#[test]
+fn distilling_scores_against_the_targets_own_distribution() {
+    let target = tiny_target();
+    let drafter_dir = fixture("dflash/fitted").join("drafter");
+    let (config, params) = params_from_checkpoint(&drafter_dir);
+    let drafter = drafter_from_params(&config, &params, &Device::Cpu).unwrap();
+    let frozen = frozen_target(&target.model, None).unwrap();
+    let batch = fixture_batch();
+    let (tokens, mask, _) = &batch.sequences[0];
+    let (block, gamma) = (config.block_size, 4.0);
+    let settings = TrainSettings { distill: true, ..Default::default() };
+    let layers = settings.feature_layers(&config.target_layer_ids, target.model.config.n_layers);
+    assert_eq!(layers.len(), config.target_layer_ids.len() + 1);
+    let with_last = target_features(&target.model, &layers, tokens, KvDtype::F32).unwrap();
+    let taps_only = target_features(&target.model, &config.target_layer_ids, tokens, KvDtype::F32).unwrap();
+
+    // The target's logits on every row, from an ordinary forward.
+    let pool = target.model.new_kv_pool_typed(tokens.len().next_multiple_of(16), KvDtype::F32);
+    let mut cache = pool.new_sequence();
+    let mut fb = specula::model::ForwardBatch::new();
+    fb.push(tokens, &mut cache, specula::model::LogitsRows::All);
+    let target_logits = target.model.forward(&mut fb).unwrap().logits;
+    let target_probs = candle_nn::ops::softmax(&target_logits, 1).unwrap().to_vec2::<f32>().unwrap();
+
+    let serving = Arc::new(dflash::load_for_target(&drafter_dir, &target.model, &Device::Cpu).unwrap());
+    let anchors = [10usize, 17, 30];
+    let soft = ObjectiveSettings { block, gamma, distill: true };
+    let input = SequenceInput { tokens, loss_mask: mask, features: &with_last, anchors: &anchors };
+    let l = sequence_loss(&drafter, &frozen, &input, soft).unwrap();
+    let hard_input = SequenceInput { tokens, loss_mask: mask, features: &taps_only, anchors: &anchors };
+    let hard = sequence_loss(&drafter, &frozen, &hard_input, ObjectiveSettings::hard(block, gamma)).unwrap();
+    // The taps-only features are refused when distilling, and the other way round.
+    assert!(sequence_loss(&drafter, &frozen, &hard_input, soft).is_err());
+    assert!(sequence_loss(&drafter, &frozen, &input, ObjectiveSettings::hard(block, gamma)).is_err());
+
+    let mut expected = 0.0f64;
+    let mut expected_hard = 0.0f64;
+    for &anchor in &anchors {
+        let logits = serving_draft_logits(&target.model, &serving, tokens, anchor);
+        let logits = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
+        for k in 1..block {
+            if anchor + k < tokens.len() && mask[anchor + k] == 1 {
+                let w = (-((k - 1) as f64) / gamma).exp();
+                let q = &target_probs[anchor + k - 1];
+                let ce: f64 = q.iter().zip(&logits[k - 1]).map(|(&q, &lp)| -(q as f64) * lp as f64).sum();
+                expected += w * ce;
+                expected_hard -= w * logits[k - 1][tokens[anchor + k] as usize] as f64;
+            }
+        }
+    }
+    let got = l.weighted_ce.to_scalar::<f32>().unwrap() as f64;
+    assert!((got - expected).abs() < 1e-4 * expected.abs().max(1.0), "distilled {got} vs independent {expected}");
+    assert!(
+        (l.weighted_hard_ce - expected_hard).abs() < 1e-4 * expected_hard.abs().max(1.0),
+        "reported {} vs hard {expected_hard}",
+        l.weighted_hard_ce
+    );
+    assert!((l.weighted_hard_ce - hard.weighted_hard_ce).abs() < 1e-6 * expected_hard.abs().max(1.0));
+    assert_eq!((l.hits, l.accepted), (hard.hits, hard.accepted));
+    // Soft targets carry the target's uncertainty: the soft loss differs from the hard one.
+    assert!((got - expected_hard).abs() > 1e-3, "soft {got} equals hard {expected_hard}");
 }
 
 /// Central differences of the loss along random directions agree with the gradient.
@@ -668,8 +734,7 @@ fn an_attention_bias_drafter_starts_with_position_heads_trains_and_serves() {
     let anchor = e.tokens.len() - 10;
     let f = target_features(&target.model, &config.target_layer_ids, &e.tokens, KvDtype::F32).unwrap();
     let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: &[anchor] };
-    let l = sequence_loss(&train_drafter, &frozen, &input, ObjectiveSettings { block: config.block_size, gamma: 4.0 })
-        .unwrap();
+    let l = sequence_loss(&train_drafter, &frozen, &input, ObjectiveSettings::hard(config.block_size, 4.0)).unwrap();
     let train_loss = l.weighted_ce.to_scalar::<f32>().unwrap() as f64;
     let logits = serving_draft_logits(&target.model, &serving, &e.tokens, anchor);
     let lp = candle_nn::ops::log_softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();

@@ -308,6 +308,33 @@ fn the_objective_counts_what_the_proposer_drafts() {
     assert!(total > 0, "the drafter never got a token right; the comparison would be empty");
 }
 
+/// The soft targets are the target's own next-token distribution: its last layer's feature
+/// through the LM head equals an ordinary forward's logits on every row (the feature is already
+/// through the final norm; normalising it again would train against another distribution).
+#[test]
+fn soft_targets_are_the_targets_own_distribution() {
+    let target = load("random");
+    let s = settings(1);
+    let data = examples(&target, 1, 6, 10, 3);
+    let tokens = &data[0].tokens;
+    let vocab: Vec<u32> = (0..256).collect();
+    let frozen = te::frozen_target(&target.model, &vocab, &s.tap_layers(&target.model)).unwrap();
+    let f = target_features(&target.model, &s.feature_layers(&target.model), tokens, KvDtype::F32).unwrap();
+    let th = target.model.config.hidden;
+    let ours = specula::train::eagle3::objective::target_distribution(&frozen, &f.narrow(1, 3 * th, th).unwrap())
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let pool = target.model.new_kv_pool_typed(tokens.len().next_multiple_of(16), KvDtype::F32);
+    let mut cache = pool.new_sequence();
+    let mut fb = specula::model::ForwardBatch::new();
+    fb.push(tokens, &mut cache, specula::model::LogitsRows::All);
+    let logits = target.model.forward(&mut fb).unwrap().logits;
+    let theirs = candle_nn::ops::softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
+    let diff = ours.iter().flatten().zip(theirs.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-5, "soft targets differ from the target's distribution by {diff}");
+}
+
 /// Writes `tests/fixtures/eagle3-export/`: a drafter exported by the trainer (f16, published
 /// layout) and the inputs `tools/eagle3_reference/check_export.py` runs it on with SpecForge.
 #[test]

@@ -208,6 +208,11 @@ pub struct DflashArgs {
     /// fewer steps.
     #[arg(long)]
     attention_bias: bool,
+    /// Distil: score each block row by soft cross-entropy against the target's distribution
+    /// over the drafter's vocabulary instead of its greedy token (the features then include
+    /// the target's last layer).
+    #[arg(long)]
+    distill: bool,
     /// Continue from OUT/checkpoint (same settings and data).
     #[arg(long)]
     resume: bool,
@@ -387,6 +392,7 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         init_from: args.init_from.clone(),
         init_from_target: args.init_from_target,
         attention_bias: args.attention_bias,
+        distill: args.distill,
     };
     settings.validate()?;
     let export_dtype = export_dtype(&args.dtype)?;
@@ -406,10 +412,17 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         log_every: args.log_every,
     };
     // The tapped layers are known before the drafter exists only from the settings.
-    let layer_ids = match &run.settings.taps {
-        Some(t) => t.clone(),
-        None => crate::speculative::dflash::default_target_layer_ids(target.model.config.n_layers, run.settings.n_taps),
+    let taps = match (&run.settings.taps, &run.settings.init_from) {
+        (Some(t), _) => t.clone(),
+        // A drafter trained further keeps its own taps.
+        (None, Some(dir)) => {
+            crate::speculative::dflash::DflashConfig::from_file(&dir.join("config.json"))?.target_layer_ids
+        }
+        (None, None) => {
+            crate::speculative::dflash::default_target_layer_ids(target.model.config.n_layers, run.settings.n_taps)
+        }
     };
+    let layer_ids = run.settings.feature_layers(&taps, target.model.config.n_layers);
     let all: Vec<&td::TrainExample> = run.train.iter().chain(&run.val).collect();
     let mut features = open_features(
         &args.features,

@@ -96,6 +96,11 @@ pub struct TrainSettings {
     /// ones starting as relative-position heads ([`init_relative_position_heads`]).
     #[serde(default)]
     pub attention_bias: bool,
+    /// Soft targets: score each row against the target's distribution over the drafter's
+    /// vocabulary (forward KL) instead of its greedy token; the features then carry the
+    /// target's last layer too ([`TrainSettings::feature_layers`]).
+    #[serde(default)]
+    pub distill: bool,
 }
 
 impl Default for TrainSettings {
@@ -126,11 +131,22 @@ impl Default for TrainSettings {
             init_from_target: false,
             init_from: None,
             attention_bias: false,
+            distill: false,
         }
     }
 }
 
 impl TrainSettings {
+    /// The target layers whose taps the trainer needs: the drafter's `taps`, then the
+    /// target's last layer when distilling.
+    pub fn feature_layers(&self, taps: &[usize], target_layers: usize) -> Vec<usize> {
+        let mut l = taps.to_vec();
+        if self.distill {
+            l.push(target_layers - 1);
+        }
+        l
+    }
+
     pub fn gamma(&self) -> f64 {
         self.gamma.unwrap_or(match self.block {
             16 => 7.0,
@@ -554,12 +570,12 @@ struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, l: &objective::SequenceLoss, weighted_ce: f64) {
+    fn add(&mut self, l: &objective::SequenceLoss) {
         if self.scored.is_empty() {
             self.scored = vec![0; l.scored.len()];
             self.hits = vec![0; l.hits.len()];
         }
-        self.weighted_ce += weighted_ce;
+        self.weighted_ce += l.weighted_hard_ce;
         self.weight += l.weight_sum;
         for k in 0..l.scored.len() {
             self.scored[k] += l.scored[k];
@@ -775,7 +791,7 @@ impl TrainRun<'_> {
         if let Some(t) = &moments {
             opt.load_state(t, start)?;
         }
-        let objective = ObjectiveSettings { block: s.block, gamma: s.gamma() };
+        let objective = ObjectiveSettings { block: s.block, gamma: s.gamma(), distill: s.distill };
         let warmup = ((s.warmup * total as f64).ceil() as usize).max(1);
         let end = self.stop_after.map_or(total, |n| (start + n).min(total));
         let t0 = Instant::now();
@@ -806,8 +822,7 @@ impl TrainRun<'_> {
                 let f = features.get(e, &device)?;
                 let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: a };
                 let l = sequence_loss(&drafter, &frozen, &input, objective)?;
-                let wce = l.weighted_ce.to_scalar::<f32>()? as f64;
-                tally.add(&l, wce);
+                tally.add(&l);
                 rows_since += l.scored.iter().sum::<usize>();
                 rows_all += l.scored.iter().sum::<usize>();
                 tokens_since += e.tokens.len();
@@ -904,8 +919,7 @@ impl TrainRun<'_> {
             let f = features.get(e, drafter.device())?;
             let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: &anchors };
             let l = sequence_loss(drafter, frozen, &input, objective)?;
-            let wce = l.weighted_ce.to_scalar::<f32>()? as f64;
-            tally.add(&l, wce);
+            tally.add(&l);
         }
         Ok(tally.metrics())
     }

@@ -9,6 +9,12 @@
 //! `exp(−(k−1)/γ)` when `p+k` is inside the sequence and a response token (and, with a reduced
 //! drafter vocabulary, one of its tokens); everything else weighs 0. The loss of a batch is
 //! `Σ w·CE / Σ w` over all its rows.
+//!
+//! With `distill`, CE is the soft cross-entropy against the target's own distribution for
+//! `x[p+k]` (its logits at `p+k−1`, restricted to the drafter's vocabulary) instead of the
+//! one-hot label: forward-KL distillation, which tells the drafter how close each wrong
+//! token was, not only which token won. The features then hold the target's last layer after
+//! the tapped ones. Reported losses stay the hard CE, so runs with and without it compare.
 
 use crate::speculative::dflash::{DflashDrafter, Packing, TargetHead};
 use crate::speculative::nn::matmul_frozen_weight;
@@ -40,7 +46,8 @@ impl FrozenTarget {
 pub struct SequenceInput<'a> {
     pub tokens: &'a [u32],
     pub loss_mask: &'a [u8],
-    /// `[≥ max anchor, taps·hidden]` f32.
+    /// `[≥ max anchor, taps·hidden]` raw engine taps (with `distill`: `[tokens, (taps + 1)·hidden]`,
+    /// the target's last layer last).
     pub features: &'a Tensor,
     pub anchors: &'a [usize],
 }
@@ -85,8 +92,11 @@ pub fn scored_rows(
 
 /// The loss terms of one sequence.
 pub struct SequenceLoss {
-    /// `Σ w·CE` over the sequence's scored rows (a scalar with a gradient).
+    /// `Σ w·CE` over the sequence's scored rows (a scalar with a gradient): the objective.
     pub weighted_ce: Tensor,
+    /// `Σ w·CE` against the labels (hard), for reporting: equal to `weighted_ce` unless
+    /// distilling.
+    pub weighted_hard_ce: f64,
     pub weight_sum: f64,
     /// Per block offset k (index k−1): scored rows, and rows whose argmax is the label.
     pub scored: Vec<usize>,
@@ -100,6 +110,15 @@ pub struct SequenceLoss {
 pub struct ObjectiveSettings {
     pub block: usize,
     pub gamma: f64,
+    /// Soft targets: the target's distribution instead of its greedy token (see the module doc).
+    pub distill: bool,
+}
+
+impl ObjectiveSettings {
+    /// The paper's objective: hard labels.
+    pub fn hard(block: usize, gamma: f64) -> Self {
+        Self { block, gamma, distill: false }
+    }
 }
 
 /// `Σ w·CE` and the accuracy counts of one sequence; see the module doc.
@@ -127,9 +146,16 @@ pub fn sequence_loss(
     if input.features.dim(0)? < ctx_len {
         bail!("features for {} rows, the last anchor needs {ctx_len}", input.features.dim(0)?);
     }
+    let taps = c.target_layer_ids.len();
+    let target_hidden = frozen.lm_head.dim(1)?;
+    let want = (taps + settings.distill as usize) * target_hidden;
+    if input.features.dim(1)? != want {
+        bail!("features of width {}, the objective needs {want}", input.features.dim(1)?);
+    }
     let ctx_positions: Vec<usize> = (0..ctx_len).collect();
     let context = if ctx_len > 0 {
-        let features = drafter.fuse_features(&input.features.narrow(0, 0, ctx_len)?)?;
+        let tapped = input.features.narrow(0, 0, ctx_len)?.narrow(1, 0, taps * target_hidden)?.contiguous()?;
+        let features = drafter.fuse_features(&tapped)?;
         drafter.context_kv(&features, &ctx_positions)?
     } else {
         let empty = Tensor::zeros((c.n_kv_heads, 0, c.head_dim), DType::F32, device)?;
@@ -162,7 +188,7 @@ pub fn sequence_loss(
     let mut accepted = vec![0usize; anchors.len()];
     if rows.is_empty() {
         let zero = (hidden.sum_all()? * 0.0)?;
-        return Ok(SequenceLoss { weighted_ce: zero, weight_sum: 0.0, scored, hits, accepted });
+        return Ok(SequenceLoss { weighted_ce: zero, weighted_hard_ce: 0.0, weight_sum: 0.0, scored, hits, accepted });
     }
     let index = Tensor::new(rows.iter().map(|r| r.row as u32).collect::<Vec<_>>(), device)?;
     let selected = hidden.index_select(&index, 0)?;
@@ -170,9 +196,27 @@ pub fn sequence_loss(
     let labels = Tensor::new(rows.iter().map(|r| r.label).collect::<Vec<_>>(), device)?.unsqueeze(1)?;
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?;
-    let ce = (lse - logits.gather(&labels, D::Minus1)?)?.squeeze(1)?;
+    let hard_ce = (&lse - logits.gather(&labels, D::Minus1)?)?.squeeze(1)?;
     let weights = Tensor::new(rows.iter().map(|r| r.weight).collect::<Vec<_>>(), device)?;
-    let weighted_ce = (ce * &weights)?.sum_all()?;
+    let weighted_hard = (&hard_ce * &weights)?.sum_all()?;
+    let weighted_hard_ce = weighted_hard.to_scalar::<f32>()? as f64;
+    let weighted_ce = if settings.distill {
+        // The target's logits for the label at `p+k` come from its last layer at `p+k−1`.
+        let before = Tensor::new(
+            rows.iter().map(|r| (anchors[r.row / block] + r.offset - 1) as u32).collect::<Vec<_>>(),
+            device,
+        )?;
+        // Features are `TargetHead::hidden_state`s: the last layer's is already through the final norm.
+        let last = input.features.index_select(&before, 0)?.narrow(1, taps * target_hidden, target_hidden)?;
+        let last = last.to_dtype(DType::F32)?.contiguous()?;
+        let target_logits = drafter.finish_logits(matmul_frozen_weight(&last, &frozen.lm_head)?)?.detach();
+        let target_probs = candle_nn::ops::softmax(&target_logits, D::Minus1)?;
+        let log_probs = logits.broadcast_sub(&lse)?;
+        let soft_ce = (target_probs * log_probs)?.sum(D::Minus1)?.neg()?;
+        (soft_ce * &weights)?.sum_all()?
+    } else {
+        weighted_hard
+    };
 
     let argmax: Vec<u32> = logits.detach().argmax(D::Minus1)?.to_vec1()?;
     // Leading hits per anchor: rows come in (anchor, offset) order, so a block's run of hits
@@ -191,5 +235,5 @@ pub fn sequence_loss(
         }
     }
     let weight_sum = rows.iter().map(|r| r.weight as f64).sum();
-    Ok(SequenceLoss { weighted_ce, weight_sum, scored, hits, accepted })
+    Ok(SequenceLoss { weighted_ce, weighted_hard_ce, weight_sum, scored, hits, accepted })
 }

@@ -15,7 +15,7 @@ use crate::speculative::dflash::TargetHead;
 use crate::speculative::eagle3::Eagle3Drafter;
 use crate::speculative::nn::LayerKv;
 use anyhow::{bail, Result};
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 /// Per-step weight decay of the loss (SpecForge's and the EAGLE-3 paper's 0.8).
 pub const STEP_DECAY: f64 = 0.8;
@@ -39,7 +39,8 @@ impl FrozenTarget {
 }
 
 /// One training sequence and its target features `[≥ n − 1, 4 · target hidden]`: the three
-/// fused taps then the last layer, raw engine taps (as the feature cache stores them).
+/// fused taps then the last layer, as `TargetHead::hidden_state`s (what `target_features` and
+/// the feature cache hold: the last layer is already through the final norm).
 pub struct SequenceInput<'a> {
     pub tokens: &'a [u32],
     pub loss_mask: &'a [u8],
@@ -76,6 +77,13 @@ pub struct SequenceLoss {
     pub ce_terms: usize,
 }
 
+/// The target's next-token distribution over the draft vocabulary (no gradient), `[rows, draft
+/// vocab]`, from its last layer's features `[rows, target hidden]` (already through the final norm).
+pub fn target_distribution(frozen: &FrozenTarget, last_layer: &Tensor) -> Result<Tensor> {
+    let logits = last_layer.matmul(&frozen.lm_head.t()?)?.detach();
+    Ok(candle_nn::ops::softmax(&logits, D::Minus1)?)
+}
+
 /// The training-time-test loss of one sequence; `norms[j]` is step j's number of scored rows
 /// in the whole batch (each step's loss is a batch mean).
 pub fn sequence_loss(
@@ -107,14 +115,12 @@ pub fn sequence_loss(
     if input.features.dim(0)? < rows + 1 || input.features.dim(1)? != 4 * th {
         bail!("EAGLE-3 features {:?} for a sequence of {n} tokens (want [{n}, {}])", input.features.dims(), 4 * th);
     }
-    let tap = |i: usize, layer: usize| -> Result<Tensor> {
-        frozen.head.hidden_state(layer, &input.features.narrow(1, i * th, th)?.narrow(0, 0, n)?.contiguous()?)
+    // The features are already `TargetHead::hidden_state`s (the last layer through the final norm).
+    let tap = |i: usize| -> Result<Tensor> {
+        Ok(input.features.narrow(1, i * th, th)?.narrow(0, 0, n)?.to_dtype(DType::F32)?.contiguous()?)
     };
-    let fused: Vec<Tensor> =
-        (0..3).map(|i| tap(i, frozen.taps[i]).and_then(|t| Ok(t.narrow(0, 0, rows)?))).collect::<Result<_>>()?;
-    // The target's distribution over the draft vocabulary at every position (no gradient).
-    let target_logits = tap(3, frozen.last_layer)?.matmul(&frozen.lm_head.t()?)?.detach();
-    let target_probs = candle_nn::ops::softmax(&target_logits, D::Minus1)?;
+    let fused: Vec<Tensor> = (0..3).map(|i| Ok(tap(i)?.narrow(0, 0, rows)?)).collect::<Result<_>>()?;
+    let target_probs = target_distribution(frozen, &tap(3)?)?;
 
     let r_ids = Tensor::new(r.iter().map(|&t| t as u32).collect::<Vec<_>>(), device)?;
     let embeds0 = drafter.embed(&tokens[1..rows + 1], Some(&frozen.head))?;

@@ -1,0 +1,8 @@
+# Two SmolLM2 DFlash drafters trained from the shipped one on the same data, steps and seed,
+# one with hard labels and one with `--distill` (runs/s10-hard and runs/s10-distill, made by
+# the commands in docs/training.md), greedy, 7 tokens per step.
+# Measured on a 2-core AMD EPYC (Zen 1, AVX2); tok/s there, τ anywhere.
+specula bench --mode spec -m smollm2-135m --drafter dflash:runs/s10-distill/drafter,max=7 \
+  --drafter dflash:runs/s10-hard/drafter,max=7 --draft-len 7 \
+  --dataset gsm8k-100 --dataset humaneval --dataset mt-bench --dataset math500 \
+  --limit 20 --max-tokens 256 --temperatures 0 --out-dir docs/benchmarks/spec-smollm2-dflash-distill

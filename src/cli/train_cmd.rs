@@ -411,7 +411,7 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         export_dtype,
         log_every: args.log_every,
     };
-    // The tapped layers are known before the drafter exists only from the settings.
+    // The tapped layers, before the drafter exists: from the settings or the drafter started from.
     let taps = match (&run.settings.taps, &run.settings.init_from) {
         (Some(t), _) => t.clone(),
         // A drafter trained further keeps its own taps.

@@ -46,8 +46,9 @@ impl FrozenTarget {
 pub struct SequenceInput<'a> {
     pub tokens: &'a [u32],
     pub loss_mask: &'a [u8],
-    /// `[≥ max anchor, taps·hidden]` raw engine taps (with `distill`: `[tokens, (taps + 1)·hidden]`,
-    /// the target's last layer last).
+    /// `[≥ max anchor, taps·hidden]`: `TargetHead::hidden_state`s of the tapped layers, as
+    /// `target_features` and the feature cache give them (with `distill`: `[≥ tokens − 1,
+    /// (taps + 1)·hidden]`, the target's last layer last).
     pub features: &'a Tensor,
     pub anchors: &'a [usize],
 }
@@ -151,6 +152,9 @@ pub fn sequence_loss(
     let want = (taps + settings.distill as usize) * target_hidden;
     if input.features.dim(1)? != want {
         bail!("features of width {}, the objective needs {want}", input.features.dim(1)?);
+    }
+    if settings.distill && input.features.dim(0)? + 1 < tokens.len() {
+        bail!("distilling needs features for {} rows, got {}", tokens.len() - 1, input.features.dim(0)?);
     }
     let ctx_positions: Vec<usize> = (0..ctx_len).collect();
     let context = if ctx_len > 0 {

@@ -7,6 +7,8 @@
 //! official `dflash==0.1.0` package computes on a fixed batch (generator:
 //! `tools/dflash_reference/make_train_fixture.py`).
 
+mod common;
+
 use candle_core::{DType, Device, Tensor, Var};
 use serde_json::Value;
 use specula::engine::{generate, GenerateOptions, LoadedModel};
@@ -213,11 +215,7 @@ fn distilling_scores_against_the_targets_own_distribution() {
     let taps_only = target_features(&target.model, &config.target_layer_ids, tokens, KvDtype::F32).unwrap();
 
     // The target's logits on every row, from an ordinary forward.
-    let pool = target.model.new_kv_pool_typed(tokens.len().next_multiple_of(16), KvDtype::F32);
-    let mut cache = pool.new_sequence();
-    let mut fb = specula::model::ForwardBatch::new();
-    fb.push(tokens, &mut cache, specula::model::LogitsRows::All);
-    let target_logits = target.model.forward(&mut fb).unwrap().logits;
+    let target_logits = common::logits_of_every_row(&target.model, tokens);
     let target_probs = candle_nn::ops::softmax(&target_logits, 1).unwrap().to_vec2::<f32>().unwrap();
 
     let serving = Arc::new(dflash::load_for_target(&drafter_dir, &target.model, &Device::Cpu).unwrap());

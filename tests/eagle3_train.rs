@@ -7,6 +7,8 @@
 //! Targets: the tiny Hugging Face Qwen3s of `tests/fixtures/dflash/` (vocab 256, hidden 64, 4
 //! layers), and their own greedy outputs as data.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use specula::engine::{generate, GenerateOptions, LoadedModel};
 use specula::kv::KvDtype;
@@ -111,7 +113,7 @@ fn gradients_agree_with_finite_differences() {
         p.set(&bigger).unwrap();
     }
     let drafter = te::drafter_from_params(&config, &params, &vocab, &Device::Cpu).unwrap();
-    let frozen = te::frozen_target(&target.model, &vocab, &s.tap_layers(&target.model)).unwrap();
+    let frozen = te::frozen_target(&target.model, &vocab).unwrap();
     let features: Vec<Tensor> = data
         .iter()
         .map(|e| target_features(&target.model, &s.feature_layers(&target.model), &e.tokens, KvDtype::F32).unwrap())
@@ -281,7 +283,7 @@ fn the_objective_counts_what_the_proposer_drafts() {
     let s = Eagle3TrainSettings { val_examples: 0, ..settings(40) };
     run(&target, &data, s.clone(), out.path(), false, None);
     let drafter = std::sync::Arc::new(Eagle3Drafter::load(&out.path().join("drafter"), &Device::Cpu).unwrap());
-    let frozen = te::frozen_target(&target.model, drafter.draft_vocab(), &[0, 1, 2]).unwrap();
+    let frozen = te::frozen_target(&target.model, drafter.draft_vocab()).unwrap();
     let mut total = 0;
     for e in data.iter().take(3) {
         let f = target_features(&target.model, &s.feature_layers(&target.model), &e.tokens, KvDtype::F32).unwrap();
@@ -318,18 +320,14 @@ fn soft_targets_are_the_targets_own_distribution() {
     let data = examples(&target, 1, 6, 10, 3);
     let tokens = &data[0].tokens;
     let vocab: Vec<u32> = (0..256).collect();
-    let frozen = te::frozen_target(&target.model, &vocab, &s.tap_layers(&target.model)).unwrap();
+    let frozen = te::frozen_target(&target.model, &vocab).unwrap();
     let f = target_features(&target.model, &s.feature_layers(&target.model), tokens, KvDtype::F32).unwrap();
     let th = target.model.config.hidden;
     let ours = specula::train::eagle3::objective::target_distribution(&frozen, &f.narrow(1, 3 * th, th).unwrap())
         .unwrap()
         .to_vec2::<f32>()
         .unwrap();
-    let pool = target.model.new_kv_pool_typed(tokens.len().next_multiple_of(16), KvDtype::F32);
-    let mut cache = pool.new_sequence();
-    let mut fb = specula::model::ForwardBatch::new();
-    fb.push(tokens, &mut cache, specula::model::LogitsRows::All);
-    let logits = target.model.forward(&mut fb).unwrap().logits;
+    let logits = common::logits_of_every_row(&target.model, tokens);
     let theirs = candle_nn::ops::softmax(&logits, 1).unwrap().to_vec2::<f32>().unwrap();
     let diff = ours.iter().flatten().zip(theirs.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(diff < 1e-5, "soft targets differ from the target's distribution by {diff}");

@@ -266,3 +266,12 @@ pub fn chi_square(
     }
     (stat, cells.saturating_sub(1))
 }
+
+/// The model's logits on every row of `tokens`, from one ordinary forward (f32 KV cache).
+pub fn logits_of_every_row(model: &specula::model::Transformer, tokens: &[u32]) -> candle_core::Tensor {
+    let pool = model.new_kv_pool_typed(tokens.len().next_multiple_of(16), specula::kv::KvDtype::F32);
+    let mut cache = pool.new_sequence();
+    let mut batch = specula::model::ForwardBatch::new();
+    batch.push(tokens, &mut cache, specula::model::LogitsRows::All);
+    model.forward(&mut batch).unwrap().logits
+}

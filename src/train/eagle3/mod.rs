@@ -162,7 +162,7 @@ pub fn drafter_from_params(
 }
 
 /// The frozen parts of the target the objective needs.
-pub fn frozen_target(target: &Transformer, draft_vocab: &[u32], taps: &[usize]) -> Result<FrozenTarget> {
+pub fn frozen_target(target: &Transformer, draft_vocab: &[u32]) -> Result<FrozenTarget> {
     let device = target.device();
     let rows = select_rows(&*target.lm_head_weights()?, draft_vocab, device)?;
     let mut map = vec![u32::MAX; target.config.vocab];
@@ -173,8 +173,6 @@ pub fn frozen_target(target: &Transformer, draft_vocab: &[u32], taps: &[usize]) 
         head: TargetHead::of(target),
         lm_head: rows.dequantize(device)?.to_dtype(DType::F32)?,
         target_to_draft: map,
-        taps: taps.to_vec(),
-        last_layer: target.config.n_layers - 1,
     })
 }
 
@@ -317,7 +315,6 @@ impl Eagle3Run<'_> {
         let total = self.total_steps();
         std::fs::create_dir_all(&self.out).with_context(|| format!("cannot create {}", self.out.display()))?;
         let ckpt = self.out.join(CHECKPOINT);
-        let taps = s.tap_layers(self.target);
         let (config, draft_vocab, params, start, mut history, secs_before, moments) = if self.resume {
             let meta: CheckpointMeta = serde_json::from_str(
                 &std::fs::read_to_string(ckpt.join("state.json"))
@@ -353,7 +350,7 @@ impl Eagle3Run<'_> {
             (config, vocab, params, 0, Vec::new(), 0.0, None)
         };
         config.check_target(&self.target.config)?;
-        let frozen = frozen_target(self.target, &draft_vocab, &taps)?;
+        let frozen = frozen_target(self.target, &draft_vocab)?;
         let mut opt = AdamW::new(params, s.adam)?;
         if let Some(t) = &moments {
             opt.load_state(t, start)?;

@@ -27,9 +27,6 @@ pub struct FrozenTarget {
     pub lm_head: Tensor,
     /// Target id → draft id (`u32::MAX`: not in the draft vocabulary).
     pub target_to_draft: Vec<u32>,
-    /// The target layers fused by the drafter, and the target's last layer (soft targets).
-    pub taps: Vec<usize>,
-    pub last_layer: usize,
 }
 
 impl FrozenTarget {

@@ -438,7 +438,7 @@ fn smollm2_greedy_test_drafters_every_length() {
 }
 
 #[test]
-fn smollm2_greedy_ngram_and_draft_model_proposers() {
+fn smollm2_greedy_factory_and_shipped_proposers() {
     let m = smollm2();
     let stop = m.stop_ids();
     let target_path = common::smollm2_path();
@@ -459,14 +459,18 @@ fn smollm2_greedy_ngram_and_draft_model_proposers() {
         // Prompt lookup first, the shipped DFlash drafter where it finds nothing.
         let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters/smollm2-135m-dflash");
         let combined = DrafterSpec::parse(&format!("ngram+dflash:{}", shipped.display())).unwrap();
-        let cases: [(&DrafterSpec, GenerateOptions); 3] = if i == 0 {
+        // The shipped EAGLE-3 drafter, chain drafting.
+        let eagle3 = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters/smollm2-135m-eagle3");
+        let eagle3 = DrafterSpec::parse(&format!("eagle3:{}", eagle3.display())).unwrap();
+        let cases: [(&DrafterSpec, GenerateOptions); 4] = if i == 0 {
             [
                 (&ngram, GenerateOptions::fixed_draft(5)),
                 (&draft_spec, GenerateOptions::fixed_draft(4)),
                 (&combined, GenerateOptions::fixed_draft(6)),
+                (&eagle3, GenerateOptions::fixed_draft(7)),
             ]
         } else {
-            [(&ngram, adaptive()), (&draft_spec, adaptive()), (&combined, adaptive())]
+            [(&ngram, adaptive()), (&draft_spec, adaptive()), (&combined, adaptive()), (&eagle3, adaptive())]
         };
         for (spec, opts) in cases {
             let mut p = build_proposer(spec, m.target()).unwrap();

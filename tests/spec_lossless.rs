@@ -451,17 +451,18 @@ fn smollm2_greedy_factory_and_shipped_proposers() {
         ))),
         ..GenerateOptions::default()
     };
-    // Through the factory, as the CLI builds them: n-gram and SmolLM2 drafting for itself
-    // (same tokenizer), each at a fixed length on one prompt and adaptive on the other.
+    // Through the factory, as the CLI builds them: n-gram, SmolLM2 drafting for itself (same
+    // tokenizer), prompt lookup in front of the shipped DFlash drafter, and the shipped EAGLE-3
+    // drafter, each at a fixed length on one prompt and adaptive on the other.
+    let shipped = |kind: &str, dir: &str| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters").join(dir);
+        DrafterSpec::parse(&format!("{kind}:{}", dir.display())).unwrap()
+    };
+    let ngram = DrafterSpec::Ngram { max_ngram: 3 };
+    let combined = shipped("ngram+dflash", "smollm2-135m-dflash");
+    let eagle3 = shipped("eagle3", "smollm2-135m-eagle3");
     for (i, prompt) in smollm2_prompts(m).iter().enumerate() {
         let plain = plain_greedy(&m.model, prompt, &stop, REAL_TOKENS);
-        let ngram = DrafterSpec::Ngram { max_ngram: 3 };
-        // Prompt lookup first, the shipped DFlash drafter where it finds nothing.
-        let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters/smollm2-135m-dflash");
-        let combined = DrafterSpec::parse(&format!("ngram+dflash:{}", shipped.display())).unwrap();
-        // The shipped EAGLE-3 drafter, chain drafting.
-        let eagle3 = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters/smollm2-135m-eagle3");
-        let eagle3 = DrafterSpec::parse(&format!("eagle3:{}", eagle3.display())).unwrap();
         let cases: [(&DrafterSpec, GenerateOptions); 4] = if i == 0 {
             [
                 (&ngram, GenerateOptions::fixed_draft(5)),

@@ -230,6 +230,57 @@ fn resume_continues_exactly() {
     }
 }
 
+/// `--init-from`: a run starts from an exported drafter, keeping its shape (a narrower MLP, a
+/// reduced vocabulary) and its weights; at a vanishing learning rate they come out unchanged.
+#[test]
+fn a_run_starts_from_an_exported_drafter() {
+    let target = load("random");
+    let data = examples(&target, 8, 8, 16, 9);
+    let first = tempfile::tempdir().unwrap();
+    let s = Eagle3TrainSettings { draft_vocab: Some(50), ffn: Some(24), val_examples: 0, ..settings(3) };
+    run(&target, &data, s, first.path(), false, None);
+    let second = tempfile::tempdir().unwrap();
+    let s = Eagle3TrainSettings {
+        init_from: Some(first.path().join("drafter")),
+        adam: td::optim::AdamWSettings { lr: 1e-12, weight_decay: 0.0, ..Default::default() },
+        val_examples: 0,
+        ..settings(1)
+    };
+    run(&target, &data, s.clone(), second.path(), false, None);
+    let (a, b) = (
+        Eagle3Drafter::load(&first.path().join("drafter"), &Device::Cpu).unwrap(),
+        Eagle3Drafter::load(&second.path().join("drafter"), &Device::Cpu).unwrap(),
+    );
+    assert_eq!(b.config, a.config);
+    assert_eq!(b.draft_vocab(), a.draft_vocab());
+    let (_, _, pa) = te::load_params(&first.path().join("drafter"), &Device::Cpu).unwrap();
+    let (_, _, pb) = te::load_params(&second.path().join("drafter"), &Device::Cpu).unwrap();
+    assert_eq!(pa.len(), pb.len());
+    for ((name, x), (other, y)) in pa.iter().zip(&pb) {
+        assert_eq!(name, other);
+        let diff =
+            (x.as_tensor() - y.as_tensor()).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff <= 1e-6, "{name} moved by {diff}");
+    }
+    // Other taps than the drafter fuses are refused, not silently retrained on.
+    let third = tempfile::tempdir().unwrap();
+    let (train, val) = td::split_validation(data.clone(), 0);
+    let bad = Eagle3Run {
+        target: &target.model,
+        train,
+        val,
+        settings: Eagle3TrainSettings { taps: Some(vec![1, 2, 3]), ..s },
+        out: third.path().to_path_buf(),
+        resume: false,
+        stop_after: None,
+        export_dtype: DType::F32,
+        log_every: 50,
+    };
+    let layer_ids = bad.settings.feature_layers(&target.model);
+    let err = bad.run(&mut Features::Online { target: &target.model, layer_ids }, &mut ()).unwrap_err();
+    assert!(err.to_string().contains("fuses layers"), "{err:#}");
+}
+
 /// The exported directory (published layout, `d2t` and `t2d` included) loads with the exact
 /// loader and scores like the trained weights.
 #[test]

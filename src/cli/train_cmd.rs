@@ -97,6 +97,10 @@ pub struct Eagle3Args {
     /// Continue from OUT/checkpoint (same settings and data).
     #[arg(long)]
     resume: bool,
+    /// Start from an exported drafter directory's weights (its shape, taps and draft
+    /// vocabulary) with a new schedule instead of a fresh initialisation.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
     /// Stop after this many steps in this run (the schedule still spans every step).
     #[arg(long)]
     stop_after: Option<usize>,
@@ -559,7 +563,7 @@ fn export_dtype(name: &str) -> Result<candle_core::DType> {
 fn run_eagle3(args: Eagle3Args) -> Result<()> {
     use crate::train::dflash::{self as td, optim::AdamWSettings};
     use crate::train::eagle3::{Eagle3Run, Eagle3TrainSettings};
-    let settings = Eagle3TrainSettings {
+    let mut settings = Eagle3TrainSettings {
         ttt_steps: args.ttt_steps,
         taps: args.taps.clone(),
         draft_vocab: args.draft_vocab,
@@ -574,8 +578,16 @@ fn run_eagle3(args: Eagle3Args) -> Result<()> {
         max_tokens: args.max_tokens,
         val_examples: args.val_examples,
         checkpoint_every: args.checkpoint_every,
+        init_from: args.init_from.clone(),
     };
     settings.validate()?;
+    if let Some(dir) = &args.init_from {
+        // A drafter trained further keeps its own taps (the feature cache must hold them).
+        let c = crate::speculative::eagle3::Eagle3Config::from_file(&dir.join("config.json"))?;
+        if settings.taps.is_none() {
+            settings.taps = c.aux_layer_ids;
+        }
+    }
     let dtype = export_dtype(&args.dtype)?;
     let target = load_target(&args.target, args.weights.as_deref())?;
     let (train, val) = split_examples(&target, &args.data, &args.val_data, settings.max_tokens, settings.val_examples)?;

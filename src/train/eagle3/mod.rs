@@ -44,6 +44,10 @@ pub struct Eagle3TrainSettings {
     pub max_tokens: usize,
     pub val_examples: usize,
     pub checkpoint_every: usize,
+    /// Start from an exported drafter's weights, shape, taps and draft vocabulary instead of a
+    /// fresh initialisation (a new schedule, fresh optimiser moments).
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for Eagle3TrainSettings {
@@ -63,6 +67,7 @@ impl Default for Eagle3TrainSettings {
             max_tokens: 1024,
             val_examples: 32,
             checkpoint_every: 200,
+            init_from: None,
         }
     }
 }
@@ -143,6 +148,33 @@ pub fn init_params(config: &Eagle3Config, seed: u64, device: &Device) -> Result<
         params.push((name, Var::from_tensor(&t)?));
     }
     Ok(params)
+}
+
+/// An exported drafter's shape, draft vocabulary and weights as trainable f32 variables (for
+/// `--init-from`). The drafter must embed with its target's embedding, as trained ones do.
+pub fn load_params(dir: &Path, device: &Device) -> Result<(Eagle3Config, Vec<u32>, Vec<(String, Var)>)> {
+    let drafter = Eagle3Drafter::load(dir, device).with_context(|| format!("--init-from {}", dir.display()))?;
+    if drafter.has_embedding() {
+        bail!("--init-from {}: the drafter has its own embed_tokens; training uses the target's", dir.display());
+    }
+    let mut names = model::expected_tensors(&drafter.config);
+    names.sort();
+    let shards = crate::speculative::weight_cache::safetensors_shards(dir)?;
+    // SAFETY: mapped read-only, as the drafter loader maps them.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&shards) }?;
+    let params = names
+        .into_iter()
+        .map(|(name, _)| {
+            // The loader accepted these names (or vLLM's spellings of them) with their shapes.
+            let alt = name.replace("midlayer.", "layers.0.");
+            let full = [name.clone(), format!("model.{name}"), alt.clone(), format!("model.{alt}")]
+                .into_iter()
+                .find(|n| st.get(n).is_ok())
+                .with_context(|| format!("--init-from {}: no `{name}`", dir.display()))?;
+            Ok((name, Var::from_tensor(&st.load(&full, device)?.to_dtype(DType::F32)?)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((drafter.config.clone(), drafter.draft_vocab().to_vec(), params))
 }
 
 /// A drafter whose weights are the trainable variables.
@@ -342,6 +374,17 @@ impl Eagle3Run<'_> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             (config, meta.draft_vocab, params, meta.step, meta.history, meta.train_secs, Some(tensors))
+        } else if let Some(dir) = &s.init_from {
+            let (config, vocab, params) = load_params(dir, &device)?;
+            let taps = config.tap_layers(self.target.config.n_layers);
+            if taps != s.tap_layers(self.target) {
+                bail!(
+                    "--init-from {}: the drafter fuses layers {taps:?}, the run taps {:?}",
+                    dir.display(),
+                    s.tap_layers(self.target)
+                );
+            }
+            (config, vocab, params, 0, Vec::new(), 0.0, None)
         } else {
             let n = s.draft_vocab.unwrap_or(self.target.config.vocab).min(self.target.config.vocab);
             let vocab = frequent_tokens(&self.train, self.target.config.vocab, n);

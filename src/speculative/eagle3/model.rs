@@ -80,12 +80,7 @@ impl Eagle3Drafter {
         // while they are loaded.
         let st = unsafe { MmapedSafetensors::multi(&shards) }
             .map_err(|e| anyhow::anyhow!("{origin}: cannot read safetensors: {e}"))?;
-        let find = |name: &str| -> Option<String> {
-            let alt = name.replace("midlayer.", "layers.0.");
-            [name.to_string(), format!("model.{name}"), alt.clone(), format!("model.{alt}")]
-                .into_iter()
-                .find(|n| st.get(n).is_ok())
-        };
+        let find = |name: &str| -> Option<String> { stored_names(name).into_iter().find(|n| st.get(n).is_ok()) };
         let check = |name: &str, shape: &[usize]| -> Result<String> {
             let full = find(name).with_context(|| format!("{origin}: missing tensor `{name}`"))?;
             let view = st.get(&full).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
@@ -332,6 +327,13 @@ impl Eagle3Drafter {
 }
 
 /// `[n, m + n]`: every one of `m` earlier rows is visible, own rows causally.
+/// The names a checkpoint may store tensor `name` under: SpecForge's, vLLM's `layers.0.` for
+/// `midlayer.`, each with or without a `model.` prefix.
+pub fn stored_names(name: &str) -> [String; 4] {
+    let alt = name.replace("midlayer.", "layers.0.");
+    [name.to_string(), format!("model.{name}"), alt.clone(), format!("model.{alt}")]
+}
+
 pub fn causal_mask(m: usize, n: usize, device: &Device) -> Result<Tensor> {
     let values: Vec<f32> =
         (0..n).flat_map(|i| (0..m + n).map(move |j| if j <= m + i { 0.0 } else { f32::NEG_INFINITY })).collect();

@@ -166,8 +166,7 @@ pub fn load_params(dir: &Path, device: &Device) -> Result<(Eagle3Config, Vec<u32
         .into_iter()
         .map(|(name, _)| {
             // The loader accepted these names (or vLLM's spellings of them) with their shapes.
-            let alt = name.replace("midlayer.", "layers.0.");
-            let full = [name.clone(), format!("model.{name}"), alt.clone(), format!("model.{alt}")]
+            let full = model::stored_names(&name)
                 .into_iter()
                 .find(|n| st.get(n).is_ok())
                 .with_context(|| format!("--init-from {}: no `{name}`", dir.display()))?;

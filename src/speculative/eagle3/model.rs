@@ -326,7 +326,6 @@ impl Eagle3Drafter {
     }
 }
 
-/// `[n, m + n]`: every one of `m` earlier rows is visible, own rows causally.
 /// The names a checkpoint may store tensor `name` under: SpecForge's, vLLM's `layers.0.` for
 /// `midlayer.`, each with or without a `model.` prefix.
 pub fn stored_names(name: &str) -> [String; 4] {
@@ -334,6 +333,7 @@ pub fn stored_names(name: &str) -> [String; 4] {
     [name.to_string(), format!("model.{name}"), alt.clone(), format!("model.{alt}")]
 }
 
+/// `[n, m + n]`: every one of `m` earlier rows is visible, own rows causally.
 pub fn causal_mask(m: usize, n: usize, device: &Device) -> Result<Tensor> {
     let values: Vec<f32> =
         (0..n).flat_map(|i| (0..m + n).map(move |j| if j <= m + i { 0.0 } else { f32::NEG_INFINITY })).collect();

@@ -150,9 +150,12 @@ pub fn init_params(config: &Eagle3Config, seed: u64, device: &Device) -> Result<
     Ok(params)
 }
 
+/// Trainable weights by tensor name.
+pub type NamedVars = Vec<(String, Var)>;
+
 /// An exported drafter's shape, draft vocabulary and weights as trainable f32 variables (for
 /// `--init-from`). The drafter must embed with its target's embedding, as trained ones do.
-pub fn load_params(dir: &Path, device: &Device) -> Result<(Eagle3Config, Vec<u32>, Vec<(String, Var)>)> {
+pub fn load_params(dir: &Path, device: &Device) -> Result<(Eagle3Config, Vec<u32>, NamedVars)> {
     let drafter = Eagle3Drafter::load(dir, device).with_context(|| format!("--init-from {}", dir.display()))?;
     if drafter.has_embedding() {
         bail!("--init-from {}: the drafter has its own embed_tokens; training uses the target's", dir.display());

@@ -83,6 +83,17 @@ fn run(
     resume: bool,
     stop: Option<usize>,
 ) -> td::TrainReport {
+    try_run(target, data, s, out, resume, stop).unwrap()
+}
+
+fn try_run(
+    target: &LoadedModel,
+    data: &[TrainExample],
+    s: Eagle3TrainSettings,
+    out: &Path,
+    resume: bool,
+    stop: Option<usize>,
+) -> anyhow::Result<td::TrainReport> {
     let layer_ids = s.feature_layers(&target.model);
     let (train, val) = td::split_validation(data.to_vec(), s.val_examples);
     let run = Eagle3Run {
@@ -96,7 +107,7 @@ fn run(
         export_dtype: DType::F32,
         log_every: 50,
     };
-    run.run(&mut Features::Online { target: &target.model, layer_ids }, &mut ()).unwrap()
+    run.run(&mut Features::Online { target: &target.model, layer_ids }, &mut ())
 }
 
 #[test]
@@ -264,20 +275,8 @@ fn a_run_starts_from_an_exported_drafter() {
     }
     // Other taps than the drafter fuses are refused, not silently retrained on.
     let third = tempfile::tempdir().unwrap();
-    let (train, val) = td::split_validation(data.clone(), 0);
-    let bad = Eagle3Run {
-        target: &target.model,
-        train,
-        val,
-        settings: Eagle3TrainSettings { taps: Some(vec![1, 2, 3]), ..s },
-        out: third.path().to_path_buf(),
-        resume: false,
-        stop_after: None,
-        export_dtype: DType::F32,
-        log_every: 50,
-    };
-    let layer_ids = bad.settings.feature_layers(&target.model);
-    let err = bad.run(&mut Features::Online { target: &target.model, layer_ids }, &mut ()).unwrap_err();
+    let bad = Eagle3TrainSettings { taps: Some(vec![1, 2, 3]), ..s };
+    let err = try_run(&target, &data, bad, third.path(), false, None).unwrap_err();
     assert!(err.to_string().contains("fuses layers"), "{err:#}");
 }
 

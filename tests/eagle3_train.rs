@@ -82,17 +82,6 @@ fn run(
     out: &Path,
     resume: bool,
     stop: Option<usize>,
-) -> td::TrainReport {
-    try_run(target, data, s, out, resume, stop).unwrap()
-}
-
-fn try_run(
-    target: &LoadedModel,
-    data: &[TrainExample],
-    s: Eagle3TrainSettings,
-    out: &Path,
-    resume: bool,
-    stop: Option<usize>,
 ) -> anyhow::Result<td::TrainReport> {
     let layer_ids = s.feature_layers(&target.model);
     let (train, val) = td::split_validation(data.to_vec(), s.val_examples);
@@ -200,7 +189,7 @@ fn a_small_run_trains_a_drafter_whose_chains_are_accepted() {
     let data = examples(&target, 64, 12, 40, 1);
     let out = tempfile::tempdir().unwrap();
     let s = Eagle3TrainSettings { batch: 16, val_examples: 0, ..settings(150) };
-    let report = run(&target, &data, s, out.path(), false, None);
+    let report = run(&target, &data, s, out.path(), false, None).unwrap();
     assert_eq!(report.steps, 150);
     let last = report.last.unwrap();
     eprintln!("last training metrics: {:?}", last.train);
@@ -227,10 +216,10 @@ fn resume_continues_exactly() {
     let data = examples(&target, 12, 8, 16, 5);
     let s = Eagle3TrainSettings { checkpoint_every: 3, ..settings(7) };
     let whole = tempfile::tempdir().unwrap();
-    run(&target, &data, s.clone(), whole.path(), false, None);
+    run(&target, &data, s.clone(), whole.path(), false, None).unwrap();
     let parts = tempfile::tempdir().unwrap();
-    assert_eq!(run(&target, &data, s.clone(), parts.path(), false, Some(3)).steps, 3);
-    assert_eq!(run(&target, &data, s, parts.path(), true, None).steps, 7);
+    assert_eq!(run(&target, &data, s.clone(), parts.path(), false, Some(3)).unwrap().steps, 3);
+    assert_eq!(run(&target, &data, s, parts.path(), true, None).unwrap().steps, 7);
     let state =
         |dir: &Path| candle_core::safetensors::load(dir.join("checkpoint/state.safetensors"), &Device::Cpu).unwrap();
     let (a, b) = (state(whole.path()), state(parts.path()));
@@ -249,7 +238,7 @@ fn a_run_starts_from_an_exported_drafter() {
     let data = examples(&target, 8, 8, 16, 9);
     let first = tempfile::tempdir().unwrap();
     let s = Eagle3TrainSettings { draft_vocab: Some(50), ffn: Some(24), val_examples: 0, ..settings(3) };
-    run(&target, &data, s, first.path(), false, None);
+    run(&target, &data, s, first.path(), false, None).unwrap();
     let second = tempfile::tempdir().unwrap();
     let s = Eagle3TrainSettings {
         init_from: Some(first.path().join("drafter")),
@@ -257,7 +246,7 @@ fn a_run_starts_from_an_exported_drafter() {
         val_examples: 0,
         ..settings(1)
     };
-    run(&target, &data, s.clone(), second.path(), false, None);
+    run(&target, &data, s.clone(), second.path(), false, None).unwrap();
     let (a, b) = (
         Eagle3Drafter::load(&first.path().join("drafter"), &Device::Cpu).unwrap(),
         Eagle3Drafter::load(&second.path().join("drafter"), &Device::Cpu).unwrap(),
@@ -276,7 +265,7 @@ fn a_run_starts_from_an_exported_drafter() {
     // Other taps than the drafter fuses are refused, not silently retrained on.
     let third = tempfile::tempdir().unwrap();
     let bad = Eagle3TrainSettings { taps: Some(vec![1, 2, 3]), ..s };
-    let err = try_run(&target, &data, bad, third.path(), false, None).unwrap_err();
+    let err = run(&target, &data, bad, third.path(), false, None).unwrap_err();
     assert!(err.to_string().contains("fuses layers"), "{err:#}");
 }
 
@@ -290,7 +279,7 @@ fn export_loads_and_scores_like_the_trained_weights() {
     // A narrower MLP than the target's (`--ffn`) exports and loads like any other shape.
     let s = Eagle3TrainSettings { draft_vocab: Some(50), ffn: Some(24), val_examples: 0, ..settings(3) };
     assert_ne!(target.model.config.ffn, 24);
-    run(&target, &data, s.clone(), out.path(), false, None);
+    run(&target, &data, s.clone(), out.path(), false, None).unwrap();
     let loaded = Eagle3Drafter::load(&out.path().join("drafter"), &Device::Cpu).unwrap();
     assert_eq!(loaded.config.ffn, 24);
     assert_eq!(loaded.config.draft_vocab, loaded.draft_vocab().len());
@@ -331,7 +320,7 @@ fn the_objective_counts_what_the_proposer_drafts() {
     let data = examples(&target, 16, 12, 24, 1);
     let out = tempfile::tempdir().unwrap();
     let s = Eagle3TrainSettings { val_examples: 0, ..settings(40) };
-    run(&target, &data, s.clone(), out.path(), false, None);
+    run(&target, &data, s.clone(), out.path(), false, None).unwrap();
     let drafter = std::sync::Arc::new(Eagle3Drafter::load(&out.path().join("drafter"), &Device::Cpu).unwrap());
     let frozen = te::frozen_target(&target.model, drafter.draft_vocab()).unwrap();
     let mut total = 0;

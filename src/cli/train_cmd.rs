@@ -581,25 +581,17 @@ fn run_eagle3(args: Eagle3Args) -> Result<()> {
         init_from: args.init_from.clone(),
     };
     settings.validate()?;
-    if let Some(dir) = &args.init_from {
-        // A drafter trained further keeps its own taps (the feature cache must hold them).
-        let c = crate::speculative::eagle3::Eagle3Config::from_file(&dir.join("config.json"))?;
-        // Its shape comes with it: a different one asked for is an error, not silently dropped.
-        if settings.draft_vocab.is_some_and(|n| n != c.draft_vocab) || settings.ffn.is_some_and(|f| f != c.ffn) {
-            anyhow::bail!(
-                "--init-from {}: the drafter's draft vocabulary has {} tokens and its MLP is {} wide; \
-                 leave out --draft-vocab and --ffn or give those",
-                dir.display(),
-                c.draft_vocab,
-                c.ffn
-            );
-        }
-        if settings.taps.is_none() {
-            settings.taps = c.aux_layer_ids;
-        }
-    }
     let dtype = export_dtype(&args.dtype)?;
     let target = load_target(&args.target, args.weights.as_deref())?;
+    if let Some(dir) = &args.init_from {
+        // A drafter trained further keeps its own taps (the feature cache must hold them); a
+        // shape it does not have is refused here, before features are computed.
+        let c = crate::speculative::eagle3::Eagle3Config::from_file(&dir.join("config.json"))?;
+        if settings.taps.is_none() {
+            settings.taps = c.aux_layer_ids.clone();
+        }
+        settings.check_init_from(dir, &c, target.model.config.n_layers)?;
+    }
     let (train, val) = split_examples(&target, &args.data, &args.val_data, settings.max_tokens, settings.val_examples)?;
     eprintln!("{} training examples, {} held out", train.len(), val.len());
     let layer_ids = settings.feature_layers(&target.model);

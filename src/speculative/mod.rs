@@ -15,7 +15,7 @@ pub mod policy;
 pub mod proposer;
 pub mod step_cost;
 pub mod verify;
-pub(crate) mod weight_cache;
+mod weight_cache;
 
 pub use factory::{build_proposer, DrafterSpec, Target};
 pub use metrics::SpecMetrics;

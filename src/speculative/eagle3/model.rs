@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Every weight a checkpoint must hold, by its SpecForge name, with its `[out, in]` shape.
@@ -69,60 +70,14 @@ pub struct Eagle3Drafter {
 }
 
 impl Eagle3Drafter {
-    /// Loads a drafter directory: `config.json` + `*.safetensors` (f32/bf16/f16 weights, held
-    /// in f32). Names may carry vLLM's `layers.0.` instead of `midlayer.`, or a `model.` prefix.
-    /// Every tensor is checked for presence, type and shape before any is read.
+    /// Loads a drafter directory (see [`read_checkpoint`]).
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
-        let origin = dir.display();
-        let config = Eagle3Config::from_file(&dir.join("config.json"))?;
-        let shards = crate::speculative::weight_cache::safetensors_shards(dir)?;
-        // SAFETY: mapped read-only; like every mmap loader we assume nobody truncates the files
-        // while they are loaded.
-        let st = unsafe { MmapedSafetensors::multi(&shards) }
-            .map_err(|e| anyhow::anyhow!("{origin}: cannot read safetensors: {e}"))?;
-        let find = |name: &str| -> Option<String> { stored_names(name).into_iter().find(|n| st.get(n).is_ok()) };
-        let check = |name: &str, shape: &[usize]| -> Result<String> {
-            let full = find(name).with_context(|| format!("{origin}: missing tensor `{name}`"))?;
-            let view = st.get(&full).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
-            if view.shape() != shape {
-                bail!("{origin}: tensor `{full}` has shape {:?}, expected {shape:?}", view.shape());
-            }
-            if !matches!(DType::try_from(view.dtype()), Ok(DType::F32 | DType::BF16 | DType::F16)) {
-                bail!("{origin}: tensor `{full}` has type {:?} (supported: f32, bf16, f16)", view.dtype());
-            }
-            Ok(full)
-        };
-        let mut names = std::collections::HashMap::new();
-        for (name, shape) in expected_tensors(&config) {
-            names.insert(name.clone(), check(&name, &shape)?);
-        }
-        let embed_shape = [config.vocab, config.hidden];
-        let embed = match find("embed_tokens.weight") {
-            Some(_) => Some(check("embed_tokens.weight", &embed_shape)?),
-            None => None,
-        };
-        let d2t = match find("d2t") {
-            Some(full) => {
-                let view = st.get(&full).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
-                if view.shape() != [config.draft_vocab] {
-                    bail!("{origin}: tensor `{full}` has shape {:?}, expected [{}]", view.shape(), config.draft_vocab);
-                }
-                let t = st.load(&full, &Device::Cpu).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
-                Some(t.to_dtype(DType::I64)?.to_vec1::<i64>()?)
-            }
-            None if config.draft_vocab == config.vocab => None,
-            None => bail!("{origin}: `draft_vocab_size` is {} but there is no `d2t` tensor", config.draft_vocab),
-        };
-        let draft_to_target = draft_to_target(d2t.as_deref(), config.draft_vocab, config.vocab)
-            .with_context(|| format!("{origin}: `d2t`"))?;
+        let mut c = read_checkpoint(dir, device)?;
         let get = |name: &str, _shape: &[usize]| -> Result<Tensor> {
-            let full = names.get(name).with_context(|| format!("tensor `{name}` was not checked"))?;
-            Ok(st.load(full, device)?.to_dtype(DType::F32)?)
+            c.tensors.get(name).cloned().with_context(|| format!("tensor `{name}` was not read"))
         };
-        let mut drafter = Self::from_tensors(config, draft_to_target, get, device)?;
-        if let Some(full) = embed {
-            drafter.embed = Some(st.load(&full, device)?.to_dtype(DType::F32)?);
-        }
+        let mut drafter = Self::from_tensors(c.config.clone(), std::mem::take(&mut c.draft_to_target), get, device)?;
+        drafter.embed = c.embed;
         drafter.path = dir.to_path_buf();
         Ok(drafter)
     }
@@ -139,7 +94,7 @@ impl Eagle3Drafter {
         if draft_to_target.len() != config.draft_vocab {
             bail!("{} draft-vocabulary ids for a draft vocabulary of {}", draft_to_target.len(), config.draft_vocab);
         }
-        let shapes: std::collections::HashMap<String, Vec<usize>> = expected_tensors(&config).into_iter().collect();
+        let shapes: HashMap<String, Vec<usize>> = expected_tensors(&config).into_iter().collect();
         let w = |name: &str| -> Result<Tensor> {
             let shape = shapes.get(name).with_context(|| format!("unknown tensor `{name}`"))?;
             let t = get(name, shape).with_context(|| format!("tensor `{name}`"))?;
@@ -326,9 +281,73 @@ impl Eagle3Drafter {
     }
 }
 
+/// A drafter checkpoint as read from disk: its config, draft vocabulary and weights in f32
+/// under their SpecForge names.
+pub struct Eagle3Checkpoint {
+    pub config: Eagle3Config,
+    /// Target id of each draft-vocabulary entry.
+    pub draft_to_target: Vec<u32>,
+    /// Every tensor of [`expected_tensors`].
+    pub tensors: HashMap<String, Tensor>,
+    /// The drafter's own token embedding, if it has one.
+    pub embed: Option<Tensor>,
+}
+
+/// Reads a drafter directory: `config.json` + `*.safetensors` (f32/bf16/f16 weights, held in
+/// f32). Names may carry vLLM's `layers.0.` instead of `midlayer.`, or a `model.` prefix. Every
+/// tensor is checked for presence, type and shape before any is read.
+pub fn read_checkpoint(dir: &Path, device: &Device) -> Result<Eagle3Checkpoint> {
+    let origin = dir.display();
+    let config = Eagle3Config::from_file(&dir.join("config.json"))?;
+    let shards = crate::speculative::weight_cache::safetensors_shards(dir)?;
+    // SAFETY: mapped read-only; like every mmap loader we assume nobody truncates the files
+    // while they are loaded.
+    let st = unsafe { MmapedSafetensors::multi(&shards) }
+        .map_err(|e| anyhow::anyhow!("{origin}: cannot read safetensors: {e}"))?;
+    let find = |name: &str| -> Option<String> { stored_names(name).into_iter().find(|n| st.get(n).is_ok()) };
+    let check = |name: &str, shape: &[usize]| -> Result<String> {
+        let full = find(name).with_context(|| format!("{origin}: missing tensor `{name}`"))?;
+        let view = st.get(&full).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
+        if view.shape() != shape {
+            bail!("{origin}: tensor `{full}` has shape {:?}, expected {shape:?}", view.shape());
+        }
+        if !matches!(DType::try_from(view.dtype()), Ok(DType::F32 | DType::BF16 | DType::F16)) {
+            bail!("{origin}: tensor `{full}` has type {:?} (supported: f32, bf16, f16)", view.dtype());
+        }
+        Ok(full)
+    };
+    let mut names = HashMap::new();
+    for (name, shape) in expected_tensors(&config) {
+        names.insert(name.clone(), check(&name, &shape)?);
+    }
+    let embed_shape = [config.vocab, config.hidden];
+    let embed = match find("embed_tokens.weight") {
+        Some(_) => Some(check("embed_tokens.weight", &embed_shape)?),
+        None => None,
+    };
+    let d2t = match find("d2t") {
+        Some(full) => {
+            let view = st.get(&full).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
+            if view.shape() != [config.draft_vocab] {
+                bail!("{origin}: tensor `{full}` has shape {:?}, expected [{}]", view.shape(), config.draft_vocab);
+            }
+            let t = st.load(&full, &Device::Cpu).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
+            Some(t.to_dtype(DType::I64)?.to_vec1::<i64>()?)
+        }
+        None if config.draft_vocab == config.vocab => None,
+        None => bail!("{origin}: `draft_vocab_size` is {} but there is no `d2t` tensor", config.draft_vocab),
+    };
+    let draft_to_target = draft_to_target(d2t.as_deref(), config.draft_vocab, config.vocab)
+        .with_context(|| format!("{origin}: `d2t`"))?;
+    let load = |full: &str| -> Result<Tensor> { Ok(st.load(full, device)?.to_dtype(DType::F32)?) };
+    let tensors = names.into_iter().map(|(name, full)| Ok((name, load(&full)?))).collect::<Result<_>>()?;
+    let embed = embed.map(|full| load(&full)).transpose()?;
+    Ok(Eagle3Checkpoint { config, draft_to_target, tensors, embed })
+}
+
 /// The names a checkpoint may store tensor `name` under: SpecForge's, vLLM's `layers.0.` for
 /// `midlayer.`, each with or without a `model.` prefix.
-pub fn stored_names(name: &str) -> [String; 4] {
+fn stored_names(name: &str) -> [String; 4] {
     let alt = name.replace("midlayer.", "layers.0.");
     [name.to_string(), format!("model.{name}"), alt.clone(), format!("model.{alt}")]
 }

@@ -97,6 +97,28 @@ impl Eagle3TrainSettings {
         Ok(())
     }
 
+    /// Refuses to train the drafter `config` from `dir` further with another shape or other
+    /// taps than its own: a setting that would be dropped is an error.
+    pub fn check_init_from(&self, dir: &Path, config: &Eagle3Config, n_layers: usize) -> Result<()> {
+        if self.draft_vocab.is_some_and(|n| n != config.draft_vocab) || self.ffn.is_some_and(|f| f != config.ffn) {
+            bail!(
+                "--init-from {}: the drafter's draft vocabulary has {} tokens and its MLP is {} wide; \
+                 leave out --draft-vocab and --ffn or give those",
+                dir.display(),
+                config.draft_vocab,
+                config.ffn
+            );
+        }
+        let (theirs, ours) = (
+            config.tap_layers(n_layers),
+            self.taps.clone().unwrap_or_else(|| crate::speculative::eagle3::default_aux_layer_ids(n_layers)),
+        );
+        if theirs != ours {
+            bail!("--init-from {}: the drafter fuses layers {theirs:?}, the run taps {ours:?}", dir.display());
+        }
+        Ok(())
+    }
+
     /// The fused target layers for `target`.
     pub fn tap_layers(&self, target: &Transformer) -> Vec<usize> {
         self.taps.clone().unwrap_or_else(|| crate::speculative::eagle3::default_aux_layer_ids(target.config.n_layers))
@@ -156,27 +178,15 @@ pub type NamedVars = Vec<(String, Var)>;
 /// An exported drafter's shape, draft vocabulary and weights as trainable f32 variables (for
 /// `--init-from`). The drafter must embed with its target's embedding, as trained ones do.
 pub fn load_params(dir: &Path, device: &Device) -> Result<(Eagle3Config, Vec<u32>, NamedVars)> {
-    let drafter = Eagle3Drafter::load(dir, device).with_context(|| format!("--init-from {}", dir.display()))?;
-    if drafter.has_embedding() {
+    let c = model::read_checkpoint(dir, device).with_context(|| format!("--init-from {}", dir.display()))?;
+    if c.embed.is_some() {
         bail!("--init-from {}: the drafter has its own embed_tokens; training uses the target's", dir.display());
     }
-    let mut names = model::expected_tensors(&drafter.config);
-    names.sort();
-    let shards = crate::speculative::weight_cache::safetensors_shards(dir)?;
-    // SAFETY: mapped read-only, as the drafter loader maps them.
-    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&shards) }?;
-    let params = names
-        .into_iter()
-        .map(|(name, _)| {
-            // The loader accepted these names (or vLLM's spellings of them) with their shapes.
-            let full = model::stored_names(&name)
-                .into_iter()
-                .find(|n| st.get(n).is_ok())
-                .with_context(|| format!("--init-from {}: no `{name}`", dir.display()))?;
-            Ok((name, Var::from_tensor(&st.load(&full, device)?.to_dtype(DType::F32)?)?))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((drafter.config.clone(), drafter.draft_vocab().to_vec(), params))
+    let mut params =
+        c.tensors.into_iter().map(|(name, t)| Ok((name, Var::from_tensor(&t)?))).collect::<Result<NamedVars>>()?;
+    // The order every run keeps its variables in (checkpoints and optimiser state follow it).
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((c.config, c.draft_to_target, params))
 }
 
 /// A drafter whose weights are the trainable variables.
@@ -378,14 +388,7 @@ impl Eagle3Run<'_> {
             (config, meta.draft_vocab, params, meta.step, meta.history, meta.train_secs, Some(tensors))
         } else if let Some(dir) = &s.init_from {
             let (config, vocab, params) = load_params(dir, &device)?;
-            let taps = config.tap_layers(self.target.config.n_layers);
-            if taps != s.tap_layers(self.target) {
-                bail!(
-                    "--init-from {}: the drafter fuses layers {taps:?}, the run taps {:?}",
-                    dir.display(),
-                    s.tap_layers(self.target)
-                );
-            }
+            s.check_init_from(dir, &config, self.target.config.n_layers)?;
             (config, vocab, params, 0, Vec::new(), 0.0, None)
         } else {
             let n = s.draft_vocab.unwrap_or(self.target.config.vocab).min(self.target.config.vocab);

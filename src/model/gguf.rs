@@ -2,71 +2,11 @@
 //! re-quantisation into the weight format chosen for speed on this machine.
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::{gguf_file::Content, GgmlDType, QTensor};
+use candle_core::quantized::{gguf_file::Content, QTensor};
 use candle_core::Device;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-
-/// How matmul weights are held in memory. `Native` keeps the file's types; the others
-/// convert at load time (candle runs Q4_1/Q5_0 with scalar code on x86, Q8_0/Q4_0 with AVX2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightFormat {
-    Native,
-    Q8_0,
-    Q4_0,
-    F16,
-    F32,
-}
-
-impl WeightFormat {
-    pub fn parse(s: &str) -> Result<Self> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "native" => Self::Native,
-            "q8_0" => Self::Q8_0,
-            "q4_0" => Self::Q4_0,
-            "f16" => Self::F16,
-            "f32" => Self::F32,
-            other => bail!("unknown weight format `{other}` (expected native, q8_0, q4_0, f16 or f32)"),
-        })
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Native => "native",
-            Self::Q8_0 => "q8_0",
-            Self::Q4_0 => "q4_0",
-            Self::F16 => "f16",
-            Self::F32 => "f32",
-        }
-    }
-
-    /// The default for a file, chosen by measurement (docs/performance.md): keep the file's
-    /// types where there are fast kernels for them (ours for Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on
-    /// CPUs with AVX-512 VNNI or AVX2, candle's repacked ones for widths that are multiples of 256); otherwise
-    /// convert to Q8_0, which runs on our kernel (or, without them, is padded onto
-    /// candle's repacked one; see [`super::linear`]). Q4_0/Q4_1/Q5_0/Q5_1 run scalar in
-    /// candle, and any width that is not a multiple of 256 misses its repacked kernels.
-    /// `kernels` says which kernels may run (its `weights` is not read here).
-    pub fn default_for(file: &GgufFile, kernels: &super::KernelSettings) -> Self {
-        let slow = file.content.tensor_infos.iter().filter(|(name, _)| name.starts_with("blk.")).any(|(_, t)| {
-            let dims = t.shape.dims();
-            let k = dims.last().copied().unwrap_or(0);
-            let ours = t.shape.rank() == 2
-                && kernels.vnni_kernels
-                && super::vnni_matmul::available()
-                && super::vnni_matmul::supports(t.ggml_dtype, dims[0], k);
-            !ours
-                && (matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q4_0)
-                    || (t.shape.rank() == 2 && k % 256 != 0 && super::linear::repacked_q8_available(kernels)))
-        });
-        if slow {
-            Self::Q8_0
-        } else {
-            Self::Native
-        }
-    }
-}
 
 /// An open GGUF file whose header has been read and whose tensors are known to lie inside it.
 pub struct GgufFile {

@@ -2,7 +2,84 @@
 //! read from the environment once ([`KernelSettings::from_env`]) and passed to the loader.
 //! docs/kernels.md lists every environment variable the project reads.
 
-use super::gguf::WeightFormat;
+use super::gguf::GgufFile;
+use super::quant_matmul;
+pub use super::quant_matmul::ActivationLevels;
+use anyhow::{bail, Result};
+use candle_core::quantized::GgmlDType;
+
+/// How matmul weights are held in memory. `Native` keeps the file's types; the others
+/// convert at load time (candle runs Q4_1/Q5_0 with scalar code on x86, Q8_0/Q4_0 with AVX2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    Native,
+    Q8_0,
+    Q4_0,
+    F16,
+    F32,
+}
+
+impl WeightFormat {
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "native" => Self::Native,
+            "q8_0" => Self::Q8_0,
+            "q4_0" => Self::Q4_0,
+            "f16" => Self::F16,
+            "f32" => Self::F32,
+            other => bail!("unknown weight format `{other}` (expected native, q8_0, q4_0, f16 or f32)"),
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+            Self::F16 => "f16",
+            Self::F32 => "f32",
+        }
+    }
+
+    /// The default for a file, chosen by measurement (docs/performance.md): keep the file's
+    /// types where there are fast kernels for them (ours for Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on
+    /// CPUs with AVX-512 VNNI or AVX2, candle's repacked ones for widths that are multiples of 256); otherwise
+    /// convert to Q8_0, which runs on our kernel (or, without them, is padded onto
+    /// candle's repacked one; see `linear`). Q4_0/Q4_1/Q5_0/Q5_1 run scalar in
+    /// candle, and any width that is not a multiple of 256 misses its repacked kernels.
+    /// `kernels` says which kernels may run (its `weights` is not read here).
+    pub fn default_for(file: &GgufFile, kernels: &KernelSettings) -> Self {
+        let slow = file.content.tensor_infos.iter().filter(|(name, _)| name.starts_with("blk.")).any(|(_, t)| {
+            let dims = t.shape.dims();
+            let k = dims.last().copied().unwrap_or(0);
+            let ours = t.shape.rank() == 2 && kernels.packed_kernels_take(t.ggml_dtype, dims[0], k);
+            !ours
+                && (matches!(t.ggml_dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q4_0)
+                    || (t.shape.rank() == 2 && k % 256 != 0 && repacked_q8_available(kernels)))
+        });
+        if slow {
+            Self::Q8_0
+        } else {
+            Self::Native
+        }
+    }
+}
+
+/// Whether candle's repacked Q8_0 kernel is allowed (`kernels.candle_repack`) and runs on this
+/// CPU (it needs VNNI dot products).
+pub fn repacked_q8_available(kernels: &KernelSettings) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        kernels.candle_repack
+            && ((is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni"))
+                || (is_x86_feature_detected!("avxvnni") && is_x86_feature_detected!("avx2")))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = kernels;
+        false
+    }
+}
 
 /// Kernel choices for loading a model. The default is what runs without any setting: the
 /// measured weight format for the file and every kernel the CPU has.
@@ -11,7 +88,7 @@ pub struct KernelSettings {
     /// Weight format in memory; `None` picks the measured default for the file
     /// ([`WeightFormat::default_for`]).
     pub weights: Option<WeightFormat>,
-    /// Our AVX-512 VNNI kernels for Q8_0, Q4_1 and Q5_0 matrices (`vnni_matmul`), where the
+    /// Our AVX-512 VNNI kernels for Q8_0, Q4_1 and Q5_0 matrices (`quant_matmul`), where the
     /// CPU has them. Off: those types run on candle's kernels.
     pub vnni_kernels: bool,
     /// candle's repacked Q8_0 kernel for input widths that are not multiples of 256, by
@@ -23,34 +100,6 @@ pub struct KernelSettings {
     pub amx: bool,
     /// How our kernels quantise activations (docs/kernels.md).
     pub activation_levels: ActivationLevels,
-}
-
-/// How our kernels quantise each block of 32 activations: one 8-bit level (llama.cpp's
-/// arithmetic); one level with each row's outliers (the largest value of the blocks whose
-/// scale is large) taken out and multiplied in f32 (the default: worst-step log-prob errors
-/// 1.1–5× smaller than llama.cpp's, about a tenth more prefill time than one level); or a second
-/// 8-bit level for what the first leaves over (within f32 rounding of the dense product, twice
-/// the integer dot products). See `vnni_matmul`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ActivationLevels {
-    One,
-    Outliers,
-    Two,
-}
-
-impl ActivationLevels {
-    fn parse(name: &str, value: &str) -> Option<Self> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "one" | "1" => Some(Self::One),
-            "outliers" => Some(Self::Outliers),
-            "two" | "2" => Some(Self::Two),
-            "" => None,
-            other => {
-                eprintln!("warning: {name}={other:?} is not one, outliers or two; ignored");
-                None
-            }
-        }
-    }
 }
 
 impl Default for KernelSettings {
@@ -98,6 +147,13 @@ impl KernelSettings {
                 activation_levels: activation_levels_from_env(),
             }
         })
+    }
+
+    /// Whether a `[n, k]` matrix of `dtype` runs on our packed kernels (`quant_matmul`): they
+    /// are allowed, this CPU runs them, and they take that type and shape. The one place this
+    /// is decided, for the default weight format and for loading each matrix.
+    pub fn packed_kernels_take(&self, dtype: GgmlDType, n: usize, k: usize) -> bool {
+        self.vnni_kernels && quant_matmul::available() && quant_matmul::supports(dtype, n, k)
     }
 
     /// The same settings with a weight format (`None`: the file's default).

@@ -1,5 +1,5 @@
 //! Matmul weights in the chosen format: Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on our own kernels
-//! (`vnni_matmul`) where the CPU has AVX-512 VNNI or AVX2, everything else on candle's, padded where that unlocks its
+//! (`quant_matmul`) where the CPU has AVX-512 VNNI or AVX2, everything else on candle's, padded where that unlocks its
 //! fast kernels.
 //!
 //! candle 0.11.1's repacked x86 kernels (one weight read for up to 16 activation rows, VNNI
@@ -8,10 +8,9 @@
 //! multiple and activations padded to match: ~30% more multiply-adds, 3–9× less time
 //! (docs/performance.md).
 
-use super::gguf::WeightFormat;
-use super::kernels::KernelSettings;
+use super::kernels::{repacked_q8_available, KernelSettings, WeightFormat};
+use super::quant_matmul::PackedMatrix;
 use super::source::TensorSource;
-use super::vnni_matmul::{self, PackedMatrix};
 use anyhow::{Context, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -19,26 +18,10 @@ use std::sync::Arc;
 
 const REPACK_K: usize = 256;
 
-/// Whether candle's repacked Q8_0 kernel is allowed (`kernels.candle_repack`) and runs on this
-/// CPU (it needs VNNI dot products).
-pub fn repacked_q8_available(kernels: &KernelSettings) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        kernels.candle_repack
-            && ((is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni"))
-                || (is_x86_feature_detected!("avxvnni") && is_x86_feature_detected!("avx2")))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = kernels;
-        false
-    }
-}
-
 #[derive(Clone)]
 enum Weight {
     Candle(QMatMul),
-    /// Quantised weights on our own kernels (`vnni_matmul`), where the CPU has them.
+    /// Quantised weights on our own kernels (`quant_matmul`), where the CPU has them.
     Vnni(Arc<PackedMatrix>),
 }
 
@@ -95,11 +78,7 @@ impl Linear {
         // The file's own Q8_0/Q4_1 tensors (`native`), or anything converted to Q8_0, run on
         // our kernels where the CPU has them.
         let final_type = target.unwrap_or(q.dtype());
-        if device.is_cpu()
-            && kernels.vnni_kernels
-            && vnni_matmul::available()
-            && vnni_matmul::supports(final_type, out_features, in_features)
-        {
+        if device.is_cpu() && kernels.packed_kernels_take(final_type, out_features, in_features) {
             let converted = if final_type == q.dtype() {
                 q.clone()
             } else {

@@ -4,8 +4,9 @@
 
 use super::batch::{ForwardBatch, ForwardOutput, LogitsRows};
 use super::config::ModelConfig;
-use super::gguf::{GgufFile, WeightFormat};
+use super::gguf::GgufFile;
 use super::kernels::KernelSettings;
+use super::kernels::WeightFormat;
 use super::linear::{FusedLinear, Linear};
 use super::rope::Rope;
 use super::source::TensorSource;

@@ -1,0 +1,738 @@
+//! Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights × 8-bit activations (with their outliers in f32,
+//! or in two levels) on AVX-512 VNNI CPUs, and with the same arithmetic on AVX2 CPUs (see
+//! `mod avx2`), for any batch size.
+//!
+//! Why not candle's kernels: its repacked Q8_0 kernel needs input widths that are multiples
+//! of 256 (SmolLM2's 576 had to be zero-padded to 768, a third more work), quantises
+//! activations with a scalar loop and takes activation rows four at a time; its Q4_1 is
+//! scalar on x86. Here any width that is a multiple of 32 works, activations are quantised
+//! per 32 values with vector code, up to eight rows share each weight load, and the weights
+//! are prefetched ahead of use. Q4_1 streams 0.63 bytes per weight and Q5_0 0.69, against
+//! Q8_0's 1.06 (candle runs both 4/5-bit types with scalar code):
+//! small decode batches are bound by reading the weights, so that is what they wait for.
+//!
+//! The k-quants run as blocks of 32 with their scales kept as stored: Q4_K is Q4_1 with the
+//! block's scale `d·sc` and minimum `−dmin·m` (6-bit `sc`, `m` per 32, f16 `d`, `dmin` per
+//! 256); Q6_K is 6-bit `q − 32` with an 8-bit scale per 16 inputs, so its blocks sum their two
+//! halves apart. Each product of an f16 and a small integer is exact in f32, so the kernels
+//! multiply exactly the file's weights, streaming about as many bytes (4.6 and 6.6 bits per
+//! weight) as the file holds. candle's k-quant kernels quantise activations to one 8-bit level.
+//!
+//! Activations are quantised per 32 values, in up to two levels: `x ≈ d·q + d_r·r`, where `q`
+//! is llama.cpp's Q8_0/Q8_1 activation block (`d = max|x|/127`, `q = round(x/d)`) and `r` the
+//! same quantisation of what `q` leaves over (`x − d·q`), so each value carries about 15 bits
+//! instead of 8. Per block and row: `d_w·(d·Σw·q + d_r·Σw·r)`, plus `m_w·s` for Q4_1 with
+//! `s = d·Σq + d_r·Σr`; scales stay f32. One level (llama.cpp's arithmetic) is 8-bit noise on
+//! every matmul input, which a 30-layer model turns into log-prob errors of several tenths
+//! of a nat at some steps (docs/kernels.md); two levels bring the kernels within f32
+//! rounding of exact arithmetic on the file's weights, for twice the integer dot products.
+//! The default, [`ActivationLevels::Outliers`], keeps one level and takes the error's main
+//! source out of it: a block's rounding error scales with its `d`, so a row's error sits in
+//! its blocks of large `d`, and in real activations such a block is almost always one
+//! outlier channel among small values (the largest value over twice the second in nearly
+//! every such block of SmolLM2's prefill). In the blocks with `d² ≥ 2 × the row's mean d²`
+//! (about a tenth) the largest value is taken out and the rest quantised on their own, much
+//! finer; the kernels add `x·w` for each outlier in f32 with its input's dequantised weights,
+//! once per tile for every row of the tile. Worst-step log-prob errors are 1.1–5× smaller than
+//! llama.cpp's, for about a tenth more prefill time than one level.
+//! Row invariance: each output is exact integer dot products per 32-value block,
+//! then the same float operations in the same order, whatever the number of rows, their
+//! grouping or the thread split (threads split output columns). So a verified block of
+//! tokens gets bit for bit the logits single steps would.
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use half::f16;
+
+use crate::parallel::SyncPtr;
+use portable::{largest_untaken_portable, quantize_range_portable};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod portable;
+#[cfg(test)]
+mod tests;
+
+const BLOCK: usize = 32;
+/// Output rows per weight tile: one 512-bit vector of i32 sums.
+const TILE_N: usize = 16;
+/// Activation rows that share one pass over a weight tile.
+const MAX_ROWS: usize = 8;
+/// Activation blocks per work item when quantising.
+const QUANT_CHUNK: usize = 32;
+
+/// How our kernels quantise each block of 32 activations: one 8-bit level (llama.cpp's
+/// arithmetic); one level with each row's outliers (the largest value of the blocks whose
+/// scale is large) taken out and multiplied in f32 (the default: worst-step log-prob errors
+/// 1.1–5× smaller than llama.cpp's, about a tenth more prefill time than one level); or a second
+/// 8-bit level for what the first leaves over (within f32 rounding of the dense product, twice
+/// the integer dot products). See the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActivationLevels {
+    One,
+    Outliers,
+    Two,
+}
+
+impl ActivationLevels {
+    pub(super) fn parse(name: &str, value: &str) -> Option<Self> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "one" | "1" => Some(Self::One),
+            "outliers" => Some(Self::Outliers),
+            "two" | "2" => Some(Self::Two),
+            "" => None,
+            other => {
+                eprintln!("warning: {name}={other:?} is not one, outliers or two; ignored");
+                None
+            }
+        }
+    }
+}
+
+/// Which vector code runs the kernels on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    /// AVX-512 with VNNI: `vpdpbusd` on 16 rows at once.
+    Avx512Vnni,
+    /// AVX2 with FMA and F16C: the same arithmetic on two halves of 8 rows.
+    Avx2,
+}
+
+/// The best kernels this CPU runs, if any.
+fn isa() -> Option<Isa> {
+    static ISA: std::sync::OnceLock<Option<Isa>> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("f16c")
+            {
+                return Some(Isa::Avx512Vnni);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Some(Isa::Avx2);
+            }
+            None
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            None
+        }
+    })
+}
+
+/// Whether this CPU runs the kernels (AVX-512 VNNI, or AVX2 with FMA and F16C); whether they
+/// are used is `KernelSettings::vnni_kernels`.
+pub fn available() -> bool {
+    isa().is_some()
+}
+
+/// Whether activations are quantised with the AVX-512 code (else the portable loops).
+fn avx512_quantization() -> bool {
+    isa() == Some(Isa::Avx512Vnni)
+}
+
+/// Whether a `[n, k]` matrix of this type has a kernel here (CPU aside).
+pub fn supports(dtype: GgmlDType, n: usize, k: usize) -> bool {
+    let k_multiple = match dtype {
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_1 => BLOCK,
+        GgmlDType::Q4K | GgmlDType::Q6K => SUPER_BLOCK,
+        _ => return false,
+    };
+    n > 0 && k > 0 && n.is_multiple_of(TILE_N) && k.is_multiple_of(k_multiple)
+}
+
+/// Inputs per k-quant super-block (one f16 scale per row).
+const SUPER_BLOCK: usize = 256;
+/// Blocks of 32 per super-block.
+const BLOCKS_PER_SUPER: usize = SUPER_BLOCK / BLOCK;
+
+/// A Q8_0, Q5_0, Q4_1, Q4_K or Q6_K matrix rearranged into tiles of 16 output rows × 32 inputs.
+pub struct PackedMatrix {
+    n: usize,
+    k: usize,
+    weights: Packed,
+    /// How activations are quantised (`KernelSettings::activation_levels`).
+    levels: ActivationLevels,
+}
+
+/// Scales are kept in f16 as stored: fewer bytes streamed per step, and widening is exact.
+enum Packed {
+    /// `qs`: `[n/16][k/32][8 groups of 4 inputs][16 rows][4]`, each weight + 128 as u8,
+    /// because `vpdpbusd` multiplies unsigned by signed bytes. `d`: `[n/16][k/32][16]`.
+    Q8_0 { qs: Vec<u8>, d: Vec<f16> },
+    /// Weight = d·q + m with q in 0..16. `qs`: `[n/16][k/32][4 groups][16 rows][4]`, the
+    /// file's bytes as they are: low nibbles hold inputs 4g..4g+4, high nibbles 16+4g..
+    /// `d`, `m`: `[n/16][k/32][16]`.
+    Q4_1 { qs: Vec<u8>, d: Vec<f16>, m: Vec<f16> },
+    /// Weight = d·(q − 16) with q in 0..32: the low four bits as Q4_1's `qs`, the fifth bit
+    /// of input j at bit j of the row's `qh` word. `qh`, `d`: `[n/16][k/32][16]`.
+    Q5_0 { qs: Vec<u8>, qh: Vec<u32>, d: Vec<f16> },
+    /// Weight = (d·sc)·q − (dmin·m) with q in 0..16: `qs` as Q4_1's; `sc`, `m` (6-bit):
+    /// `[n/16][k/32][16]`; `d` and `dmin_neg` (−dmin): `[n/16][k/256][16]`.
+    Q4K { qs: Vec<u8>, sc: Vec<u8>, m: Vec<u8>, d: Vec<f16>, dmin_neg: Vec<f16> },
+    /// Weight = (d·sc)·(q − 32) with q in 0..64 and one `sc` per 16 inputs: the low four bits
+    /// as Q4_1's `qs`; `qh`: `[n/16][k/32][2][16 rows][4]`, whose byte (h, row, i) holds at bits
+    /// 2j..2j+2 the top two bits of input 4(4h+j)+i; `sc`: `[n/16][k/32][2][16]` (inputs 0..16,
+    /// then 16..32); `d`: `[n/16][k/256][16]`.
+    Q6K { qs: Vec<u8>, qh: Vec<u8>, sc: Vec<i8>, d: Vec<f16> },
+}
+
+/// GGML's Q8_0 block: an f16 scale and 32 signed bytes.
+const Q8_0_BYTES: usize = 2 + BLOCK;
+/// GGML's Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles (input j low, j+16 high).
+const Q4_1_BYTES: usize = 4 + BLOCK / 2;
+/// GGML's Q5_0 block: f16 scale, 4 bytes of fifth bits, 16 bytes of nibbles as Q4_1's.
+const Q5_0_BYTES: usize = 6 + BLOCK / 2;
+/// GGML's Q4_K super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes of
+/// nibbles.
+const Q4K_BYTES: usize = 4 + 12 + SUPER_BLOCK / 2;
+/// GGML's Q6_K super-block: 128 bytes of low nibbles, 64 of top bit pairs, 16 i8 scales, f16 d.
+const Q6K_BYTES: usize = SUPER_BLOCK / 2 + SUPER_BLOCK / 4 + 16 + 2;
+
+/// Scale and minimum of block `j` (0..8) of a Q4_K super-block, from its 12 packed bytes.
+fn q4k_scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (packed[j] & 63, packed[j + 4] & 63)
+    } else {
+        ((packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4), (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4))
+    }
+}
+
+/// The 256 quantised values (0..16) and 8 (scale, minimum) pairs of a Q4_K super-block.
+fn q4k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER]) {
+    let qs = &block[16..];
+    let mut values = [0u8; SUPER_BLOCK];
+    for (i, v) in values.iter_mut().enumerate() {
+        // 64 inputs per 32 bytes: the first 32 in the low nibbles, the next 32 in the high.
+        let byte = qs[i / 64 * 32 + i % 32];
+        *v = if i % 64 < 32 { byte & 0x0F } else { byte >> 4 };
+    }
+    (values, std::array::from_fn(|j| q4k_scale_min(j, &block[4..16])))
+}
+
+/// The 256 quantised values (0..64, to be taken − 32) and 16 scales of a Q6_K super-block.
+fn q6k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [i8; 16]) {
+    let (ql, qh) = (&block[..128], &block[128..192]);
+    let mut values = [0u8; SUPER_BLOCK];
+    for (i, v) in values.iter_mut().enumerate() {
+        // Halves of 128; in each, quarter q of 32 inputs takes low nibbles (q even) or high
+        // nibbles (q odd) of ql[32·(q%2)..], and bit pair q of qh[l].
+        let (half, quarter, l) = (i / 128, i % 128 / 32, i % 32);
+        let low = ql[half * 64 + (quarter % 2) * 32 + l];
+        let low = if quarter < 2 { low & 0x0F } else { low >> 4 };
+        let high = (qh[half * 32 + l] >> (2 * quarter)) & 3;
+        *v = low | (high << 4);
+    }
+    (values, std::array::from_fn(|j| block[192 + j] as i8))
+}
+
+/// Puts a block's 32 values (each < 16) into the tile layout Q4_1 stores: byte (g, row, i)
+/// holds input 4g+i in its low nibble and 16+4g+i in its high one.
+fn pack_nibbles(values: &[u8], qs: &mut [u8], tile: usize, lane: usize) {
+    for j in 0..BLOCK / 2 {
+        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = (values[j] & 0x0F) | (values[j + 16] << 4);
+    }
+}
+
+impl PackedMatrix {
+    /// Packs a `[n, k]` Q8_0, Q5_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
+    /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
+    pub fn from_qtensor(q: &QTensor, levels: ActivationLevels) -> Result<Option<Self>> {
+        let (n, k) = q.shape().dims2()?;
+        if !available() || !supports(q.dtype(), n, k) {
+            return Ok(None);
+        }
+        let data = q.data()?;
+        let kb = k / BLOCK;
+        let (blocks, block_bytes) = match q.dtype() {
+            GgmlDType::Q8_0 => (kb, Q8_0_BYTES),
+            GgmlDType::Q5_0 => (kb, Q5_0_BYTES),
+            GgmlDType::Q4K => (k / SUPER_BLOCK, Q4K_BYTES),
+            GgmlDType::Q6K => (k / SUPER_BLOCK, Q6K_BYTES),
+            _ => (kb, Q4_1_BYTES),
+        };
+        // Checked: a file's dimensions are untrusted, and a wrapped product could match a
+        // wrapped byte count.
+        let expected = n.checked_mul(blocks).and_then(|x| x.checked_mul(block_bytes));
+        if expected != Some(data.len()) || n.checked_mul(k).is_none() {
+            bail!("{:?} tensor of {n}×{k} has {} bytes", q.dtype(), data.len());
+        }
+        let sb_n = k / SUPER_BLOCK;
+        let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]);
+        let weights = if q.dtype() == GgmlDType::Q8_0 {
+            let mut qs = vec![0u8; n * k];
+            let mut d = vec![f16::ZERO; n * kb];
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for b in 0..kb {
+                    let block = &data[(row * kb + b) * Q8_0_BYTES..][..Q8_0_BYTES];
+                    let tile = (nt * kb + b) * TILE_N * BLOCK;
+                    d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
+                    for (i, &w) in block[2..].iter().enumerate() {
+                        qs[tile + (i / 4 * TILE_N + lane) * 4 + i % 4] = (w as i8 as i16 + 128) as u8;
+                    }
+                }
+            }
+            Packed::Q8_0 { qs, d }
+        } else if q.dtype() == GgmlDType::Q5_0 {
+            let mut qs = vec![0u8; n * k / 2];
+            let (mut qh, mut d) = (vec![0u32; n * kb], vec![f16::ZERO; n * kb]);
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for b in 0..kb {
+                    let block = &data[(row * kb + b) * Q5_0_BYTES..][..Q5_0_BYTES];
+                    let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
+                    d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
+                    qh[(nt * kb + b) * TILE_N + lane] = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+                    for (j, &byte) in block[6..].iter().enumerate() {
+                        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
+                    }
+                }
+            }
+            Packed::Q5_0 { qs, qh, d }
+        } else if q.dtype() == GgmlDType::Q4K {
+            let mut qs = vec![0u8; n * k / 2];
+            let (mut sc, mut m) = (vec![0u8; n * kb], vec![0u8; n * kb]);
+            let (mut d, mut dmin_neg) = (vec![f16::ZERO; n * sb_n], vec![f16::ZERO; n * sb_n]);
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for s in 0..sb_n {
+                    let block = &data[(row * sb_n + s) * Q4K_BYTES..][..Q4K_BYTES];
+                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
+                    dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
+                    let (values, scales) = q4k_values(block);
+                    for (j, &(scale, min)) in scales.iter().enumerate() {
+                        let b = s * BLOCKS_PER_SUPER + j;
+                        sc[(nt * kb + b) * TILE_N + lane] = scale;
+                        m[(nt * kb + b) * TILE_N + lane] = min;
+                        let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
+                        pack_nibbles(&values[j * BLOCK..(j + 1) * BLOCK], &mut qs, tile, lane);
+                    }
+                }
+            }
+            Packed::Q4K { qs, sc, m, d, dmin_neg }
+        } else if q.dtype() == GgmlDType::Q6K {
+            let mut qs = vec![0u8; n * k / 2];
+            let mut qh = vec![0u8; n * k / 4];
+            let mut sc = vec![0i8; n * kb * 2];
+            let mut d = vec![f16::ZERO; n * sb_n];
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for s in 0..sb_n {
+                    let block = &data[(row * sb_n + s) * Q6K_BYTES..][..Q6K_BYTES];
+                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 208);
+                    let (values, scales) = q6k_values(block);
+                    for j in 0..BLOCKS_PER_SUPER {
+                        let b = s * BLOCKS_PER_SUPER + j;
+                        let vals = &values[j * BLOCK..(j + 1) * BLOCK];
+                        let low: Vec<u8> = vals.iter().map(|v| v & 0x0F).collect();
+                        pack_nibbles(&low, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                        for (input, v) in vals.iter().enumerate() {
+                            let (g, i) = (input / 4, input % 4);
+                            let at = (nt * kb + b) * TILE_N * BLOCK / 4 + ((g / 4) * TILE_N + lane) * 4 + i;
+                            qh[at] |= (v >> 4) << (2 * (g % 4));
+                        }
+                        sc[((nt * kb + b) * 2) * TILE_N + lane] = scales[2 * j];
+                        sc[((nt * kb + b) * 2 + 1) * TILE_N + lane] = scales[2 * j + 1];
+                    }
+                }
+            }
+            Packed::Q6K { qs, qh, sc, d }
+        } else {
+            let mut qs = vec![0u8; n * k / 2];
+            let (mut d, mut m) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb]);
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for b in 0..kb {
+                    let block = &data[(row * kb + b) * Q4_1_BYTES..][..Q4_1_BYTES];
+                    let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
+                    d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
+                    m[(nt * kb + b) * TILE_N + lane] = f16_at(block, 2);
+                    for (j, &byte) in block[4..].iter().enumerate() {
+                        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
+                    }
+                }
+            }
+            Packed::Q4_1 { qs, d, m }
+        };
+        Ok(Some(Self { n, k, weights, levels }))
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    /// `x`: `m` rows of `k` floats → `m` rows of `n` floats; an error when `x` is not whole rows.
+    pub fn matmul(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let isa = isa().context("no vector kernels on this CPU")?;
+        self.matmul_on(x, isa)
+    }
+
+    /// [`Self::matmul`] on the kernels of `isa`, which this CPU must run.
+    fn matmul_on(&self, x: &[f32], isa: Isa) -> Result<Vec<f32>> {
+        let m = x.len() / self.k;
+        if x.len() != m * self.k {
+            bail!("matmul input of {} values is not whole rows of {}", x.len(), self.k);
+        }
+        let acts = QuantizedRows::new(x, self.k, self.levels);
+        // Not zeroed first: every element is written by exactly one tile below (a zeroed
+        // 8 × 49152 logits buffer was a page-faulting memset on every step).
+        let mut out: Vec<f32> = Vec::with_capacity(m * self.n);
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        candle_core::utils::barrier_pool().execute_chunked(self.n / TILE_N, |tiles| {
+            // Captures the whole `SyncPtr` (a closure would otherwise capture its raw field).
+            #[allow(clippy::redundant_locals)]
+            let out_ptr = out_ptr;
+            for nt in tiles {
+                for r0 in (0..m).step_by(MAX_ROWS) {
+                    // SAFETY: `isa` runs on this CPU (`isa()`, or a test's `runnable_isas()`),
+                    // and each tile writes only its own 16 columns of rows that exist.
+                    unsafe { self.tile(isa, nt, &acts, r0, (m - r0).min(MAX_ROWS), out_ptr.get()) };
+                }
+            }
+        });
+        // SAFETY: the tiles cover all n/16 column groups of all m rows.
+        unsafe { out.set_len(m * self.n) };
+        Ok(out)
+    }
+
+    unsafe fn tile(&self, isa: Isa, nt: usize, acts: &QuantizedRows, r0: usize, rows: usize, out: *mut f32) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            macro_rules! by_rows {
+                ($m:ident, $f:ident) => {
+                    match rows {
+                        1 => $m::$f::<1>(self, nt, acts, r0, out),
+                        2 => $m::$f::<2>(self, nt, acts, r0, out),
+                        3 => $m::$f::<3>(self, nt, acts, r0, out),
+                        4 => $m::$f::<4>(self, nt, acts, r0, out),
+                        5 => $m::$f::<5>(self, nt, acts, r0, out),
+                        6 => $m::$f::<6>(self, nt, acts, r0, out),
+                        7 => $m::$f::<7>(self, nt, acts, r0, out),
+                        _ => $m::$f::<8>(self, nt, acts, r0, out),
+                    }
+                };
+            }
+            macro_rules! by_type {
+                ($m:ident) => {
+                    match self.weights {
+                        Packed::Q8_0 { .. } => by_rows!($m, q8_0_rows),
+                        Packed::Q4_1 { .. } => by_rows!($m, q4_1_rows),
+                        Packed::Q5_0 { .. } => by_rows!($m, q5_0_rows),
+                        Packed::Q4K { .. } => by_rows!($m, q4k_rows),
+                        Packed::Q6K { .. } => by_rows!($m, q6k_rows),
+                    }
+                };
+            }
+            match isa {
+                Isa::Avx512Vnni => by_type!(avx512),
+                Isa::Avx2 => by_type!(avx2),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (isa, nt, acts, r0, rows, out);
+            unreachable!("PackedMatrix is only built where `available()`");
+        }
+    }
+}
+
+/// One activation block's scales and sums: `x ≈ d·q + d_r·r` (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct ActBlock {
+    d: f32,
+    d_r: f32,
+    /// Σq and Σr, exact.
+    sum: i32,
+    sum_r: i32,
+    /// Σq and Σr over the block's first 16 values (Q6_K scales each half apart).
+    sum_lo: i32,
+    sum_r_lo: i32,
+    /// `d·Σq + d_r·Σr`: the block's sum as quantised (Q4_1's minimum term).
+    s: f32,
+    /// [`ActivationLevels::Outliers`]: bit `i` set when input `i` was taken out as an outlier.
+    taken: u32,
+}
+
+/// Activations quantised per 32 values: one level, one level with outliers taken out, or two
+/// levels (see the module docs).
+struct QuantizedRows {
+    /// `[m][k]` first level.
+    q: Vec<i8>,
+    /// `[m][k]` second level (the first's remainder).
+    r: Vec<i8>,
+    /// `[m][k/32]`.
+    blocks: Vec<ActBlock>,
+    k: usize,
+    levels: ActivationLevels,
+    /// [`ActivationLevels::Outliers`]: row `i`'s outliers, in increasing order of input, are
+    /// `outliers[i·c..][..outlier_count[i]]`, `c = MAX_OUTLIERS_PER_BLOCK · k/32`.
+    outliers: Vec<Outlier>,
+    outlier_count: Vec<u32>,
+    /// The same outliers per group of `MAX_ROWS` rows (the rows one kernel call takes):
+    /// group `g`'s inputs with an outlier in any of its rows, as `(block, input)` in
+    /// increasing order, are `group_inputs[group_at[g]..group_at[g + 1]]`, and `group_x`
+    /// holds each one's value per row, 0 for rows without it. A kernel dequantises each input
+    /// once per tile for all its rows; adding `0·w` leaves a row's sum as it was, so each row
+    /// still gets exactly its own outliers' terms, in its own order.
+    group_at: Vec<u32>,
+    group_inputs: Vec<(u32, u32)>,
+    group_x: Vec<[f32; MAX_ROWS]>,
+}
+
+/// An activation taken out of its block before quantisation and multiplied in f32 by the
+/// dequantised weights of its input.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Outlier {
+    block: u32,
+    /// The input within the block, 0..32.
+    at: u32,
+    x: f32,
+}
+
+impl QuantizedRows {
+    fn new(x: &[f32], k: usize, levels: ActivationLevels) -> Self {
+        if levels != ActivationLevels::Outliers {
+            return Self::quantize(x, k, levels == ActivationLevels::Two);
+        }
+        let (m, kb) = (x.len() / k, k / BLOCK);
+        let (mut q, r) = (vec![0i8; x.len()], Vec::new());
+        let mut blocks = vec![ActBlock::default(); m * kb];
+        let cap = kb * MAX_OUTLIERS_PER_BLOCK;
+        let (mut outliers, mut outlier_count) = (vec![Outlier::default(); m * cap], vec![0u32; m]);
+        let ptrs = (
+            SyncPtr(q.as_mut_ptr()),
+            SyncPtr(blocks.as_mut_ptr()),
+            SyncPtr(outliers.as_mut_ptr()),
+            SyncPtr(outlier_count.as_mut_ptr()),
+        );
+        let quantize_row = |row: usize| {
+            let (q_ptr, b_ptr, o_ptr, n_ptr) = ptrs;
+            // SAFETY: each row's ranges of the four buffers are its own.
+            unsafe {
+                *n_ptr.get().add(row) = quantize_row_outliers(
+                    &x[row * k..(row + 1) * k],
+                    std::slice::from_raw_parts_mut(q_ptr.get().add(row * k), k),
+                    std::slice::from_raw_parts_mut(b_ptr.get().add(row * kb), kb),
+                    std::slice::from_raw_parts_mut(o_ptr.get().add(row * cap), cap),
+                    quantize_range,
+                    largest_untaken,
+                ) as u32;
+            }
+        };
+        if m * kb <= SERIAL_QUANT_BLOCKS {
+            (0..m).for_each(quantize_row);
+        } else {
+            // Prefill-sized inputs on all cores.
+            let rows_per_chunk = QUANT_CHUNK.div_ceil(kb);
+            candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(rows_per_chunk), |chunks| {
+                for c in chunks {
+                    (c * rows_per_chunk..m.min((c + 1) * rows_per_chunk)).for_each(quantize_row);
+                }
+            });
+        }
+        let mut rows = Self {
+            q,
+            r,
+            blocks,
+            k,
+            levels,
+            outliers,
+            outlier_count,
+            group_at: vec![0],
+            group_inputs: Vec::new(),
+            group_x: Vec::new(),
+        };
+        let mut group: Vec<((u32, u32), usize, f32)> = Vec::new();
+        for g in 0..m.div_ceil(MAX_ROWS) {
+            group.clear();
+            for (r, row) in (g * MAX_ROWS..m.min((g + 1) * MAX_ROWS)).enumerate() {
+                let listed = &rows.outliers[row * cap..row * cap + rows.outlier_count[row] as usize];
+                group.extend(listed.iter().map(|o| ((o.block, o.at), r, o.x)));
+            }
+            group.sort_unstable_by_key(|&(input, r, _)| (input, r));
+            let start = rows.group_inputs.len();
+            for &(input, r, x) in &group {
+                if rows.group_inputs.len() == start || rows.group_inputs.last() != Some(&input) {
+                    rows.group_inputs.push(input);
+                    rows.group_x.push([0.0; MAX_ROWS]);
+                }
+                rows.group_x.last_mut().expect("pushed above")[r] = x;
+            }
+            rows.group_at.push(rows.group_inputs.len() as u32);
+        }
+        rows
+    }
+
+    /// Row `row`'s outliers ([`ActivationLevels::Outliers`] only).
+    #[cfg(test)]
+    fn outliers(&self, row: usize) -> &[Outlier] {
+        let cap = self.k / BLOCK * MAX_OUTLIERS_PER_BLOCK;
+        &self.outliers[row * cap..row * cap + self.outlier_count[row] as usize]
+    }
+
+    fn quantize(x: &[f32], k: usize, two_level: bool) -> Self {
+        let n_blocks = x.len() / BLOCK;
+        let (mut q, mut r) = (vec![0i8; x.len()], vec![0i8; x.len()]);
+        let mut blocks = vec![ActBlock::default(); n_blocks];
+        let levels = if two_level { ActivationLevels::Two } else { ActivationLevels::One };
+        let rows = |q, r, blocks| Self {
+            q,
+            r,
+            blocks,
+            k,
+            levels,
+            outliers: Vec::new(),
+            outlier_count: Vec::new(),
+            group_at: Vec::new(),
+            group_inputs: Vec::new(),
+            group_x: Vec::new(),
+        };
+        if n_blocks <= SERIAL_QUANT_BLOCKS {
+            quantize_range(x, &mut q, &mut r, &mut blocks, two_level);
+            return rows(q, r, blocks);
+        }
+        // Prefill-sized inputs on all cores.
+        let ptrs = (SyncPtr(q.as_mut_ptr()), SyncPtr(r.as_mut_ptr()), SyncPtr(blocks.as_mut_ptr()));
+        candle_core::utils::barrier_pool().execute_chunked(n_blocks.div_ceil(QUANT_CHUNK), |chunks| {
+            let (q_ptr, r_ptr, b_ptr) = ptrs;
+            for c in chunks {
+                let range = c * QUANT_CHUNK..n_blocks.min((c + 1) * QUANT_CHUNK);
+                let n = range.len();
+                // SAFETY: chunks are disjoint block ranges inside the three buffers.
+                unsafe {
+                    quantize_range(
+                        &x[range.start * BLOCK..range.end * BLOCK],
+                        std::slice::from_raw_parts_mut(q_ptr.get().add(range.start * BLOCK), n * BLOCK),
+                        std::slice::from_raw_parts_mut(r_ptr.get().add(range.start * BLOCK), n * BLOCK),
+                        std::slice::from_raw_parts_mut(b_ptr.get().add(range.start), n),
+                        two_level,
+                    )
+                };
+            }
+        });
+        rows(q, r, blocks)
+    }
+}
+
+/// [`ActivationLevels::Outliers`]: a block gives up its largest value when its scale `d`
+/// satisfies `d² ≥ OUTLIER_RATIO × mean d²` over its row, then up to
+/// `MAX_OUTLIERS_PER_BLOCK − 1` more, one per round, while `d² ≥ LATER_OUTLIER_RATIO × mean
+/// d²` with the mean taken again over the row's new scales. One round left a Qwen2.5-0.5B
+/// log-prob 2.0 nats off where llama.cpp is 1.2 off; three bring it to 0.4, for 12%
+/// (Qwen2.5-0.5B) to 29% (SmolLM2) more outliers.
+const OUTLIER_RATIO: f32 = 2.0;
+const LATER_OUTLIER_RATIO: f32 = 4.0;
+const MAX_OUTLIERS_PER_BLOCK: usize = 3;
+
+/// Quantises whole blocks in one or two levels: [`quantize_range`] or its portable twin.
+type QuantizeBlocks = fn(&[f32], &mut [i8], &mut [i8], &mut [ActBlock], bool);
+
+/// [`largest_untaken`] or its portable twin.
+type LargestUntaken = fn(&[f32], u32) -> (usize, f32);
+
+/// Among one block's values whose bit in `taken` is clear: the first input of the largest
+/// |x| (as `max|x|` picks the scale) and the largest |x| of the others. `BLOCK` when none is
+/// clear (or all are NaN).
+fn largest_untaken(xs: &[f32], taken: u32) -> (usize, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512_quantization() {
+        // SAFETY: the features were detected, and `xs` holds a whole block.
+        return unsafe { avx512::largest_untaken(&xs[..BLOCK], taken) };
+    }
+    largest_untaken_portable(xs, taken)
+}
+
+/// Quantises one row in one level, except that the blocks whose rounding error is large next
+/// to the row's (see [`OUTLIER_RATIO`]) first give up their largest values to `outliers`,
+/// which end in increasing order of input. Returns the number of outliers. Depends on the row
+/// alone, so rows stay invariant to the batch they run in.
+fn quantize_row_outliers(
+    x: &[f32],
+    q: &mut [i8],
+    blocks: &mut [ActBlock],
+    outliers: &mut [Outlier],
+    quantize: QuantizeBlocks,
+    largest: LargestUntaken,
+) -> usize {
+    quantize(x, q, &mut [], blocks, false);
+    let mut count = 0;
+    // The rounds move only the scales (`d` of what a block keeps is its next largest value
+    // / 127, what quantising it would give); each block that gave values up is quantised
+    // again once, after the last round.
+    for round in 0..MAX_OUTLIERS_PER_BLOCK {
+        let ratio = if round == 0 { OUTLIER_RATIO } else { LATER_OUTLIER_RATIO };
+        let mean_d2 = blocks.iter().map(|b| b.d * b.d).sum::<f32>() / blocks.len() as f32;
+        for (b, block) in blocks.iter_mut().enumerate() {
+            if block.d * block.d < ratio * mean_d2 || block.d == 0.0 {
+                continue;
+            }
+            let (top, next) = largest(&x[b * BLOCK..(b + 1) * BLOCK], block.taken);
+            if top >= BLOCK {
+                continue;
+            }
+            outliers[count] = Outlier { block: b as u32, at: top as u32, x: x[b * BLOCK + top] };
+            count += 1;
+            block.taken |= 1 << top;
+            block.d = next / 127.0;
+        }
+    }
+    for (b, block) in blocks.iter_mut().enumerate().filter(|(_, block)| block.taken != 0) {
+        let at = b * BLOCK..(b + 1) * BLOCK;
+        let mut rest = [0f32; BLOCK];
+        rest.copy_from_slice(&x[at.clone()]);
+        let taken = block.taken;
+        (0..BLOCK).filter(|i| taken & (1 << i) != 0).for_each(|i| rest[i] = 0.0);
+        quantize(&rest, &mut q[at], &mut [], std::slice::from_mut(block), false);
+        block.taken = taken;
+    }
+    outliers[..count].sort_unstable_by_key(|o| (o.block, o.at));
+    count
+}
+
+/// Activation blocks quantised on the calling thread alone: a decode step's few rows take
+/// about a microsecond, less than handing them to the pool.
+const SERIAL_QUANT_BLOCKS: usize = 1024;
+
+/// Quantises whole blocks of `x` into the two levels `q`, `r` and their `blocks` (see
+/// [`QuantizedRows`]).
+fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512_quantization() {
+        // SAFETY: the features were detected.
+        return unsafe { avx512::quantize_range(x, q, r, blocks, two_level) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Some(Isa::Avx2) {
+        // SAFETY: the features were detected.
+        return unsafe { quantize_range_avx2(x, q, r, blocks, two_level) };
+    }
+    quantize_range_portable(x, q, r, blocks, two_level)
+}
+
+/// The portable loops compiled for AVX2: rounding and fused multiply-adds become
+/// instructions instead of library calls; the results are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_range_avx2(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
+    quantize_range_portable(x, q, r, blocks, two_level)
+}
+
+/// `d = max|x| / 127` and `1/d` for a block whose largest magnitude is `amax`; both 0 when
+/// `amax` is 0 or so small (subnormal) that `1/d` would overflow, so every code path
+/// quantises such a block to zeros.
+#[inline(always)]
+fn block_scale(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    if id.is_finite() {
+        (d, id)
+    } else {
+        (0.0, 0.0)
+    }
+}

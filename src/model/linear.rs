@@ -84,7 +84,7 @@ impl Linear {
             } else {
                 Arc::new(QTensor::quantize(&q.dequantize(device)?, final_type)?)
             };
-            if let Some(packed) = PackedMatrix::from_qtensor(&converted, kernels.activation_levels)? {
+            if let Some(packed) = PackedMatrix::from_qtensor(&converted, kernels.activation_levels, kernels.amx)? {
                 return Ok(Self { weight: Weight::Vnni(Arc::new(packed)), bias, in_features, padded_in: None, amx });
             }
         }

@@ -84,18 +84,55 @@ unsafe fn dot_halves(init_lo: __m512i, init_hi: __m512i, wv: &[__m512i; 8], a: *
 }
 
 /// One weight block of an output tile, ready for the dot products.
-struct TileBlock {
+pub(super) struct TileBlock {
     /// 8 groups of 4 inputs × 16 rows, as unsigned bytes.
-    wv: [__m512i; 8],
+    pub(super) wv: [__m512i; 8],
     /// The 16 rows' scales (of inputs 0..16 only, when `scale_hi` is set).
-    scale: __m512,
+    pub(super) scale: __m512,
     /// Q6_K: the scales of inputs 16..32; the two halves are summed and scaled apart.
-    scale_hi: Option<__m512>,
+    pub(super) scale_hi: Option<__m512>,
     /// What the bytes carry on top of the signed weight (Q8_0: +128, Q5_0: +16): the
     /// integer sum starts at −offset·Σa, exact, so it cancels.
-    offset: i32,
+    pub(super) offset: i32,
     /// Q4_1's minima, added as `m·s_a`.
-    min: Option<__m512>,
+    pub(super) min: Option<__m512>,
+}
+
+/// What runs one output tile's blocks once a weight type has said how to decode them
+/// (`block`) and how to dequantise one input's column for the outliers (`column`): the VNNI
+/// loop here ([`Vnni`]), or AMX tiles (`super::amx`). Both apply the same float operations in
+/// the same order to the same exact integer sums.
+pub(super) trait TileDriver {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run<const ROWS: usize>(
+        &mut self,
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+        block: impl FnMut(usize, bool) -> TileBlock,
+        column: impl FnMut(usize, usize) -> __m512,
+    );
+}
+
+/// `vpdpbusd` on up to [`MAX_ROWS`] rows per pass over a tile's weights.
+pub(super) struct Vnni;
+
+impl TileDriver for Vnni {
+    #[inline(always)]
+    unsafe fn run<const ROWS: usize>(
+        &mut self,
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+        block: impl FnMut(usize, bool) -> TileBlock,
+        column: impl FnMut(usize, usize) -> __m512,
+    ) {
+        unsafe { tile_rows::<ROWS>(p, nt, acts, r0, out, block, column) }
+    }
 }
 
 /// The loop every kernel shares: `ROWS` activation rows from `r0` against output tile
@@ -235,18 +272,19 @@ unsafe fn scaled(q: __m512i, offset: i32, scale: __m512) -> __m512 {
 
 /// Q8_0: weights stored +128 as bytes, so they are already unsigned.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn q8_0_rows<const ROWS: usize>(
+pub(super) unsafe fn q8_0_rows<const ROWS: usize, D: TileDriver>(
     p: &PackedMatrix,
     nt: usize,
     acts: &QuantizedRows,
     r0: usize,
     out: *mut f32,
+    driver: &mut D,
 ) {
     let Packed::Q8_0 { qs, d } = &p.weights else { unreachable!("Q8_0 kernel on other weights") };
     let kb_n = p.k / BLOCK;
     let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK);
     let d = d.as_ptr().add(nt * kb_n * TILE_N);
-    tile_rows::<ROWS>(
+    driver.run::<ROWS>(
         p,
         nt,
         acts,
@@ -272,18 +310,19 @@ pub(super) unsafe fn q8_0_rows<const ROWS: usize>(
 
 /// Q4_1: Σ(d·q + m)·(d_a·a) = d·d_a·Σq·a + m·s_a, the split llama.cpp uses.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn q4_1_rows<const ROWS: usize>(
+pub(super) unsafe fn q4_1_rows<const ROWS: usize, D: TileDriver>(
     p: &PackedMatrix,
     nt: usize,
     acts: &QuantizedRows,
     r0: usize,
     out: *mut f32,
+    driver: &mut D,
 ) {
     let Packed::Q4_1 { qs, d, m } = &p.weights else { unreachable!("Q4_1 kernel on other weights") };
     let kb_n = p.k / BLOCK;
     let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
     let (d, m) = (d.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
-    tile_rows::<ROWS>(
+    driver.run::<ROWS>(
         p,
         nt,
         acts,
@@ -335,18 +374,19 @@ unsafe fn q5_0_weights(w: *const u8, qh: *const u32) -> [__m512i; 8] {
 
 /// Q5_0: Σ d·(q − 16)·(d_a·a) = d·d_a·(Σq·a − 16·Σa), the split llama.cpp uses.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn q5_0_rows<const ROWS: usize>(
+pub(super) unsafe fn q5_0_rows<const ROWS: usize, D: TileDriver>(
     p: &PackedMatrix,
     nt: usize,
     acts: &QuantizedRows,
     r0: usize,
     out: *mut f32,
+    driver: &mut D,
 ) {
     let Packed::Q5_0 { qs, qh, d } = &p.weights else { unreachable!("Q5_0 kernel on other weights") };
     let kb_n = p.k / BLOCK;
     let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
     let (qh, d) = (qh.as_ptr().add(nt * kb_n * TILE_N), d.as_ptr().add(nt * kb_n * TILE_N));
-    tile_rows::<ROWS>(
+    driver.run::<ROWS>(
         p,
         nt,
         acts,
@@ -390,19 +430,20 @@ unsafe fn i8_values(p: *const i8) -> __m512 {
 
 /// Q4_K: Q4_1's arithmetic with scale d·sc and minimum −dmin·m (both exact in f32).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn q4k_rows<const ROWS: usize>(
+pub(super) unsafe fn q4k_rows<const ROWS: usize, D: TileDriver>(
     p: &PackedMatrix,
     nt: usize,
     acts: &QuantizedRows,
     r0: usize,
     out: *mut f32,
+    driver: &mut D,
 ) {
     let Packed::Q4K { qs, sc, m, d, dmin_neg } = &p.weights else { unreachable!("Q4_K kernel on other weights") };
     let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
     let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
     let (sc, m) = (sc.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
     let (d, dmin_neg) = (d.as_ptr().add(nt * sb_n * TILE_N), dmin_neg.as_ptr().add(nt * sb_n * TILE_N));
-    tile_rows::<ROWS>(
+    driver.run::<ROWS>(
         p,
         nt,
         acts,
@@ -453,12 +494,13 @@ unsafe fn q6k_weights(w: *const u8, qh: *const u8) -> [__m512i; 8] {
 
 /// Q6_K: Σ d·sc·(q − 32)·(d_a·a) per half block of 16 inputs, each half with its scale.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn q6k_rows<const ROWS: usize>(
+pub(super) unsafe fn q6k_rows<const ROWS: usize, D: TileDriver>(
     p: &PackedMatrix,
     nt: usize,
     acts: &QuantizedRows,
     r0: usize,
     out: *mut f32,
+    driver: &mut D,
 ) {
     let Packed::Q6K { qs, qh, sc, d } = &p.weights else { unreachable!("Q6_K kernel on other weights") };
     let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
@@ -466,7 +508,7 @@ pub(super) unsafe fn q6k_rows<const ROWS: usize>(
     let qh = qh.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 4);
     let sc = sc.as_ptr().add(nt * kb_n * 2 * TILE_N);
     let d = d.as_ptr().add(nt * sb_n * TILE_N);
-    tile_rows::<ROWS>(
+    driver.run::<ROWS>(
         p,
         nt,
         acts,

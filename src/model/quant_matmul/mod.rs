@@ -48,6 +48,8 @@ use crate::parallel::SyncPtr;
 use portable::{largest_untaken_portable, quantize_range_portable};
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -98,6 +100,12 @@ enum Isa {
     Avx512Vnni,
     /// AVX2 with FMA and F16C: the same arithmetic on two halves of 8 rows.
     Avx2,
+    /// AVX-512 VNNI with AMX tiles for the integer sums of passes of 2 or more rows (`amx`);
+    /// one row takes the VNNI kernels.
+    Amx,
+    /// [`Isa::Amx`] on the scalar model of the tiles, for tests on CPUs without AMX.
+    #[cfg(test)]
+    AmxModel,
 }
 
 /// The best kernels this CPU runs, if any.
@@ -158,6 +166,9 @@ pub struct PackedMatrix {
     weights: Packed,
     /// How activations are quantised (`KernelSettings::activation_levels`).
     levels: ActivationLevels,
+    /// Whether passes of several rows may run on AMX tiles where the CPU has them
+    /// (`KernelSettings::amx`).
+    amx: bool,
 }
 
 /// Scales are kept in f16 as stored: fewer bytes streamed per step, and widening is exact.
@@ -242,7 +253,7 @@ fn pack_nibbles(values: &[u8], qs: &mut [u8], tile: usize, lane: usize) {
 impl PackedMatrix {
     /// Packs a `[n, k]` Q8_0, Q5_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
     /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
-    pub fn from_qtensor(q: &QTensor, levels: ActivationLevels) -> Result<Option<Self>> {
+    pub fn from_qtensor(q: &QTensor, levels: ActivationLevels, amx: bool) -> Result<Option<Self>> {
         let (n, k) = q.shape().dims2()?;
         if !available() || !supports(q.dtype(), n, k) {
             return Ok(None);
@@ -360,7 +371,7 @@ impl PackedMatrix {
             }
             Packed::Q4_1 { qs, d, m }
         };
-        Ok(Some(Self { n, k, weights, levels }))
+        Ok(Some(Self { n, k, weights, levels, amx }))
     }
 
     pub fn out_features(&self) -> usize {
@@ -369,7 +380,11 @@ impl PackedMatrix {
 
     /// `x`: `m` rows of `k` floats → `m` rows of `n` floats; an error when `x` is not whole rows.
     pub fn matmul(&self, x: &[f32]) -> Result<Vec<f32>> {
-        let isa = isa().context("no vector kernels on this CPU")?;
+        let mut isa = isa().context("no vector kernels on this CPU")?;
+        #[cfg(target_arch = "x86_64")]
+        if self.amx && isa == Isa::Avx512Vnni && amx::available() {
+            isa = Isa::Amx;
+        }
         self.matmul_on(x, isa)
     }
 
@@ -379,6 +394,13 @@ impl PackedMatrix {
         if x.len() != m * self.k {
             bail!("matmul input of {} values is not whole rows of {}", x.len(), self.k);
         }
+        // One row gains nothing from tiles, and takes the VNNI kernels' (identical) results.
+        let isa = match isa {
+            Isa::Amx if m < 2 => Isa::Avx512Vnni,
+            #[cfg(test)]
+            Isa::AmxModel if m < 2 => Isa::Avx512Vnni,
+            other => other,
+        };
         let acts = QuantizedRows::new(x, self.k, self.levels);
         // Not zeroed first: every element is written by exactly one tile below (a zeroed
         // 8 × 49152 logits buffer was a page-faulting memset on every step).
@@ -388,55 +410,95 @@ impl PackedMatrix {
             // Captures the whole `SyncPtr` (a closure would otherwise capture its raw field).
             #[allow(clippy::redundant_locals)]
             let out_ptr = out_ptr;
-            for nt in tiles {
-                for r0 in (0..m).step_by(MAX_ROWS) {
-                    // SAFETY: `isa` runs on this CPU (`isa()`, or a test's `runnable_isas()`),
-                    // and each tile writes only its own 16 columns of rows that exist.
-                    unsafe { self.tile(isa, nt, &acts, r0, (m - r0).min(MAX_ROWS), out_ptr.get()) };
-                }
-            }
+            // SAFETY: `isa` runs on this CPU (`isa()` and `amx::available()`, or a test's
+            // `runnable_isas()`), and each tile writes only its own 16 columns of rows that
+            // exist.
+            unsafe { self.tiles_on(isa, tiles, &acts, m, out_ptr.get()) };
         });
         // SAFETY: the tiles cover all n/16 column groups of all m rows.
         unsafe { out.set_len(m * self.n) };
         Ok(out)
     }
 
-    unsafe fn tile(&self, isa: Isa, nt: usize, acts: &QuantizedRows, r0: usize, rows: usize, out: *mut f32) {
+    /// Output tiles `tiles` of all `m` rows on `isa`'s kernels, in passes of as many rows as
+    /// they take.
+    unsafe fn tiles_on(&self, isa: Isa, tiles: std::ops::Range<usize>, acts: &QuantizedRows, m: usize, out: *mut f32) {
         #[cfg(target_arch = "x86_64")]
-        {
+        unsafe {
             macro_rules! by_rows {
-                ($m:ident, $f:ident) => {
-                    match rows {
-                        1 => $m::$f::<1>(self, nt, acts, r0, out),
-                        2 => $m::$f::<2>(self, nt, acts, r0, out),
-                        3 => $m::$f::<3>(self, nt, acts, r0, out),
-                        4 => $m::$f::<4>(self, nt, acts, r0, out),
-                        5 => $m::$f::<5>(self, nt, acts, r0, out),
-                        6 => $m::$f::<6>(self, nt, acts, r0, out),
-                        7 => $m::$f::<7>(self, nt, acts, r0, out),
-                        _ => $m::$f::<8>(self, nt, acts, r0, out),
+                ($rows:expr, $driver:expr, $m:ident, $f:ident, $nt:expr, $r0:expr, [$($n:literal)*]) => {
+                    match $rows {
+                        $($n => $m::$f::<$n, _>(self, $nt, acts, $r0, out, $driver),)*
+                        _ => unreachable!("a pass has 1..=16 rows"),
                     }
                 };
             }
             macro_rules! by_type {
-                ($m:ident) => {
+                ($rows:expr, $driver:expr, $nt:expr, $r0:expr, $n:tt) => {
                     match self.weights {
-                        Packed::Q8_0 { .. } => by_rows!($m, q8_0_rows),
-                        Packed::Q4_1 { .. } => by_rows!($m, q4_1_rows),
-                        Packed::Q5_0 { .. } => by_rows!($m, q5_0_rows),
-                        Packed::Q4K { .. } => by_rows!($m, q4k_rows),
-                        Packed::Q6K { .. } => by_rows!($m, q6k_rows),
+                        Packed::Q8_0 { .. } => by_rows!($rows, $driver, avx512, q8_0_rows, $nt, $r0, $n),
+                        Packed::Q4_1 { .. } => by_rows!($rows, $driver, avx512, q4_1_rows, $nt, $r0, $n),
+                        Packed::Q5_0 { .. } => by_rows!($rows, $driver, avx512, q5_0_rows, $nt, $r0, $n),
+                        Packed::Q4K { .. } => by_rows!($rows, $driver, avx512, q4k_rows, $nt, $r0, $n),
+                        Packed::Q6K { .. } => by_rows!($rows, $driver, avx512, q6k_rows, $nt, $r0, $n),
+                    }
+                };
+            }
+            macro_rules! passes {
+                ($driver:expr, $per_pass:expr, $n:tt) => {
+                    for nt in tiles.clone() {
+                        for r0 in (0..m).step_by($per_pass) {
+                            by_type!((m - r0).min($per_pass), $driver, nt, r0, $n);
+                        }
                     }
                 };
             }
             match isa {
-                Isa::Avx512Vnni => by_type!(avx512),
-                Isa::Avx2 => by_type!(avx2),
+                Isa::Avx512Vnni => passes!(&mut avx512::Vnni, MAX_ROWS, [1 2 3 4 5 6 7 8]),
+                Isa::Amx => {
+                    let mut unit = amx::Tiles::enter();
+                    let mut driver = amx::Amx::new(&mut unit);
+                    passes!(&mut driver, amx::MAX_TILE_ROWS, [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16]);
+                }
+                #[cfg(test)]
+                Isa::AmxModel => {
+                    let mut unit = amx::TileModel::new();
+                    let mut driver = amx::Amx::new(&mut unit);
+                    passes!(&mut driver, amx::MAX_TILE_ROWS, [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16]);
+                }
+                Isa::Avx2 => {
+                    for nt in tiles {
+                        for r0 in (0..m).step_by(MAX_ROWS) {
+                            let rows = (m - r0).min(MAX_ROWS);
+                            macro_rules! avx2_rows {
+                                ($f:ident) => {
+                                    match rows {
+                                        1 => avx2::$f::<1>(self, nt, acts, r0, out),
+                                        2 => avx2::$f::<2>(self, nt, acts, r0, out),
+                                        3 => avx2::$f::<3>(self, nt, acts, r0, out),
+                                        4 => avx2::$f::<4>(self, nt, acts, r0, out),
+                                        5 => avx2::$f::<5>(self, nt, acts, r0, out),
+                                        6 => avx2::$f::<6>(self, nt, acts, r0, out),
+                                        7 => avx2::$f::<7>(self, nt, acts, r0, out),
+                                        _ => avx2::$f::<8>(self, nt, acts, r0, out),
+                                    }
+                                };
+                            }
+                            match self.weights {
+                                Packed::Q8_0 { .. } => avx2_rows!(q8_0_rows),
+                                Packed::Q4_1 { .. } => avx2_rows!(q4_1_rows),
+                                Packed::Q5_0 { .. } => avx2_rows!(q5_0_rows),
+                                Packed::Q4K { .. } => avx2_rows!(q4k_rows),
+                                Packed::Q6K { .. } => avx2_rows!(q6k_rows),
+                            }
+                        }
+                    }
+                }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (isa, nt, acts, r0, rows, out);
+            let _ = (isa, tiles, acts, m, out);
             unreachable!("PackedMatrix is only built where `available()`");
         }
     }

@@ -24,7 +24,7 @@ fn packed_levels(dtype: GgmlDType, n: usize, k: usize, levels: ActivationLevels)
     let w = Tensor::from_vec(random(n * k, 7), (n, k), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&w, dtype).unwrap();
     let dense = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    (PackedMatrix::from_qtensor(&q, levels).unwrap().unwrap(), dense)
+    (PackedMatrix::from_qtensor(&q, levels, true).unwrap().unwrap(), dense)
 }
 
 #[test]
@@ -51,6 +51,84 @@ fn kernels_equal_the_portable_loops_bitwise_and_every_row_count_agrees() {
     }
 }
 
+/// Every pass size of every kernel: the first `m` rows of 32, for each `m` from 1 to 32 (passes
+/// of 8 rows on VNNI and AVX2, of 16 on AMX, and their remainders), give bit for bit the
+/// portable loops' rows, for every weight type and activation scheme.
+#[test]
+fn every_row_count_from_1_to_32_gives_each_row_its_one_row_result() {
+    if !available() {
+        eprintln!("skipped: no vector kernels on this CPU");
+        return;
+    }
+    for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
+        let (n, k) = (32, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 320 });
+        let (p, _) = packed_levels(dtype, n, k, levels);
+        let x = with_outliers(random(32 * k, 23));
+        let expected = matmul_portable(&p, &x);
+        for isa in runnable_isas() {
+            for m in 1..=32 {
+                let got = p.matmul_on(&x[..m * k], isa).unwrap();
+                assert!(got == expected[..m * n], "{dtype:?} {levels:?} {isa:?}: {m} rows");
+            }
+        }
+    }
+}
+
+/// The real tiles where the CPU has them: the kernels through `tileloadd`/`tdpbsud` agree
+/// with the scalar model of the tiles and with the VNNI kernels, bit for bit.
+#[test]
+fn amx_tiles_agree_with_their_model_and_the_vnni_kernels() {
+    if isa() != Some(Isa::Avx512Vnni) || !amx::available() {
+        eprintln!("SKIPPED (no AMX)");
+        return;
+    }
+    for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
+        let (n, k) = (64, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 768 } else { 576 });
+        let (p, _) = packed_levels(dtype, n, k, levels);
+        let x = with_outliers(random(40 * k, 29));
+        let vnni = p.matmul_on(&x, Isa::Avx512Vnni).unwrap();
+        assert_eq!(p.matmul_on(&x, Isa::Amx).unwrap(), vnni, "{dtype:?} {levels:?}");
+        assert_eq!(p.matmul_on(&x, Isa::AmxModel).unwrap(), vnni, "{dtype:?} {levels:?} model");
+    }
+}
+
+/// `tdpbsud` on the model: signed A bytes times unsigned B bytes, summed per 4 into the i32
+/// destination, which keeps what it held; bytes past a tile's configured rows and columns
+/// read and write as zeros.
+#[test]
+fn the_tile_model_multiplies_signed_by_unsigned_bytes_as_tdpbsud() {
+    use amx::{TileConfig, TileModel, TileUnit};
+    let (m, kk, nn) = (5usize, 3usize, 7usize); // rows, groups of 4 inputs, output columns
+    let a: Vec<u8> = (0..m * 64).map(|i| (i * 37 % 256) as u8).collect();
+    let b: Vec<u8> = (0..kk * 64).map(|i| (i * 91 % 256) as u8).collect();
+    let mut c = vec![0u8; m * 64];
+    let cfg =
+        TileConfig::for_test(&[(m as u8, (nn * 4) as u16), (m as u8, (kk * 4) as u16), (kk as u8, (nn * 4) as u16)]);
+    let mut unit = TileModel::new();
+    unsafe {
+        unit.configure(&cfg);
+        unit.zero::<0>();
+        unit.load::<1>(a.as_ptr(), 64);
+        unit.load::<2>(b.as_ptr(), 64);
+        unit.dot::<0, 1, 2>();
+        unit.dot::<0, 1, 2>();
+        unit.store::<0>(c.as_mut_ptr(), 64);
+    }
+    for row in 0..m {
+        for col in 0..16 {
+            let got = i32::from_le_bytes(c[row * 64 + 4 * col..][..4].try_into().unwrap());
+            let want: i32 = if col < nn {
+                2 * (0..4 * kk)
+                    .map(|i| a[row * 64 + i] as i8 as i32 * b[(i / 4) * 64 + 4 * col + i % 4] as i32)
+                    .sum::<i32>()
+            } else {
+                0
+            };
+            assert_eq!(got, want, "row {row} column {col}");
+        }
+    }
+}
+
 /// The largest integer sums the kernels can meet: every block's weights at the top of their
 /// range (one value at the bottom sets the scale) against activations that all quantise to
 /// +127 or −127. The AVX2 kernels add several groups' products in 16 bits before widening;
@@ -68,7 +146,7 @@ fn kernels_stay_exact_at_the_largest_integer_sums() {
         let w: Vec<f32> = (0..n * k).map(|i| if i % BLOCK == 0 { -1.0 } else { 0.999 }).collect();
         let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
         for levels in ALL_LEVELS {
-            let p = PackedMatrix::from_qtensor(&q, levels).unwrap().unwrap();
+            let p = PackedMatrix::from_qtensor(&q, levels, true).unwrap().unwrap();
             let x: Vec<f32> = [1.0f32, -1.0, -1e-40, 1e-40].iter().flat_map(|&v| vec![v; k]).collect();
             let expected = matmul_portable(&p, &x);
             assert!(expected[..2 * n].iter().all(|v| v.abs() > 100.0), "{dtype:?} {levels:?}: {expected:?}");
@@ -85,6 +163,10 @@ fn runnable_isas() -> Vec<Isa> {
     let mut isas = Vec::new();
     if isa() == Some(Isa::Avx512Vnni) {
         isas.push(Isa::Avx512Vnni);
+        isas.push(Isa::AmxModel);
+        if amx::available() {
+            isas.push(Isa::Amx);
+        }
     }
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
         isas.push(Isa::Avx2);
@@ -114,7 +196,7 @@ fn q8_0_extreme_weights_and_activations_stay_exact_on_every_kernel() {
         .collect();
     let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), GgmlDType::Q8_0).unwrap();
     for levels in ALL_LEVELS {
-        let p = PackedMatrix::from_qtensor(&q, levels).unwrap().unwrap();
+        let p = PackedMatrix::from_qtensor(&q, levels, true).unwrap().unwrap();
         let x: Vec<f32> = (0..3 * k).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect();
         let expected = matmul_portable(&p, &x);
         for isa in runnable_isas() {

@@ -1,0 +1,442 @@
+//! AMX int8 tiles for blocks of several activation rows (verification, batched decode,
+//! prefill), where the CPU has them and the kernel grants the tile permission.
+//!
+//! The integer dot products of a weight block move from `vpdpbusd` to `tdpbsud` (signed
+//! activation bytes × unsigned weight bytes): one instruction takes all of a pass's rows (up
+//! to 16) against a tile's 16 output columns × 32 inputs, which on the VNNI path costs 8
+//! `vpdpbusd` per row. Each weight block is decoded to bytes once per pass by the same code as
+//! the VNNI kernels (`avx512`'s per-type `block` closures), already in the layout `tdpbsud`
+//! reads its B tile in (4 inputs × 16 columns per 64-byte row), and stored to a small buffer
+//! the tile is loaded from; activations are loaded straight from the quantised rows (stride
+//! `k`). The sums come back through memory, and the float epilogue is the VNNI kernels':
+//! the same operations in the same order on the same exact integer sums, so results are bit
+//! for bit the VNNI kernels' (and so the one-row path's) on every machine.
+//!
+//! The tile logic is written against [`TileUnit`], with two implementations: [`Tiles`], the
+//! instructions, and [`TileModel`] (tests), a scalar model of what `ldtilecfg`, `tilezero`,
+//! `tileloadd`, `tdpbsud` and `tilestored` do. So every AVX-512 machine runs the whole kernel
+//! in tests, and the real tiles are checked against it where the CPU has them.
+
+use super::avx512::{TileBlock, TileDriver};
+use super::{ActivationLevels, Packed, PackedMatrix, QuantizedRows, BLOCK, MAX_ROWS, TILE_N};
+use core::arch::x86_64::*;
+
+/// Activation rows per pass: a tile's 16 rows.
+pub(super) const MAX_TILE_ROWS: usize = 16;
+
+/// Bytes of one tile row.
+const TILE_ROW_BYTES: usize = 64;
+
+/// `ldtilecfg`'s 64-byte operand (palette 1): rows and bytes per row of each of the 8 tiles.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl TileConfig {
+    const fn unconfigured() -> Self {
+        Self { palette: 0, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] }
+    }
+
+    /// Palette 1 with tile `t` of `tiles[t].0` rows of `tiles[t].1` bytes.
+    fn palette1(tiles: &[(u8, u16)]) -> Self {
+        let mut cfg = Self::unconfigured();
+        cfg.palette = 1;
+        for (t, &(rows, colsb)) in tiles.iter().enumerate() {
+            cfg.rows[t] = rows;
+            cfg.colsb[t] = colsb;
+        }
+        cfg
+    }
+
+    #[cfg(test)]
+    pub(super) fn for_test(tiles: &[(u8, u16)]) -> Self {
+        Self::palette1(tiles)
+    }
+
+    /// The tiles of a pass of `rows` activation rows. Whole blocks of 32 (`halves` false):
+    /// tmm0/1 the sums of the first/second level (rows × 16 i32), tmm2/3 their activations
+    /// (rows × 32 bytes), tmm4 the weights (8 rows of 4 inputs × 16 columns). Blocks summed
+    /// per half of 16 inputs (Q6_K): tmm0/1 the low/high half's sums, tmm2/3 their activations
+    /// (rows × 16 bytes), tmm4/5 their weights (4 rows each).
+    fn for_pass(rows: usize, halves: bool) -> Self {
+        let r = rows as u8;
+        if halves {
+            Self::palette1(&[(r, 64), (r, 64), (r, 16), (r, 16), (4, 64), (4, 64)])
+        } else {
+            Self::palette1(&[(r, 64), (r, 64), (r, 32), (r, 32), (8, 64)])
+        }
+    }
+}
+
+/// The tile operations the kernel uses. Tile numbers are constants, as in the instructions.
+pub(super) trait TileUnit {
+    /// `ldtilecfg`: sets every tile's shape and zeroes them all.
+    unsafe fn configure(&mut self, cfg: &TileConfig);
+    /// `tilezero`.
+    unsafe fn zero<const T: u8>(&mut self);
+    /// `tileloadd`: the tile's rows from `base`, `stride` bytes apart.
+    unsafe fn load<const T: u8>(&mut self, base: *const u8, stride: usize);
+    /// `tilestored`.
+    unsafe fn store<const T: u8>(&mut self, base: *mut u8, stride: usize);
+    /// `tdpbsud`: `C[m][n] += Σ_k Σ_i sext(A[m][4k+i]) · zext(B[k][4n+i])`, in i32.
+    unsafe fn dot<const C: u8, const A: u8, const B: u8>(&mut self);
+}
+
+/// The CPU's tiles. Entering saves the thread's tile configuration (candle's AMX kernel keeps
+/// one configured on the pool's threads) and leaving restores it, or releases the tiles.
+pub(super) struct Tiles {
+    saved: TileConfig,
+}
+
+impl Tiles {
+    /// # Safety
+    /// The CPU has AMX and the process holds the tile permission ([`available`]).
+    pub(super) unsafe fn enter() -> Self {
+        let mut saved = TileConfig::unconfigured();
+        unsafe { core::arch::asm!("sttilecfg [{}]", in(reg) &mut saved, options(nostack)) };
+        Self { saved }
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: `enter` checked the CPU; a saved palette was valid when it was stored.
+        unsafe {
+            if self.saved.palette != 0 {
+                core::arch::asm!("ldtilecfg [{}]", in(reg) &self.saved, options(nostack, readonly));
+            } else {
+                core::arch::asm!("tilerelease", options(nostack, nomem));
+            }
+        }
+    }
+}
+
+impl TileUnit for Tiles {
+    #[inline(always)]
+    unsafe fn configure(&mut self, cfg: &TileConfig) {
+        unsafe { core::arch::asm!("ldtilecfg [{}]", in(reg) cfg, options(nostack, readonly)) }
+    }
+
+    #[inline(always)]
+    unsafe fn zero<const T: u8>(&mut self) {
+        unsafe { core::arch::asm!("tilezero tmm{t}", t = const T, options(nostack, nomem)) }
+    }
+
+    #[inline(always)]
+    unsafe fn load<const T: u8>(&mut self, base: *const u8, stride: usize) {
+        unsafe {
+            core::arch::asm!(
+                "tileloadd tmm{t}, [{base} + {stride} * 1]",
+                t = const T, base = in(reg) base, stride = in(reg) stride,
+                options(nostack, readonly)
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store<const T: u8>(&mut self, base: *mut u8, stride: usize) {
+        unsafe {
+            core::arch::asm!(
+                "tilestored [{base} + {stride} * 1], tmm{t}",
+                t = const T, base = in(reg) base, stride = in(reg) stride,
+                options(nostack)
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dot<const C: u8, const A: u8, const B: u8>(&mut self) {
+        unsafe {
+            core::arch::asm!("tdpbsud tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B, options(nostack, nomem))
+        }
+    }
+}
+
+/// A scalar model of the tiles, with AMX's semantics: loads fill a tile's configured rows and
+/// bytes and zero the rest, `tdpbsud` reads the shapes from the configuration and zeroes the
+/// destination's unused bytes, and any shape the CPU would fault on panics.
+#[cfg(test)]
+pub(super) struct TileModel {
+    cfg: TileConfig,
+    tiles: [[[u8; TILE_ROW_BYTES]; 16]; 8],
+}
+
+#[cfg(test)]
+impl TileModel {
+    pub(super) fn new() -> Self {
+        Self { cfg: TileConfig::unconfigured(), tiles: [[[0; TILE_ROW_BYTES]; 16]; 8] }
+    }
+
+    fn shape(&self, t: u8) -> (usize, usize) {
+        assert_eq!(self.cfg.palette, 1, "tile instruction without a configuration");
+        assert!(t < 8, "no tile {t}");
+        let (rows, colsb) = (self.cfg.rows[t as usize] as usize, self.cfg.colsb[t as usize] as usize);
+        assert!(rows > 0 && colsb > 0, "tile {t} is not configured");
+        (rows, colsb)
+    }
+}
+
+#[cfg(test)]
+impl TileUnit for TileModel {
+    unsafe fn configure(&mut self, cfg: &TileConfig) {
+        assert!(cfg.palette <= 1 && cfg.start_row == 0 && cfg.reserved == [0; 14], "invalid tile configuration");
+        for t in 0..16 {
+            let (rows, colsb) = (cfg.rows[t] as usize, cfg.colsb[t] as usize);
+            assert!(t < 8 || (rows == 0 && colsb == 0), "palette 1 has 8 tiles");
+            assert!(rows <= 16 && colsb <= TILE_ROW_BYTES, "tile {t}: {rows} rows of {colsb} bytes");
+        }
+        self.cfg = *cfg;
+        self.tiles = [[[0; TILE_ROW_BYTES]; 16]; 8];
+    }
+
+    unsafe fn zero<const T: u8>(&mut self) {
+        self.shape(T);
+        self.tiles[T as usize] = [[0; TILE_ROW_BYTES]; 16];
+    }
+
+    unsafe fn load<const T: u8>(&mut self, base: *const u8, stride: usize) {
+        let (rows, colsb) = self.shape(T);
+        let tile = &mut self.tiles[T as usize];
+        *tile = [[0; TILE_ROW_BYTES]; 16];
+        for (r, row) in tile.iter_mut().enumerate().take(rows) {
+            // SAFETY: the caller's rows are readable, as for the instruction.
+            unsafe { std::ptr::copy_nonoverlapping(base.add(r * stride), row.as_mut_ptr(), colsb) };
+        }
+    }
+
+    unsafe fn store<const T: u8>(&mut self, base: *mut u8, stride: usize) {
+        let (rows, colsb) = self.shape(T);
+        for (r, row) in self.tiles[T as usize].iter().enumerate().take(rows) {
+            // SAFETY: the caller's rows are writable, as for the instruction.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), base.add(r * stride), colsb) };
+        }
+    }
+
+    unsafe fn dot<const C: u8, const A: u8, const B: u8>(&mut self) {
+        let ((m, c_bytes), (a_rows, a_bytes), (k, b_bytes)) = (self.shape(C), self.shape(A), self.shape(B));
+        assert!(C != A && C != B && A != B, "tdpbsud needs three different tiles");
+        assert!(a_rows == m && a_bytes == 4 * k && b_bytes == c_bytes && c_bytes % 4 == 0, "tdpbsud shapes");
+        let (a, b) = (self.tiles[A as usize], self.tiles[B as usize]);
+        let c = &mut self.tiles[C as usize];
+        for (row, a_row) in c.iter_mut().zip(&a).take(m) {
+            for n in 0..c_bytes / 4 {
+                let mut sum = i32::from_le_bytes(row[4 * n..4 * n + 4].try_into().expect("4 bytes"));
+                for (kk, b_row) in b.iter().enumerate().take(k) {
+                    let products: i32 = (0..4).map(|i| a_row[4 * kk + i] as i8 as i32 * b_row[4 * n + i] as i32).sum();
+                    sum = sum.wrapping_add(products);
+                }
+                row[4 * n..4 * n + 4].copy_from_slice(&sum.to_le_bytes());
+            }
+            row[c_bytes..].fill(0);
+        }
+    }
+}
+
+/// Whether this CPU has AMX with int8 tiles and the kernel let this process use them (Linux
+/// asks each process to request the tile state first; without it the first tile instruction
+/// faults). Asked once.
+pub(super) fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        // CPUID leaf 7: EDX bit 24 AMX-TILE, bit 25 AMX-INT8 (`is_x86_feature_detected!`
+        // does not name them on stable Rust).
+        let leaf7 = __cpuid_count(7, 0);
+        if leaf7.edx & (1 << 24) == 0 || leaf7.edx & (1 << 25) == 0 || super::isa() != Some(super::Isa::Avx512Vnni) {
+            return false;
+        }
+        request_tile_permission()
+    })
+}
+
+#[cfg(target_os = "linux")]
+fn request_tile_permission() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a plain system call with integer arguments.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_permission() -> bool {
+    false
+}
+
+/// 64-byte aligned scratch: the decoded weights of two blocks, and the sums of two blocks.
+#[repr(C, align(64))]
+struct Scratch {
+    /// `[block parity][8 rows × 64 bytes]`.
+    weights: [[u8; 8 * TILE_ROW_BYTES]; 2],
+    /// `[block parity][sum tile 0..4][16 rows × 16 i32]`: tiles 0/1, then (halves, two
+    /// levels) the remainder's two.
+    sums: [[[i32; 16 * TILE_N]; 4]; 2],
+}
+
+/// Runs passes of up to [`MAX_TILE_ROWS`] rows on a [`TileUnit`], configuring it only when a
+/// pass's shape differs from the last one's.
+pub(super) struct Amx<'u, U: TileUnit> {
+    unit: &'u mut U,
+    shape: Option<(usize, bool)>,
+    scratch: Box<Scratch>,
+}
+
+impl<'u, U: TileUnit> Amx<'u, U> {
+    pub(super) fn new(unit: &'u mut U) -> Self {
+        let scratch = Box::new(Scratch { weights: [[0; 8 * TILE_ROW_BYTES]; 2], sums: [[[0; 16 * TILE_N]; 4]; 2] });
+        Self { unit, shape: None, scratch }
+    }
+}
+
+impl<U: TileUnit> TileDriver for Amx<'_, U> {
+    /// Per block: decode the weights (the type's `block`), then on the tiles
+    /// `C = A·B` for each level (and half), stored; the float epilogue of a block runs one
+    /// block later, while the tile unit works on the next, in the VNNI kernels' order. Then
+    /// the outliers of each group of [`MAX_ROWS`] rows, as the VNNI kernels add them.
+    #[inline(always)]
+    unsafe fn run<const ROWS: usize>(
+        &mut self,
+        p: &PackedMatrix,
+        nt: usize,
+        acts: &QuantizedRows,
+        r0: usize,
+        out: *mut f32,
+        mut block: impl FnMut(usize, bool) -> TileBlock,
+        mut column: impl FnMut(usize, usize) -> __m512,
+    ) {
+        const { assert!(ROWS >= 1 && ROWS <= MAX_TILE_ROWS) };
+        let halves = matches!(p.weights, Packed::Q6K { .. });
+        if self.shape != Some((ROWS, halves)) {
+            unsafe { self.unit.configure(&TileConfig::for_pass(ROWS, halves)) };
+            self.shape = Some((ROWS, halves));
+        }
+        let second = acts.levels == ActivationLevels::Two;
+        let (k, kb_n) = (acts.k, p.k / BLOCK);
+        let unit = &mut *self.unit;
+        let scratch = &mut *self.scratch;
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); ROWS];
+            let mut pending: Option<(usize, TileBlock)> = None;
+            for b in 0..kb_n + 1 {
+                let parity = b % 2;
+                let decoded = (b < kb_n).then(|| block(b, true));
+                if let Some(w) = &decoded {
+                    let wb = scratch.weights[parity].as_mut_ptr();
+                    for (g, v) in w.wv.iter().enumerate() {
+                        _mm512_store_si512(wb.add(g * 64) as *mut _, *v);
+                    }
+                    let sums = scratch.sums[parity].as_mut_ptr() as *mut u8;
+                    let at = r0 * k + b * BLOCK;
+                    let q = acts.q.as_ptr().add(at) as *const u8;
+                    // `r` is empty unless there are two levels.
+                    let r = acts.r.as_ptr().wrapping_add(at) as *const u8;
+                    let sum_tile = 16 * TILE_N * 4;
+                    if halves {
+                        unit.load::<4>(wb, 64);
+                        unit.load::<5>(wb.add(4 * 64), 64);
+                        for (level, a) in [(0, q), (1, r)].into_iter().take(1 + second as usize) {
+                            unit.zero::<0>();
+                            unit.zero::<1>();
+                            unit.load::<2>(a, k);
+                            unit.load::<3>(a.add(BLOCK / 2), k);
+                            unit.dot::<0, 2, 4>();
+                            unit.dot::<1, 3, 5>();
+                            unit.store::<0>(sums.add(2 * level * sum_tile), 64);
+                            unit.store::<1>(sums.add((2 * level + 1) * sum_tile), 64);
+                        }
+                    } else {
+                        unit.load::<4>(wb, 64);
+                        unit.zero::<0>();
+                        unit.load::<2>(q, k);
+                        unit.dot::<0, 2, 4>();
+                        unit.store::<0>(sums, 64);
+                        if second {
+                            unit.zero::<1>();
+                            unit.load::<3>(r, k);
+                            unit.dot::<1, 3, 4>();
+                            unit.store::<1>(sums.add(sum_tile), 64);
+                        }
+                    }
+                }
+                if let Some((pb, w)) = pending.take() {
+                    epilogue::<ROWS>(&mut acc, &w, acts, r0, pb, kb_n, &scratch.sums[pb % 2], second);
+                }
+                if let Some(w) = decoded {
+                    pending = Some((b, w));
+                }
+            }
+            if acts.levels == ActivationLevels::Outliers {
+                // The VNNI kernels' groups of MAX_ROWS rows: each row gets its own outliers'
+                // terms (and the group's others as 0·w), in the same order.
+                for g in r0 / MAX_ROWS..(r0 + ROWS).div_ceil(MAX_ROWS) {
+                    let first = g * MAX_ROWS - r0;
+                    let inputs = acts.group_at[g] as usize..acts.group_at[g + 1] as usize;
+                    for (&(b, i), xs) in acts.group_inputs[inputs.clone()].iter().zip(&acts.group_x[inputs]) {
+                        let w = column(b as usize, i as usize);
+                        for (acc, &x) in acc[first..].iter_mut().zip(xs) {
+                            *acc = _mm512_fmadd_ps(w, _mm512_set1_ps(x), *acc);
+                        }
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
+            }
+        }
+    }
+}
+
+/// One block's float epilogue for every row of the pass: the VNNI kernels' operations, in
+/// their order, on the integer sums the tiles stored (plus `−offset·Σa`, which the VNNI
+/// kernels start their sums from).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn epilogue<const ROWS: usize>(
+    acc: &mut [__m512; ROWS],
+    w: &TileBlock,
+    acts: &QuantizedRows,
+    r0: usize,
+    b: usize,
+    kb_n: usize,
+    sums: &[[i32; 16 * TILE_N]; 4],
+    second: bool,
+) {
+    unsafe {
+        let sum_at = |tile: usize, r: usize, init: i32| {
+            _mm512_add_epi32(
+                _mm512_loadu_si512(sums[tile].as_ptr().add(r * TILE_N) as *const _),
+                _mm512_set1_epi32(init),
+            )
+        };
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let a = acts.blocks.get_unchecked((r0 + r) * kb_n + b);
+            if let Some(scale_hi) = w.scale_hi {
+                let (lo, hi) = (sum_at(0, r, -w.offset * a.sum_lo), sum_at(1, r, -w.offset * (a.sum - a.sum_lo)));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d)), *acc);
+                if second {
+                    let (lo, hi) =
+                        (sum_at(2, r, -w.offset * a.sum_r_lo), sum_at(3, r, -w.offset * (a.sum_r - a.sum_r_lo)));
+                    let (dl, dh) =
+                        (_mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r)), _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d_r)));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dl, *acc);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dh, *acc);
+                }
+                continue;
+            }
+            let isum = sum_at(0, r, -w.offset * a.sum);
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
+            if second {
+                let isum_r = sum_at(1, r, -w.offset * a.sum_r);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_r), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r)), *acc);
+            }
+            if let Some(min) = w.min {
+                *acc = _mm512_fmadd_ps(min, _mm512_set1_ps(a.s), *acc);
+            }
+        }
+    }
+}

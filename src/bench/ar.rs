@@ -4,6 +4,7 @@
 //! every speculative speedup on a CPU.
 
 use super::median;
+use super::profile::{ProfileReport, ProfileSettings};
 use crate::model::{ForwardBatch, LogitsRows, Transformer};
 use crate::speculative::step_cost::timing_filler;
 use crate::speculative::{StepCost, StepCostSettings};
@@ -25,6 +26,9 @@ pub struct ArSettings {
     pub batch: usize,
     /// Cached tokens of each of those sequences when their decoding starts.
     pub batch_context: usize,
+    /// Block sizes to profile per phase on top of `verify_depth` cached tokens (`None`: no
+    /// profile); see [`super::profile`].
+    pub profile: Option<Vec<usize>>,
 }
 
 impl Default for ArSettings {
@@ -37,6 +41,7 @@ impl Default for ArSettings {
             repeats: 5,
             batch: 8,
             batch_context: 128,
+            profile: None,
         }
     }
 }
@@ -57,6 +62,9 @@ pub struct ArReport {
     /// server does with that many clients; `None` when not measured.
     pub batch_decode_tps: Option<f64>,
     pub verify: Vec<VerifyPoint>,
+    /// Where the time of a verify block goes, per phase (with `--profile`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile: Option<ProfileReport>,
 }
 
 /// Deterministic filler tokens (the step-cost measurement's), so runs are comparable without
@@ -71,6 +79,10 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     for (what, len) in [
         ("--prefill-tokens", s.prefill_tokens),
         ("--verify-depth + --max-m", s.verify_depth + s.max_m),
+        (
+            "--verify-depth + --profile-m",
+            s.profile.as_ref().map_or(0, |sizes| s.verify_depth + sizes.iter().copied().max().unwrap_or(0)),
+        ),
         ("--decode-tokens", s.decode_tokens + 4),
         (
             "--batch-context + --batch + --decode-tokens",
@@ -142,7 +154,16 @@ pub fn run(model: &Transformer, s: &ArSettings) -> Result<ArReport> {
     }
 
     let batch_decode_tps = if s.batch > 0 { Some(batch_decode(model, &pool, s)?) } else { None };
-    Ok(ArReport { prefill_tps, decode_tps, batch_decode_tps, verify })
+    drop(pool);
+
+    let profile = match &s.profile {
+        Some(sizes) => Some(super::profile::run(
+            model,
+            &ProfileSettings { sizes: sizes.clone(), depth: s.verify_depth, rounds: s.repeats.max(3), peak_secs: 0.3 },
+        )?),
+        None => None,
+    };
+    Ok(ArReport { prefill_tps, decode_tps, batch_decode_tps, verify, profile })
 }
 
 /// Decode throughput of `s.batch` sequences in one packed forward per step, each starting

@@ -2,6 +2,8 @@
 //! decoding over prompt suites. Speed is only ever reported from here, never asserted in tests.
 
 pub mod ar;
+pub mod int8_peak;
+pub mod profile;
 pub mod report;
 pub mod spec;
 

@@ -36,6 +36,14 @@ pub struct BenchArgs {
     /// it (the same name, `.svg`).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+    /// Profile verify blocks per phase (`ar`): where the time of m new tokens on top of
+    /// --verify-depth cached ones goes (matmuls by kind, attention, norms, RoPE, …), and the
+    /// matmuls' int8 ops/s against this machine's vpdpbusd peak, measured in the same run.
+    #[arg(long)]
+    profile: bool,
+    /// Block sizes of the profile, comma-separated (default: 1, 4, 8, 16 up to --max-m).
+    #[arg(long, value_delimiter = ',', requires = "profile")]
+    profile_m: Vec<usize>,
 
     // --- `--mode spec` ---
     /// Drafter to compare with plain decoding: ngram[:N] or draft-model:KEY|PATH; repeatable.
@@ -149,19 +157,30 @@ fn run_spec(args: BenchArgs) -> Result<()> {
 }
 
 fn run_ar(args: BenchArgs) -> Result<()> {
+    let max_m = args.max_m.clamp(1, 64);
+    let profile = match (args.profile, args.profile_m.is_empty()) {
+        (false, _) => None,
+        (true, true) => Some(crate::bench::profile::default_sizes(max_m)),
+        (true, false) => Some(args.profile_m.clone()),
+    };
+    if let Some(bad) = profile.iter().flatten().find(|&&m| m == 0 || m > 256) {
+        bail!("--profile-m takes block sizes of 1 to 256 rows, got {bad}");
+    }
     let settings = ArSettings {
         prefill_tokens: args.prefill_tokens,
         decode_tokens: args.decode_tokens,
         verify_depth: args.verify_depth,
-        max_m: args.max_m.clamp(1, 64),
+        max_m,
         repeats: args.repeats.max(1),
         batch: args.batch.min(256),
         batch_context: args.batch_context,
+        profile,
     };
     let threads =
         std::env::var("CANDLE_NUM_THREADS").or_else(|_| std::env::var("RAYON_NUM_THREADS")).unwrap_or("all".into());
     let mut results = Vec::new();
     let mut curves: Vec<(String, Vec<(usize, f64)>)> = Vec::new();
+    let mut profiles = Vec::new();
     // The batched decode column, and its ratio to prefill: how close decoding `batch`
     // sequences at once comes to the compute-bound prefill rate.
     let batch_col = format!("decode ×{} tok/s | ×{} / prefill", settings.batch, settings.batch);
@@ -194,6 +213,9 @@ fn run_ar(args: BenchArgs) -> Result<()> {
                 at(8),
                 at(16)
             );
+            if let Some(p) = &r.profile {
+                profiles.push((format!("{model} {}", loaded.model.weight_format.name()), p.clone()));
+            }
             results.push(serde_json::json!({
                 "model": model, "weights": loaded.model.weight_format.name(), "threads": threads,
                 "settings": {"prefill_tokens": settings.prefill_tokens, "decode_tokens": settings.decode_tokens,
@@ -202,6 +224,10 @@ fn run_ar(args: BenchArgs) -> Result<()> {
                 "report": r,
             }));
         }
+    }
+    for (name, p) in &profiles {
+        println!("\n### Profile: {name}\n");
+        print!("{}", crate::bench::profile::render(p));
     }
     if let Some(out) = &args.out {
         std::fs::write(out, serde_json::to_string_pretty(&results)?)?;

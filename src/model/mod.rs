@@ -9,6 +9,7 @@ mod gguf;
 mod hf;
 mod kernels;
 mod linear;
+pub mod profile;
 mod quant_matmul;
 mod rope;
 mod source;

@@ -8,10 +8,12 @@ use super::gguf::GgufFile;
 use super::kernels::KernelSettings;
 use super::kernels::WeightFormat;
 use super::linear::{FusedLinear, Linear};
+use super::profile::{self, Phase};
 use super::rope::Rope;
 use super::source::TensorSource;
 use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
 use anyhow::{bail, Context, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
@@ -48,6 +50,9 @@ pub struct Transformer {
     /// The file or directory the weights came from, when loaded from a path: an untied LM
     /// head's weights are read again from there when asked for ([`Self::lm_head_weights`]).
     source_path: Option<std::path::PathBuf>,
+    /// Per matmul kind ([`Phase::ALL`]`[..Phase::MATMULS]`): whether its weights are quantised
+    /// in every layer, so that the profiler counts its int8 multiply-adds.
+    int8_matmuls: [bool; Phase::MATMULS],
 }
 
 impl Transformer {
@@ -67,6 +72,11 @@ impl Transformer {
         device: &Device,
     ) -> Result<Self> {
         let embedding = Arc::new(file.qtensor("token_embd.weight", device)?);
+        let mut int8_matmuls = [true; Phase::MATMULS];
+        int8_matmuls[Phase::LmHead as usize] = runs_int8(
+            format,
+            if config.tied_head { Some(embedding.dtype()) } else { file.stored_type("output.weight") },
+        );
         let lm_head = if config.tied_head {
             Linear::from_qtensor(embedding.clone(), None, format, kernels, device)?
         } else {
@@ -100,6 +110,16 @@ impl Transformer {
                 }
             };
             let names = |parts: &[&str]| parts.iter().map(|p| format!("blk.{i}.{p}")).collect::<Vec<_>>();
+            for (kind, parts) in [
+                (Phase::Qkv, &["attn_q", "attn_k", "attn_v"][..]),
+                (Phase::AttnOut, &["attn_output"]),
+                (Phase::GateUp, &["ffn_gate", "ffn_up"]),
+                (Phase::Down, &["ffn_down"]),
+            ] {
+                for name in names(parts) {
+                    int8_matmuls[kind as usize] &= runs_int8(format, file.stored_type(&format!("{name}.weight")));
+                }
+            }
             let layer = Layer {
                 qkv: FusedLinear::load(
                     file,
@@ -184,6 +204,7 @@ impl Transformer {
             lm_head,
             ropes,
             source_path: None,
+            int8_matmuls,
         })
     }
 
@@ -305,7 +326,25 @@ impl Transformer {
     /// Runs every sequence's new tokens on top of its cache, appends their K/V, and returns
     /// the wanted logits rows and taps. On error no cache has advanced.
     pub fn forward(&self, batch: &mut ForwardBatch<'_>) -> Result<ForwardOutput> {
+        let _timer = profile::PROFILER.forward_timer();
         self.device.with_context(|| self.forward_inner(batch))
+    }
+
+    /// Whether the profiler counts int8 multiply-adds for this matmul kind (its weights are
+    /// quantised in every layer). False for phases that are not matmuls.
+    pub fn int8_matmul(&self, kind: Phase) -> bool {
+        self.int8_matmuls.get(kind as usize).copied().unwrap_or(false)
+    }
+
+    /// Times a matmul of `kind` over `rows` rows ([`profile::matmul`]).
+    fn matmul_timer(
+        &self,
+        kind: Phase,
+        rows: usize,
+        out_features: usize,
+        in_features: usize,
+    ) -> profile::Timer<'static> {
+        profile::matmul(kind, self.int8_matmul(kind), rows, out_features, in_features)
     }
 
     fn forward_inner(&self, batch: &mut ForwardBatch<'_>) -> Result<ForwardOutput> {
@@ -374,54 +413,93 @@ impl Transformer {
             })
             .collect();
 
-        let mut x = self.embed(&tokens)?;
+        let mut x = {
+            let _t = profile::timer(Phase::Embedding);
+            self.embed(&tokens)?
+        };
         let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let kv_width = nkv * hd;
         let mut taps = vec![None; batch.tap_layers.len()];
         let mut attn_out = vec![0f32; n_rows * nh * hd];
-        let rope_tables: Vec<_> = self.ropes.iter().map(|r| r.tables(&positions)).collect();
+        let rope_tables: Vec<_> = {
+            let _t = profile::timer(Phase::Rope);
+            self.ropes.iter().map(|r| r.tables(&positions)).collect()
+        };
         let attn_scale = cfg.extras.attn_scale.unwrap_or(1.0 / (hd as f32).sqrt());
+        let rms_norm = |x: &Tensor, w: &Tensor| {
+            let _t = profile::timer(Phase::Norm);
+            super::elementwise::rms_norm(x, w, cfg.rms_eps as f32)
+        };
 
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = super::elementwise::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
-            let mut qkv = layer.qkv.forward_host(&h)?;
+            let h = rms_norm(&x, &layer.attn_norm)?;
+            let mut qkv = {
+                let width = layer.qkv.widths().iter().sum();
+                let _t = self.matmul_timer(Phase::Qkv, n_rows, width, layer.qkv.in_features());
+                layer.qkv.forward_host(&h)?
+            };
             let v = qkv.pop().context("qkv projection has three parts")?;
             let mut k = qkv.pop().context("qkv projection has three parts")?;
             let mut q = qkv.pop().context("qkv projection has three parts")?;
-            if let Some((qn, kn)) = &layer.qk_norm {
-                head_rms_norm(&mut q, qn, cfg.rms_eps as f32);
-                head_rms_norm(&mut k, kn, cfg.rms_eps as f32);
-            }
-            let (rope, tables) = (&self.ropes[layer.rope], &rope_tables[layer.rope]);
-            for row in 0..n_rows {
-                rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], tables, row);
-                rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], tables, row);
-            }
-            // Write this layer's new K/V into each sequence's blocks.
-            for sq in &attn_seqs {
-                for i in 0..sq.n_rows {
-                    let row = sq.row_start + i;
-                    let (k_row, v_row) =
-                        (&k[row * kv_width..(row + 1) * kv_width], &v[row * kv_width..(row + 1) * kv_width]);
-                    storage.write(li, sq.blocks, sq.cached + i, k_row, v_row);
+            {
+                let _t = profile::timer(Phase::Rope);
+                if let Some((qn, kn)) = &layer.qk_norm {
+                    head_rms_norm(&mut q, qn, cfg.rms_eps as f32);
+                    head_rms_norm(&mut k, kn, cfg.rms_eps as f32);
+                }
+                let (rope, tables) = (&self.ropes[layer.rope], &rope_tables[layer.rope]);
+                for row in 0..n_rows {
+                    rope.apply(&mut q[row * nh * hd..(row + 1) * nh * hd], tables, row);
+                    rope.apply(&mut k[row * kv_width..(row + 1) * kv_width], tables, row);
                 }
             }
-            paged_attention(&storage, li, &q, nh, &attn_seqs, attn_scale, layer.window, &mut attn_out);
+            {
+                let _t = profile::timer(Phase::Attention);
+                // Write this layer's new K/V into each sequence's blocks.
+                for sq in &attn_seqs {
+                    for i in 0..sq.n_rows {
+                        let row = sq.row_start + i;
+                        let (k_row, v_row) =
+                            (&k[row * kv_width..(row + 1) * kv_width], &v[row * kv_width..(row + 1) * kv_width]);
+                        storage.write(li, sq.blocks, sq.cached + i, k_row, v_row);
+                    }
+                }
+                paged_attention(&storage, li, &q, nh, &attn_seqs, attn_scale, layer.window, &mut attn_out);
+            }
             let attn = Tensor::from_slice(&attn_out, (n_rows, nh * hd), &self.device)?;
-            let mut attn = layer.o.forward(&attn)?;
+            let mut attn = {
+                let _t = self.matmul_timer(Phase::AttnOut, n_rows, layer.o.out_features(), layer.o.in_features());
+                layer.o.forward(&attn)?
+            };
             if let Some((post_attn, _)) = &layer.post_norms {
-                attn = super::elementwise::rms_norm(&attn, post_attn, cfg.rms_eps as f32)?;
+                attn = rms_norm(&attn, post_attn)?;
             }
-            x = (x + attn)?;
+            x = {
+                let _t = profile::timer(Phase::Elementwise);
+                (x + attn)?
+            };
 
-            let h = super::elementwise::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
-            let gate_up = layer.gate_up.forward(&h)?;
-            let gated = super::elementwise::gated_mul(&gate_up[0], &gate_up[1], cfg.extras.activation)?;
-            let mut mlp = layer.down.forward(&gated)?;
+            let h = rms_norm(&x, &layer.ffn_norm)?;
+            let gate_up = {
+                let width = layer.gate_up.widths().iter().sum();
+                let _t = self.matmul_timer(Phase::GateUp, n_rows, width, layer.gate_up.in_features());
+                layer.gate_up.forward(&h)?
+            };
+            let gated = {
+                let _t = profile::timer(Phase::Elementwise);
+                super::elementwise::gated_mul(&gate_up[0], &gate_up[1], cfg.extras.activation)?
+            };
+            let mut mlp = {
+                let _t = self.matmul_timer(Phase::Down, n_rows, layer.down.out_features(), layer.down.in_features());
+                layer.down.forward(&gated)?
+            };
             if let Some((_, post_ffn)) = &layer.post_norms {
-                mlp = super::elementwise::rms_norm(&mlp, post_ffn, cfg.rms_eps as f32)?;
+                mlp = rms_norm(&mlp, post_ffn)?;
             }
-            x = (x + mlp)?;
+            x = {
+                let _t = profile::timer(Phase::Elementwise);
+                (x + mlp)?
+            };
 
             for (slot, &tl) in taps.iter_mut().zip(&batch.tap_layers) {
                 if tl == li {
@@ -437,7 +515,13 @@ impl Transformer {
         } else {
             let idx = Tensor::new(logit_rows.as_slice(), &self.device)?;
             let h = x.index_select(&idx, 0)?;
-            let h = super::elementwise::rms_norm(&h, &self.norm, cfg.rms_eps as f32)?;
+            let h = rms_norm(&h, &self.norm)?;
+            let _t = self.matmul_timer(
+                Phase::LmHead,
+                logit_rows.len(),
+                self.lm_head.out_features(),
+                self.lm_head.in_features(),
+            );
             self.lm_head.forward(&h)?
         };
         for s in batch.seqs.iter_mut() {
@@ -468,6 +552,16 @@ fn check_vector(t: &Tensor, len: usize, name: &str) -> Result<()> {
         bail!("{name}: shape {:?}, expected [{len}]", t.dims());
     }
     Ok(())
+}
+
+/// Whether a matmul whose weights are stored as `stored` runs on quantised (int8) products in
+/// `format`.
+fn runs_int8(format: WeightFormat, stored: Option<GgmlDType>) -> bool {
+    match format {
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 => true,
+        WeightFormat::F32 | WeightFormat::F16 => false,
+        WeightFormat::Native => stored.is_some_and(|t| !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)),
+    }
 }
 
 /// RMSNorm over each `weight.len()`-wide head of `x`, in place.

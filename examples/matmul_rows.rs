@@ -29,7 +29,10 @@ fn main() -> Result<()> {
     let w: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
     let q = Arc::new(QTensor::quantize(&Tensor::from_vec(w, (n, k), &dev)?, dtype)?);
     let base = KernelSettings::default();
-    let mut kernels = vec![("vnni", Linear::from_qtensor(q.clone(), None, WeightFormat::Native, &KernelSettings { amx: false, ..base }, &dev)?)];
+    let mut kernels = vec![(
+        "vnni",
+        Linear::from_qtensor(q.clone(), None, WeightFormat::Native, &KernelSettings { amx: false, ..base }, &dev)?,
+    )];
     kernels.push(("amx", Linear::from_qtensor(q, None, WeightFormat::Native, &base, &dev)?));
     println!("{dtype:?} {n}x{k}; ms per matmul (G int8 multiply-adds/s)");
     print!("{:>4}", "m");

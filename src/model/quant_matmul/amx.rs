@@ -59,17 +59,18 @@ impl TileConfig {
         Self::palette1(tiles)
     }
 
-    /// The tiles of a pass of `rows` activation rows. Whole blocks of 32 (`halves` false):
-    /// tmm0/1 the sums of the first/second level (rows × 16 i32), tmm2/3 their activations
-    /// (rows × 32 bytes), tmm4 the weights (8 rows of 4 inputs × 16 columns). Blocks summed
-    /// per half of 16 inputs (Q6_K): tmm0/1 the low/high half's sums, tmm2/3 their activations
-    /// (rows × 16 bytes), tmm4/5 their weights (4 rows each).
+    /// The tiles of a pass of `rows` activation rows. Whole blocks of 32 (`halves` false), two
+    /// sets for alternate blocks: tmm0/1 the first level's sums (rows × 16 i32), tmm2/3 the
+    /// activations (rows × 32 bytes), tmm4/5 the weights (8 rows of 4 inputs × 16 columns),
+    /// tmm6/7 the remainder's sums. Blocks summed per half of 16 inputs (Q6_K): tmm0/1 and
+    /// tmm6/7 the low and high half's sums (alternate blocks, or the two levels), tmm2/3 their
+    /// activations (rows × 16 bytes), tmm4/5 their weights (4 rows each).
     fn for_pass(rows: usize, halves: bool) -> Self {
         let r = rows as u8;
         if halves {
-            Self::palette1(&[(r, 64), (r, 64), (r, 16), (r, 16), (4, 64), (4, 64)])
+            Self::palette1(&[(r, 64), (r, 64), (r, 16), (r, 16), (4, 64), (4, 64), (r, 64), (r, 64)])
         } else {
-            Self::palette1(&[(r, 64), (r, 64), (r, 32), (r, 32), (8, 64)])
+            Self::palette1(&[(r, 64), (r, 64), (r, 32), (r, 32), (8, 64), (8, 64), (r, 64), (r, 64)])
         }
     }
 }
@@ -267,14 +268,29 @@ fn request_tile_permission() -> bool {
     false
 }
 
-/// 64-byte aligned scratch: the decoded weights of two blocks, and the sums of two blocks.
+/// Blocks in flight: a block's weights are decoded one block ahead of its tile work, and its
+/// float epilogue runs two blocks behind it, so the tile unit never waits on the stores that
+/// feed it and the epilogue never waits on the tile stores (the tiles reach the vector code
+/// through memory, and neither direction forwards from the store buffer).
+const RING: usize = 4;
+
+/// 64-byte aligned scratch for [`RING`] blocks.
 #[repr(C, align(64))]
 struct Scratch {
-    /// `[block parity][8 rows × 64 bytes]`.
-    weights: [[u8; 8 * TILE_ROW_BYTES]; 2],
-    /// `[block parity][sum tile 0..4][16 rows × 16 i32]`: tiles 0/1, then (halves, two
-    /// levels) the remainder's two.
-    sums: [[[i32; 16 * TILE_N]; 4]; 2],
+    /// `[block % RING][8 rows × 64 bytes]`: decoded weights, as the B tile reads them.
+    weights: [[u8; 8 * TILE_ROW_BYTES]; RING],
+    /// `[block % RING][sum tile 0..4][16 rows × 16 i32]`: the first level's sums (per half:
+    /// low, high), then the remainder's.
+    sums: [[[i32; 16 * TILE_N]; 4]; RING],
+}
+
+/// What the float epilogue needs of a decoded block (its [`TileBlock`] less the weights).
+#[derive(Clone, Copy)]
+struct BlockScales {
+    scale: __m512,
+    scale_hi: Option<__m512>,
+    offset: i32,
+    min: Option<__m512>,
 }
 
 /// Runs passes of up to [`MAX_TILE_ROWS`] rows on a [`TileUnit`], configuring it only when a
@@ -287,16 +303,88 @@ pub(super) struct Amx<'u, U: TileUnit> {
 
 impl<'u, U: TileUnit> Amx<'u, U> {
     pub(super) fn new(unit: &'u mut U) -> Self {
-        let scratch = Box::new(Scratch { weights: [[0; 8 * TILE_ROW_BYTES]; 2], sums: [[[0; 16 * TILE_N]; 4]; 2] });
+        let scratch =
+            Box::new(Scratch { weights: [[0; 8 * TILE_ROW_BYTES]; RING], sums: [[[0; 16 * TILE_N]; 4]; RING] });
         Self { unit, shape: None, scratch }
     }
 }
 
+/// Bytes of one stored sum tile in [`Scratch::sums`].
+const SUM_TILE_BYTES: usize = 16 * TILE_N * 4;
+
+/// The tiles of one block of 32 inputs: `C += A·B` for the first level, and with `second`
+/// `CR += A·B` for the remainder. Blocks alternate between two sets of tiles (0/2/4/6 and
+/// 1/3/5/7) so that a block's sums are stored only after the next block's products are
+/// issued: the tile unit runs its instructions in order, and a store right behind its
+/// product waits for all of it.
+#[inline(always)]
+unsafe fn whole_block_products<U: TileUnit, const C: u8, const A: u8, const B: u8, const CR: u8>(
+    unit: &mut U,
+    weights: *const u8,
+    q: *const u8,
+    r: *const u8,
+    k: usize,
+    second: bool,
+) {
+    unsafe {
+        unit.load::<B>(weights, 64);
+        unit.zero::<C>();
+        unit.load::<A>(q, k);
+        unit.dot::<C, A, B>();
+        if second {
+            unit.zero::<CR>();
+            unit.load::<A>(r, k);
+            unit.dot::<CR, A, B>();
+        }
+    }
+}
+
+/// Stores what [`whole_block_products`] summed in tiles `C` (and `CR`).
+#[inline(always)]
+unsafe fn store_sums<U: TileUnit, const C: u8, const CR: u8>(unit: &mut U, sums: *mut u8, second: bool) {
+    unsafe {
+        unit.store::<C>(sums, 64);
+        if second {
+            unit.store::<CR>(sums.add(SUM_TILE_BYTES), 64);
+        }
+    }
+}
+
+/// One block summed per half of 16 inputs (Q6_K): the low half's activations (tile 2) times
+/// its weights (tile 4) into `LO`, the high half's (3, 5) into `HI`, for each level of
+/// `levels`; stored at once when there are two levels (their sums share the tiles), else by
+/// [`store_sums`] one block later.
+#[inline(always)]
+unsafe fn halved_block_products<U: TileUnit, const LO: u8, const HI: u8>(
+    unit: &mut U,
+    weights: *const u8,
+    levels: &[*const u8],
+    k: usize,
+    sums: *mut u8,
+) {
+    unsafe {
+        unit.load::<4>(weights, 64);
+        unit.load::<5>(weights.add(4 * 64), 64);
+        for (level, &a) in levels.iter().enumerate() {
+            unit.zero::<LO>();
+            unit.zero::<HI>();
+            unit.load::<2>(a, k);
+            unit.load::<3>(a.add(BLOCK / 2), k);
+            unit.dot::<LO, 2, 4>();
+            unit.dot::<HI, 3, 5>();
+            if levels.len() > 1 {
+                unit.store::<LO>(sums.add(2 * level * SUM_TILE_BYTES), 64);
+                unit.store::<HI>(sums.add((2 * level + 1) * SUM_TILE_BYTES), 64);
+            }
+        }
+    }
+}
+
 impl<U: TileUnit> TileDriver for Amx<'_, U> {
-    /// Per block: decode the weights (the type's `block`), then on the tiles
-    /// `C = A·B` for each level (and half), stored; the float epilogue of a block runs one
-    /// block later, while the tile unit works on the next, in the VNNI kernels' order. Then
-    /// the outliers of each group of [`MAX_ROWS`] rows, as the VNNI kernels add them.
+    /// Per block: decode the weights (the type's `block`), then on the tiles `C = A·B` for
+    /// each level (and half), stored; the float epilogue runs [`RING`]` − 2` blocks later, in
+    /// the VNNI kernels' order. Then the outliers of each group of [`MAX_ROWS`] rows, as the
+    /// VNNI kernels add them.
     #[inline(always)]
     unsafe fn run<const ROWS: usize>(
         &mut self,
@@ -320,53 +408,64 @@ impl<U: TileUnit> TileDriver for Amx<'_, U> {
         let scratch = &mut *self.scratch;
         unsafe {
             let mut acc = [_mm512_setzero_ps(); ROWS];
-            let mut pending: Option<(usize, TileBlock)> = None;
-            for b in 0..kb_n + 1 {
-                let parity = b % 2;
-                let decoded = (b < kb_n).then(|| block(b, true));
-                if let Some(w) = &decoded {
-                    let wb = scratch.weights[parity].as_mut_ptr();
-                    for (g, v) in w.wv.iter().enumerate() {
-                        _mm512_store_si512(wb.add(g * 64) as *mut _, *v);
-                    }
-                    let sums = scratch.sums[parity].as_mut_ptr() as *mut u8;
+            let zero = _mm512_setzero_ps();
+            let mut scales = [BlockScales { scale: zero, scale_hi: None, offset: 0, min: None }; RING];
+            let mut decode = |b: usize, scratch: &mut Scratch, scales: &mut [BlockScales; RING]| {
+                let w = block(b, true);
+                let wb = scratch.weights[b % RING].as_mut_ptr();
+                for (g, v) in w.wv.iter().enumerate() {
+                    _mm512_store_si512(wb.add(g * 64) as *mut _, *v);
+                }
+                scales[b % RING] = BlockScales { scale: w.scale, scale_hi: w.scale_hi, offset: w.offset, min: w.min };
+            };
+            decode(0, scratch, &mut scales);
+            if kb_n > 1 {
+                decode(1, scratch, &mut scales);
+            }
+            // Iteration b: block b's products, block b − 1's sums stored, block b − 2's
+            // epilogue, then block b + 2 decoded into the ring slot b − 2 leaves.
+            for b in 0..kb_n + 2 {
+                if b < kb_n {
+                    let wb = scratch.weights[b % RING].as_ptr();
                     let at = r0 * k + b * BLOCK;
                     let q = acts.q.as_ptr().add(at) as *const u8;
                     // `r` is empty unless there are two levels.
                     let r = acts.r.as_ptr().wrapping_add(at) as *const u8;
-                    let sum_tile = 16 * TILE_N * 4;
-                    if halves {
-                        unit.load::<4>(wb, 64);
-                        unit.load::<5>(wb.add(4 * 64), 64);
-                        for (level, a) in [(0, q), (1, r)].into_iter().take(1 + second as usize) {
-                            unit.zero::<0>();
-                            unit.zero::<1>();
-                            unit.load::<2>(a, k);
-                            unit.load::<3>(a.add(BLOCK / 2), k);
-                            unit.dot::<0, 2, 4>();
-                            unit.dot::<1, 3, 5>();
-                            unit.store::<0>(sums.add(2 * level * sum_tile), 64);
-                            unit.store::<1>(sums.add((2 * level + 1) * sum_tile), 64);
-                        }
-                    } else {
-                        unit.load::<4>(wb, 64);
-                        unit.zero::<0>();
-                        unit.load::<2>(q, k);
-                        unit.dot::<0, 2, 4>();
-                        unit.store::<0>(sums, 64);
-                        if second {
-                            unit.zero::<1>();
-                            unit.load::<3>(r, k);
-                            unit.dot::<1, 3, 4>();
-                            unit.store::<1>(sums.add(sum_tile), 64);
-                        }
+                    let sums = scratch.sums[b % RING].as_mut_ptr() as *mut u8;
+                    match (halves, b % 2, second) {
+                        (false, 0, _) => whole_block_products::<U, 0, 2, 4, 6>(unit, wb, q, r, k, second),
+                        (false, _, _) => whole_block_products::<U, 1, 3, 5, 7>(unit, wb, q, r, k, second),
+                        (true, _, true) => halved_block_products::<U, 0, 1>(unit, wb, &[q, r], k, sums),
+                        (true, 0, false) => halved_block_products::<U, 0, 1>(unit, wb, &[q], k, sums),
+                        (true, _, false) => halved_block_products::<U, 6, 7>(unit, wb, &[q], k, sums),
                     }
                 }
-                if let Some((pb, w)) = pending.take() {
-                    epilogue::<ROWS>(&mut acc, &w, acts, r0, pb, kb_n, &scratch.sums[pb % 2], second);
+                if b >= 1 && b <= kb_n {
+                    let pb = b - 1;
+                    let sums = scratch.sums[pb % RING].as_mut_ptr() as *mut u8;
+                    match (halves, pb % 2, second) {
+                        (_, _, true) if halves => {} // stored with its products
+                        (false, 0, _) => store_sums::<U, 0, 6>(unit, sums, second),
+                        (false, _, _) => store_sums::<U, 1, 7>(unit, sums, second),
+                        (true, 0, _) => store_sums::<U, 0, 1>(unit, sums, true),
+                        (true, _, _) => store_sums::<U, 6, 7>(unit, sums, true),
+                    }
                 }
-                if let Some(w) = decoded {
-                    pending = Some((b, w));
+                if b >= 2 {
+                    let pb = b - 2;
+                    epilogue::<ROWS>(
+                        &mut acc,
+                        &scales[pb % RING],
+                        acts,
+                        r0,
+                        pb,
+                        kb_n,
+                        &scratch.sums[pb % RING],
+                        second,
+                    );
+                }
+                if b + 2 < kb_n {
+                    decode(b + 2, scratch, &mut scales);
                 }
             }
             if acts.levels == ActivationLevels::Outliers {
@@ -397,7 +496,7 @@ impl<U: TileUnit> TileDriver for Amx<'_, U> {
 #[allow(clippy::too_many_arguments)]
 unsafe fn epilogue<const ROWS: usize>(
     acc: &mut [__m512; ROWS],
-    w: &TileBlock,
+    w: &BlockScales,
     acts: &QuantizedRows,
     r0: usize,
     b: usize,

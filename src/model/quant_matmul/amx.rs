@@ -1,20 +1,21 @@
 //! AMX int8 tiles for blocks of several activation rows (verification, batched decode,
 //! prefill), where the CPU has them and the kernel grants the tile permission.
 //!
-//! The integer dot products of a weight block move from `vpdpbusd` to `tdpbsud` (signed
-//! activation bytes × unsigned weight bytes): one instruction takes all of a pass's rows (up
+//! The integer dot products of a weight block move from `vpdpbusd` to `tdpbssd` (signed
+//! activation bytes × signed weight bytes): one instruction takes all of a pass's rows (up
 //! to 16) against a tile's 16 output columns × 32 inputs, which on the VNNI path costs 8
 //! `vpdpbusd` per row. Each weight block is decoded to bytes once per pass by the same code as
-//! the VNNI kernels (`avx512`'s per-type `block` closures), already in the layout `tdpbsud`
-//! reads its B tile in (4 inputs × 16 columns per 64-byte row), and stored to a small buffer
-//! the tile is loaded from; activations are loaded straight from the quantised rows (stride
+//! the VNNI kernels (`avx512`'s per-type `block` closures), already in the layout `tdpbssd`
+//! reads its B tile in (4 inputs × 16 columns per 64-byte row), less the offset the VNNI
+//! kernels carry on unsigned bytes (so the sums need no `−offset·Σa` term, the same integer),
+//! and stored to a small buffer the tile is loaded from; activations are loaded straight from the quantised rows (stride
 //! `k`). The sums come back through memory, and the float epilogue is the VNNI kernels':
 //! the same operations in the same order on the same exact integer sums, so results are bit
 //! for bit the VNNI kernels' (and so the one-row path's) on every machine.
 //!
 //! The tile logic is written against [`TileUnit`], with two implementations: [`Tiles`], the
 //! instructions, and [`TileModel`] (tests), a scalar model of what `ldtilecfg`, `tilezero`,
-//! `tileloadd`, `tdpbsud` and `tilestored` do. So every AVX-512 machine runs the whole kernel
+//! `tileloadd`, `tdpbssd` and `tilestored` do. So every AVX-512 machine runs the whole kernel
 //! in tests, and the real tiles are checked against it where the CPU has them.
 
 use super::avx512::{TileBlock, TileDriver};
@@ -85,7 +86,7 @@ pub(super) trait TileUnit {
     unsafe fn load<const T: u8>(&mut self, base: *const u8, stride: usize);
     /// `tilestored`.
     unsafe fn store<const T: u8>(&mut self, base: *mut u8, stride: usize);
-    /// `tdpbsud`: `C[m][n] += Σ_k Σ_i sext(A[m][4k+i]) · zext(B[k][4n+i])`, in i32.
+    /// `tdpbssd`: `C[m][n] += Σ_k Σ_i sext(A[m][4k+i]) · sext(B[k][4n+i])`, in i32.
     unsafe fn dot<const C: u8, const A: u8, const B: u8>(&mut self);
 }
 
@@ -154,13 +155,13 @@ impl TileUnit for Tiles {
     #[inline(always)]
     unsafe fn dot<const C: u8, const A: u8, const B: u8>(&mut self) {
         unsafe {
-            core::arch::asm!("tdpbsud tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B, options(nostack, nomem))
+            core::arch::asm!("tdpbssd tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B, options(nostack, nomem))
         }
     }
 }
 
 /// A scalar model of the tiles, with AMX's semantics: loads fill a tile's configured rows and
-/// bytes and zero the rest, `tdpbsud` reads the shapes from the configuration and zeroes the
+/// bytes and zero the rest, `tdpbssd` reads the shapes from the configuration and zeroes the
 /// destination's unused bytes, and any shape the CPU would fault on panics.
 #[cfg(test)]
 pub(super) struct TileModel {
@@ -221,15 +222,16 @@ impl TileUnit for TileModel {
 
     unsafe fn dot<const C: u8, const A: u8, const B: u8>(&mut self) {
         let ((m, c_bytes), (a_rows, a_bytes), (k, b_bytes)) = (self.shape(C), self.shape(A), self.shape(B));
-        assert!(C != A && C != B && A != B, "tdpbsud needs three different tiles");
-        assert!(a_rows == m && a_bytes == 4 * k && b_bytes == c_bytes && c_bytes % 4 == 0, "tdpbsud shapes");
+        assert!(C != A && C != B && A != B, "tdpbssd needs three different tiles");
+        assert!(a_rows == m && a_bytes == 4 * k && b_bytes == c_bytes && c_bytes % 4 == 0, "tdpbssd shapes");
         let (a, b) = (self.tiles[A as usize], self.tiles[B as usize]);
         let c = &mut self.tiles[C as usize];
         for (row, a_row) in c.iter_mut().zip(&a).take(m) {
             for n in 0..c_bytes / 4 {
                 let mut sum = i32::from_le_bytes(row[4 * n..4 * n + 4].try_into().expect("4 bytes"));
                 for (kk, b_row) in b.iter().enumerate().take(k) {
-                    let products: i32 = (0..4).map(|i| a_row[4 * kk + i] as i8 as i32 * b_row[4 * n + i] as i32).sum();
+                    let products: i32 =
+                        (0..4).map(|i| a_row[4 * kk + i] as i8 as i32 * b_row[4 * n + i] as i8 as i32).sum();
                     sum = sum.wrapping_add(products);
                 }
                 row[4 * n..4 * n + 4].copy_from_slice(&sum.to_le_bytes());
@@ -289,7 +291,6 @@ struct Scratch {
 struct BlockScales {
     scale: __m512,
     scale_hi: Option<__m512>,
-    offset: i32,
     min: Option<__m512>,
 }
 
@@ -409,18 +410,10 @@ impl<U: TileUnit> TileDriver for Amx<'_, U> {
         unsafe {
             let mut acc = [_mm512_setzero_ps(); ROWS];
             let zero = _mm512_setzero_ps();
-            let mut scales = [BlockScales { scale: zero, scale_hi: None, offset: 0, min: None }; RING];
-            let mut decode = |b: usize, scratch: &mut Scratch, scales: &mut [BlockScales; RING]| {
-                let w = block(b, true);
-                let wb = scratch.weights[b % RING].as_mut_ptr();
-                for (g, v) in w.wv.iter().enumerate() {
-                    _mm512_store_si512(wb.add(g * 64) as *mut _, *v);
-                }
-                scales[b % RING] = BlockScales { scale: w.scale, scale_hi: w.scale_hi, offset: w.offset, min: w.min };
-            };
-            decode(0, scratch, &mut scales);
+            let mut scales = [BlockScales { scale: zero, scale_hi: None, min: None }; RING];
+            decode(&mut block, 0, scratch, &mut scales);
             if kb_n > 1 {
-                decode(1, scratch, &mut scales);
+                decode(&mut block, 1, scratch, &mut scales);
             }
             // Iteration b: block b's products, block b − 1's sums stored, block b − 2's
             // epilogue, then block b + 2 decoded into the ring slot b − 2 leaves.
@@ -465,7 +458,7 @@ impl<U: TileUnit> TileDriver for Amx<'_, U> {
                     );
                 }
                 if b + 2 < kb_n {
-                    decode(b + 2, scratch, &mut scales);
+                    decode(&mut block, b + 2, scratch, &mut scales);
                 }
             }
             if acts.levels == ActivationLevels::Outliers {
@@ -489,9 +482,30 @@ impl<U: TileUnit> TileDriver for Amx<'_, U> {
     }
 }
 
+/// Decodes block `b` into its ring slot: the weights as signed bytes (less the offset the
+/// VNNI kernels carry on unsigned ones, 0..=128, so a wrapped 128 is −128), and its scales.
+/// A function, not a closure, so that it inlines into the caller's target features.
+#[inline(always)]
+unsafe fn decode(
+    block: &mut impl FnMut(usize, bool) -> TileBlock,
+    b: usize,
+    scratch: &mut Scratch,
+    scales: &mut [BlockScales; RING],
+) {
+    unsafe {
+        let w = block(b, true);
+        let wb = scratch.weights[b % RING].as_mut_ptr();
+        let offset = _mm512_set1_epi8(w.offset as u8 as i8);
+        for (g, v) in w.wv.iter().enumerate() {
+            _mm512_store_si512(wb.add(g * 64) as *mut _, _mm512_sub_epi8(*v, offset));
+        }
+        scales[b % RING] = BlockScales { scale: w.scale, scale_hi: w.scale_hi, min: w.min };
+    }
+}
+
 /// One block's float epilogue for every row of the pass: the VNNI kernels' operations, in
-/// their order, on the integer sums the tiles stored (plus `−offset·Σa`, which the VNNI
-/// kernels start their sums from).
+/// their order, on the integer sums the tiles stored (the VNNI kernels' sums, whose
+/// `−offset·Σa` the signed weights already hold).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn epilogue<const ROWS: usize>(
@@ -505,36 +519,42 @@ unsafe fn epilogue<const ROWS: usize>(
     second: bool,
 ) {
     unsafe {
-        let sum_at = |tile: usize, r: usize, init: i32| {
-            _mm512_add_epi32(
-                _mm512_loadu_si512(sums[tile].as_ptr().add(r * TILE_N) as *const _),
-                _mm512_set1_epi32(init),
-            )
+        let sum_at = |tile: usize, r: usize| {
+            _mm512_cvtepi32_ps(_mm512_loadu_si512(sums[tile].as_ptr().add(r * TILE_N) as *const _))
         };
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let a = acts.blocks.get_unchecked((r0 + r) * kb_n + b);
-            if let Some(scale_hi) = w.scale_hi {
-                let (lo, hi) = (sum_at(0, r, -w.offset * a.sum_lo), sum_at(1, r, -w.offset * (a.sum - a.sum_lo)));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d)), *acc);
+        let block_at = |r: usize| acts.blocks.get_unchecked((r0 + r) * kb_n + b);
+        // One loop per kind of block, so no row tests what the block is.
+        if let Some(scale_hi) = w.scale_hi {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = block_at(r);
+                *acc = _mm512_fmadd_ps(sum_at(0, r), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
+                *acc = _mm512_fmadd_ps(sum_at(1, r), _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d)), *acc);
                 if second {
-                    let (lo, hi) =
-                        (sum_at(2, r, -w.offset * a.sum_r_lo), sum_at(3, r, -w.offset * (a.sum_r - a.sum_r_lo)));
                     let (dl, dh) =
                         (_mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r)), _mm512_mul_ps(scale_hi, _mm512_set1_ps(a.d_r)));
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dl, *acc);
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dh, *acc);
+                    *acc = _mm512_fmadd_ps(sum_at(2, r), dl, *acc);
+                    *acc = _mm512_fmadd_ps(sum_at(3, r), dh, *acc);
                 }
-                continue;
             }
-            let isum = sum_at(0, r, -w.offset * a.sum);
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
-            if second {
-                let isum_r = sum_at(1, r, -w.offset * a.sum_r);
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_r), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r)), *acc);
+        } else if second {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = block_at(r);
+                *acc = _mm512_fmadd_ps(sum_at(0, r), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
+                *acc = _mm512_fmadd_ps(sum_at(1, r), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d_r)), *acc);
+                if let Some(min) = w.min {
+                    *acc = _mm512_fmadd_ps(min, _mm512_set1_ps(a.s), *acc);
+                }
             }
-            if let Some(min) = w.min {
+        } else if let Some(min) = w.min {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = block_at(r);
+                *acc = _mm512_fmadd_ps(sum_at(0, r), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
                 *acc = _mm512_fmadd_ps(min, _mm512_set1_ps(a.s), *acc);
+            }
+        } else {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = block_at(r);
+                *acc = _mm512_fmadd_ps(sum_at(0, r), _mm512_mul_ps(w.scale, _mm512_set1_ps(a.d)), *acc);
             }
         }
     }

@@ -62,6 +62,11 @@ const BLOCK: usize = 32;
 const TILE_N: usize = 16;
 /// Activation rows that share one pass over a weight tile.
 const MAX_ROWS: usize = 8;
+/// AMX tiles take matmuls of more than [`MAX_ROWS`] rows whose input is at least this wide
+/// (`examples/matmul_rows.rs`, on a Xeon with AMX): up to 8 rows the VNNI kernels, already
+/// near the weight stream's pace, are as fast or faster, and on narrower inputs a pass has too
+/// few blocks to fill the tiles' pipeline. The results are the same either way.
+const AMX_MIN_K: usize = 1024;
 /// Activation blocks per work item when quantising.
 const QUANT_CHUNK: usize = 32;
 
@@ -382,7 +387,8 @@ impl PackedMatrix {
     pub fn matmul(&self, x: &[f32]) -> Result<Vec<f32>> {
         let mut isa = isa().context("no vector kernels on this CPU")?;
         #[cfg(target_arch = "x86_64")]
-        if self.amx && isa == Isa::Avx512Vnni && amx::available() {
+        if self.amx && isa == Isa::Avx512Vnni && x.len() > MAX_ROWS * self.k && self.k >= AMX_MIN_K && amx::available()
+        {
             isa = Isa::Amx;
         }
         self.matmul_on(x, isa)

@@ -92,11 +92,11 @@ fn amx_tiles_agree_with_their_model_and_the_vnni_kernels() {
     }
 }
 
-/// `tdpbsud` on the model: signed A bytes times unsigned B bytes, summed per 4 into the i32
+/// `tdpbssd` on the model: signed A bytes times signed B bytes, summed per 4 into the i32
 /// destination, which keeps what it held; bytes past a tile's configured rows and columns
 /// read and write as zeros.
 #[test]
-fn the_tile_model_multiplies_signed_by_unsigned_bytes_as_tdpbsud() {
+fn the_tile_model_multiplies_signed_bytes_as_tdpbssd() {
     use amx::{TileConfig, TileModel, TileUnit};
     let (m, kk, nn) = (5usize, 3usize, 7usize); // rows, groups of 4 inputs, output columns
     let a: Vec<u8> = (0..m * 64).map(|i| (i * 37 % 256) as u8).collect();
@@ -119,7 +119,7 @@ fn the_tile_model_multiplies_signed_by_unsigned_bytes_as_tdpbsud() {
             let got = i32::from_le_bytes(c[row * 64 + 4 * col..][..4].try_into().unwrap());
             let want: i32 = if col < nn {
                 2 * (0..4 * kk)
-                    .map(|i| a[row * 64 + i] as i8 as i32 * b[(i / 4) * 64 + 4 * col + i % 4] as i32)
+                    .map(|i| a[row * 64 + i] as i8 as i32 * b[(i / 4) * 64 + 4 * col + i % 4] as i8 as i32)
                     .sum::<i32>()
             } else {
                 0

@@ -94,9 +94,11 @@ pub struct KernelSettings {
     /// candle's repacked Q8_0 kernel for input widths that are not multiples of 256, by
     /// zero-padding them (`linear`), where the CPU has VNNI dot products.
     pub candle_repack: bool,
-    /// candle's AMX kernel for Q4_K batches of 32 rows or more, where the CPU has AMX. It
-    /// keeps its own one-byte-per-weight copy of every Q4_K matrix (+1.4 GB for
-    /// Qwen2.5-1.5B); off, such batches run in chunks below the threshold (same results).
+    /// AMX tiles where the CPU has them: our kernels' matmuls of more than 8 rows
+    /// (`quant_matmul::amx`, the same results as VNNI), and candle's AMX kernel for the Q4_K
+    /// batches of 32 rows or more that ours do not take (it keeps its own one-byte-per-weight
+    /// copy of those matrices). Off, everything runs on VNNI, and such candle batches in
+    /// chunks below its threshold (same results).
     pub amx: bool,
     /// How our kernels quantise activations (docs/kernels.md).
     pub activation_levels: ActivationLevels,

@@ -42,12 +42,13 @@ impl WeightFormat {
     }
 
     /// The default for a file, chosen by measurement (docs/performance.md): keep the file's
-    /// types where there are fast kernels for them (ours for Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on
-    /// CPUs with AVX-512 VNNI or AVX2, candle's repacked ones for widths that are multiples of 256); otherwise
-    /// convert to Q8_0, which runs on our kernel (or, without them, is padded onto
-    /// candle's repacked one; see `linear`). Q4_0/Q4_1/Q5_0/Q5_1 run scalar in
-    /// candle, and any width that is not a multiple of 256 misses its repacked kernels.
-    /// `kernels` says which kernels may run (its `weights` is not read here).
+    /// types where there are fast kernels for them (ours for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+    /// the Q4_K/Q5_K/Q6_K k-quants on CPUs with AVX-512 VNNI or AVX2, candle's repacked ones for
+    /// widths that are multiples of 256); otherwise convert to Q8_0, which runs on our kernel
+    /// (or, without them, is padded onto candle's repacked one; see `linear`). Without our
+    /// kernels, Q4_0/Q4_1/Q5_0/Q5_1 run scalar in candle, and any width that is not a multiple
+    /// of 256 misses its repacked kernels. `kernels` says which kernels may run (its `weights`
+    /// is not read here).
     pub fn default_for(file: &GgufFile, kernels: &KernelSettings) -> Self {
         let slow = file.content.tensor_infos.iter().filter(|(name, _)| name.starts_with("blk.")).any(|(_, t)| {
             let dims = t.shape.dims();

@@ -600,3 +600,153 @@ pub(super) unsafe fn q6k_rows<const ROWS: usize>(
         },
     );
 }
+
+/// Input `i`'s fifth bit from the rows' `qh` words (bit i), at bit 4, as i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_fifth(qh: *const u32, i: usize) -> TileI32 {
+    unsafe {
+        let shift = _mm256_set1_epi32(i as i32);
+        map(load64(qh as *const u8), |v| {
+            _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi32(1)))
+        })
+    }
+}
+
+/// Five-bit values of input `i`: its nibble and its fifth bit.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_five_bits(qs: *const u8, qh: *const u32, i: usize) -> TileI32 {
+    unsafe {
+        let (low, fifth) = (lane_nibbles(qs, i), lane_fifth(qh, i));
+        TileI32([_mm256_or_si256(low.0[0], fifth.0[0]), _mm256_or_si256(low.0[1], fifth.0[1])])
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4_0_rows<const ROWS: usize>(
+    p: &PackedMatrix,
+    nt: usize,
+    acts: &QuantizedRows,
+    r0: usize,
+    out: *mut f32,
+) {
+    let Packed::Q4_0 { qs, d } = &p.weights else { unreachable!("Q4_0 kernel on other weights") };
+    let kb_n = p.k / BLOCK;
+    let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+    let d = d.as_ptr().add(nt * kb_n * TILE_N);
+    tile_rows::<ROWS, 8>(
+        p,
+        nt,
+        acts,
+        r0,
+        out,
+        |b, ahead| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            if ahead {
+                prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+            }
+            TileBlock {
+                wv: q4_1_nibbles(w),
+                signs: None,
+                scale: row_values(d.add(b * TILE_N)),
+                scale_hi: None,
+                offset: 8,
+                min: None,
+            }
+        },
+        |b, i| scaled(lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i), 8, row_values(d.add(b * TILE_N))),
+    );
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q5_1_rows<const ROWS: usize>(
+    p: &PackedMatrix,
+    nt: usize,
+    acts: &QuantizedRows,
+    r0: usize,
+    out: *mut f32,
+) {
+    let Packed::Q5_1 { qs, qh, d, m } = &p.weights else { unreachable!("Q5_1 kernel on other weights") };
+    let kb_n = p.k / BLOCK;
+    let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+    let (qh, d, m) =
+        (qh.as_ptr().add(nt * kb_n * TILE_N), d.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
+    tile_rows::<ROWS, 4>(
+        p,
+        nt,
+        acts,
+        r0,
+        out,
+        |b, ahead| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            if ahead {
+                prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(qh.wrapping_add(b * TILE_N));
+            }
+            TileBlock {
+                wv: q5_0_weights(w, qh.add(b * TILE_N)),
+                signs: None,
+                scale: row_values(d.add(b * TILE_N)),
+                scale_hi: None,
+                offset: 0,
+                min: Some(row_values(m.add(b * TILE_N))),
+            }
+        },
+        |b, i| {
+            let q = cvt(lane_five_bits(qs.add(b * TILE_N * BLOCK / 2), qh.add(b * TILE_N), i));
+            fmadd(q, row_values(d.add(b * TILE_N)), row_values(m.add(b * TILE_N)))
+        },
+    );
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q5k_rows<const ROWS: usize>(
+    p: &PackedMatrix,
+    nt: usize,
+    acts: &QuantizedRows,
+    r0: usize,
+    out: *mut f32,
+) {
+    let Packed::Q5K { qs, qh, sc, m, d, dmin_neg } = &p.weights else { unreachable!("Q5_K kernel on other weights") };
+    let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
+    let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+    let qh = qh.as_ptr().add(nt * kb_n * TILE_N);
+    let (sc, m) = (sc.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
+    let (d, dmin_neg) = (d.as_ptr().add(nt * sb_n * TILE_N), dmin_neg.as_ptr().add(nt * sb_n * TILE_N));
+    tile_rows::<ROWS, 4>(
+        p,
+        nt,
+        acts,
+        r0,
+        out,
+        |b, ahead| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            if ahead {
+                prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                prefetch_row_values_ahead(sc.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(qh.wrapping_add(b * TILE_N));
+            }
+            let sb = b / BLOCKS_PER_SUPER;
+            TileBlock {
+                wv: q5_0_weights(w, qh.add(b * TILE_N)),
+                signs: None,
+                scale: mul(u8_values(sc.add(b * TILE_N)), row_values(d.add(sb * TILE_N))),
+                scale_hi: None,
+                offset: 0,
+                min: Some(mul(u8_values(m.add(b * TILE_N)), row_values(dmin_neg.add(sb * TILE_N)))),
+            }
+        },
+        |b, i| {
+            let sb = b / BLOCKS_PER_SUPER;
+            let q = cvt(lane_five_bits(qs.add(b * TILE_N * BLOCK / 2), qh.add(b * TILE_N), i));
+            let scale = mul(u8_values(sc.add(b * TILE_N)), row_values(d.add(sb * TILE_N)));
+            let min = mul(u8_values(m.add(b * TILE_N)), row_values(dmin_neg.add(sb * TILE_N)));
+            fmadd(q, scale, min)
+        },
+    );
+}

@@ -604,3 +604,143 @@ pub(super) unsafe fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], block
             ActBlock { d, d_r, sum, sum_r, sum_lo, sum_r_lo, s: d_r.mul_add(sum_r as f32, d * sum as f32), taken: 0 };
     }
 }
+
+/// Input `i`'s fifth bit from the rows' `qh` words (bit i), at bit 4, as i32 lanes.
+#[inline(always)]
+unsafe fn lane_fifth(qh: *const u32, i: usize) -> __m512i {
+    unsafe {
+        let bits = _mm512_srlv_epi32(_mm512_loadu_si512(qh as *const _), _mm512_set1_epi32(i as i32));
+        _mm512_slli_epi32::<4>(_mm512_and_si512(bits, _mm512_set1_epi32(1)))
+    }
+}
+
+/// Q4_0: Σ d·(q − 8)·(d_a·a) = d·d_a·(Σq·a − 8·Σa), the split llama.cpp uses.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn q4_0_rows<const ROWS: usize, D: TileDriver>(
+    p: &PackedMatrix,
+    nt: usize,
+    acts: &QuantizedRows,
+    r0: usize,
+    out: *mut f32,
+    driver: &mut D,
+) {
+    let Packed::Q4_0 { qs, d } = &p.weights else { unreachable!("Q4_0 kernel on other weights") };
+    let kb_n = p.k / BLOCK;
+    let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+    let d = d.as_ptr().add(nt * kb_n * TILE_N);
+    driver.run::<ROWS>(
+        p,
+        nt,
+        acts,
+        r0,
+        out,
+        |b, ahead| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            if ahead {
+                prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+            }
+            TileBlock {
+                wv: q4_1_nibbles(w),
+                scale: row_values(d.add(b * TILE_N)),
+                scale_hi: None,
+                offset: 8,
+                min: None,
+            }
+        },
+        |b, i| scaled(lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i), 8, row_values(d.add(b * TILE_N))),
+    );
+}
+
+/// Q5_1: Q5_0's weights without the offset, with Q4_1's minimum.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn q5_1_rows<const ROWS: usize, D: TileDriver>(
+    p: &PackedMatrix,
+    nt: usize,
+    acts: &QuantizedRows,
+    r0: usize,
+    out: *mut f32,
+    driver: &mut D,
+) {
+    let Packed::Q5_1 { qs, qh, d, m } = &p.weights else { unreachable!("Q5_1 kernel on other weights") };
+    let kb_n = p.k / BLOCK;
+    let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+    let (qh, d, m) =
+        (qh.as_ptr().add(nt * kb_n * TILE_N), d.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
+    driver.run::<ROWS>(
+        p,
+        nt,
+        acts,
+        r0,
+        out,
+        |b, ahead| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            if ahead {
+                prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                prefetch_row_values_ahead(d.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(qh.wrapping_add(b * TILE_N));
+            }
+            TileBlock {
+                wv: q5_0_weights(w, qh.add(b * TILE_N)),
+                scale: row_values(d.add(b * TILE_N)),
+                scale_hi: None,
+                offset: 0,
+                min: Some(row_values(m.add(b * TILE_N))),
+            }
+        },
+        |b, i| {
+            let q = _mm512_or_si512(lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i), lane_fifth(qh.add(b * TILE_N), i));
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), row_values(d.add(b * TILE_N)), row_values(m.add(b * TILE_N)))
+        },
+    );
+}
+
+/// Q5_K: Q4_K's arithmetic on five-bit values (Q5_0's weights without the offset).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn q5k_rows<const ROWS: usize, D: TileDriver>(
+    p: &PackedMatrix,
+    nt: usize,
+    acts: &QuantizedRows,
+    r0: usize,
+    out: *mut f32,
+    driver: &mut D,
+) {
+    let Packed::Q5K { qs, qh, sc, m, d, dmin_neg } = &p.weights else { unreachable!("Q5_K kernel on other weights") };
+    let (kb_n, sb_n) = (p.k / BLOCK, p.k / SUPER_BLOCK);
+    let qs = qs.as_ptr().add(nt * kb_n * TILE_N * BLOCK / 2);
+    let qh = qh.as_ptr().add(nt * kb_n * TILE_N);
+    let (sc, m) = (sc.as_ptr().add(nt * kb_n * TILE_N), m.as_ptr().add(nt * kb_n * TILE_N));
+    let (d, dmin_neg) = (d.as_ptr().add(nt * sb_n * TILE_N), dmin_neg.as_ptr().add(nt * sb_n * TILE_N));
+    driver.run::<ROWS>(
+        p,
+        nt,
+        acts,
+        r0,
+        out,
+        |b, ahead| {
+            let w = qs.add(b * TILE_N * BLOCK / 2);
+            if ahead {
+                prefetch_weights_ahead(w, TILE_N * BLOCK / 2);
+                prefetch_row_values_ahead(sc.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(m.wrapping_add(b * TILE_N));
+                prefetch_row_values_ahead(qh.wrapping_add(b * TILE_N));
+            }
+            let sb = b / BLOCKS_PER_SUPER;
+            TileBlock {
+                wv: q5_0_weights(w, qh.add(b * TILE_N)),
+                scale: _mm512_mul_ps(u8_values(sc.add(b * TILE_N)), row_values(d.add(sb * TILE_N))),
+                scale_hi: None,
+                offset: 0,
+                min: Some(_mm512_mul_ps(u8_values(m.add(b * TILE_N)), row_values(dmin_neg.add(sb * TILE_N)))),
+            }
+        },
+        |b, i| {
+            let sb = b / BLOCKS_PER_SUPER;
+            let q = _mm512_or_si512(lane_nibbles(qs.add(b * TILE_N * BLOCK / 2), i), lane_fifth(qh.add(b * TILE_N), i));
+            let scale = _mm512_mul_ps(u8_values(sc.add(b * TILE_N)), row_values(d.add(sb * TILE_N)));
+            let min = _mm512_mul_ps(u8_values(m.add(b * TILE_N)), row_values(dmin_neg.add(sb * TILE_N)));
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, min)
+        },
+    );
+}

@@ -1,4 +1,4 @@
-//! Q8_0, Q5_0, Q4_1, Q4_K and Q6_K weights × 8-bit activations (with their outliers in f32,
+//! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights × 8-bit activations (with their outliers in f32,
 //! or in two levels) on AVX-512 VNNI CPUs, and with the same arithmetic on AVX2 CPUs (see
 //! `mod avx2`), for any batch size.
 //!
@@ -14,7 +14,9 @@
 //! The k-quants run as blocks of 32 with their scales kept as stored: Q4_K is Q4_1 with the
 //! block's scale `d·sc` and minimum `−dmin·m` (6-bit `sc`, `m` per 32, f16 `d`, `dmin` per
 //! 256); Q6_K is 6-bit `q − 32` with an 8-bit scale per 16 inputs, so its blocks sum their two
-//! halves apart. Each product of an f16 and a small integer is exact in f32, so the kernels
+//! halves apart. Q4_0 is Q4_1's nibbles taken − 8 with no minimum; Q5_1 and Q5_K are Q5_0's
+//! five-bit values with Q4_1's and Q4_K's scales and minima. Each product of an f16 and a
+//! small integer is exact in f32, so the kernels
 //! multiply exactly the file's weights, streaming about as many bytes (4.6 and 6.6 bits per
 //! weight) as the file holds. candle's k-quant kernels quantise activations to one 8-bit level.
 //!
@@ -152,8 +154,8 @@ fn avx512_quantization() -> bool {
 /// Whether a `[n, k]` matrix of this type has a kernel here (CPU aside).
 pub fn supports(dtype: GgmlDType, n: usize, k: usize) -> bool {
     let k_multiple = match dtype {
-        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_1 => BLOCK,
-        GgmlDType::Q4K | GgmlDType::Q6K => SUPER_BLOCK,
+        GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 => BLOCK,
+        GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => SUPER_BLOCK,
         _ => return false,
     };
     n > 0 && k > 0 && n.is_multiple_of(TILE_N) && k.is_multiple_of(k_multiple)
@@ -196,6 +198,13 @@ enum Packed {
     /// 2j..2j+2 the top two bits of input 4(4h+j)+i; `sc`: `[n/16][k/32][2][16]` (inputs 0..16,
     /// then 16..32); `d`: `[n/16][k/256][16]`.
     Q6K { qs: Vec<u8>, qh: Vec<u8>, sc: Vec<i8>, d: Vec<f16> },
+    /// Weight = d·(q − 8) with q in 0..16: `qs`, `d` as Q4_1's.
+    Q4_0 { qs: Vec<u8>, d: Vec<f16> },
+    /// Weight = d·q + m with q in 0..32: `qs`, `qh` as Q5_0's, `d`, `m` as Q4_1's.
+    Q5_1 { qs: Vec<u8>, qh: Vec<u32>, d: Vec<f16>, m: Vec<f16> },
+    /// Weight = (d·sc)·q − (dmin·m) with q in 0..32: Q4_K's fields, and the fifth bits as
+    /// Q5_0's `qh`.
+    Q5K { qs: Vec<u8>, qh: Vec<u32>, sc: Vec<u8>, m: Vec<u8>, d: Vec<f16>, dmin_neg: Vec<f16> },
 }
 
 /// GGML's Q8_0 block: an f16 scale and 32 signed bytes.
@@ -207,6 +216,13 @@ const Q5_0_BYTES: usize = 6 + BLOCK / 2;
 /// GGML's Q4_K super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes of
 /// nibbles.
 const Q4K_BYTES: usize = 4 + 12 + SUPER_BLOCK / 2;
+/// GGML's Q4_0 block: f16 scale, 16 bytes of nibbles as Q4_1's.
+const Q4_0_BYTES: usize = 2 + BLOCK / 2;
+/// GGML's Q5_1 block: f16 scale, f16 minimum, 4 bytes of fifth bits, 16 bytes of nibbles.
+const Q5_1_BYTES: usize = 8 + BLOCK / 2;
+/// GGML's Q5_K super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and minima (as Q4_K's),
+/// 32 bytes of fifth bits, 128 bytes of nibbles.
+const Q5K_BYTES: usize = 4 + 12 + SUPER_BLOCK / 8 + SUPER_BLOCK / 2;
 /// GGML's Q6_K super-block: 128 bytes of low nibbles, 64 of top bit pairs, 16 i8 scales, f16 d.
 const Q6K_BYTES: usize = SUPER_BLOCK / 2 + SUPER_BLOCK / 4 + 16 + 2;
 
@@ -229,6 +245,24 @@ fn q4k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER])
         *v = if i % 64 < 32 { byte & 0x0F } else { byte >> 4 };
     }
     (values, std::array::from_fn(|j| q4k_scale_min(j, &block[4..16])))
+}
+
+/// The 256 quantised values (0..32) and 8 (scale, minimum) pairs of a Q5_K super-block.
+fn q5k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER]) {
+    let (qh, qs) = (&block[16..48], &block[48..]);
+    let mut values = [0u8; SUPER_BLOCK];
+    for (i, v) in values.iter_mut().enumerate() {
+        // Q4_K's nibbles; the fifth bit of input i is bit i/32 of qh[i%32].
+        let byte = qs[i / 64 * 32 + i % 32];
+        let low = if i % 64 < 32 { byte & 0x0F } else { byte >> 4 };
+        *v = low | (((qh[i % 32] >> (i / 32)) & 1) << 4);
+    }
+    (values, std::array::from_fn(|j| q4k_scale_min(j, &block[4..16])))
+}
+
+/// The fifth bits of a block's 32 values (each < 32) as a `qh` word: bit j for input j.
+fn fifth_bits(values: &[u8]) -> u32 {
+    values.iter().enumerate().fold(0, |w, (j, &v)| w | (((v >> 4) as u32 & 1) << j))
 }
 
 /// The 256 quantised values (0..64, to be taken − 32) and 16 scales of a Q6_K super-block.
@@ -256,7 +290,7 @@ fn pack_nibbles(values: &[u8], qs: &mut [u8], tile: usize, lane: usize) {
 }
 
 impl PackedMatrix {
-    /// Packs a `[n, k]` Q8_0, Q5_0 or Q4_1 tensor; `None` when [`supports`] says no or the CPU
+    /// Packs a `[n, k]` tensor of a type [`supports`] takes; `None` when [`supports`] says no or the CPU
     /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
     pub fn from_qtensor(q: &QTensor, levels: ActivationLevels, amx: bool) -> Result<Option<Self>> {
         let (n, k) = q.shape().dims2()?;
@@ -270,6 +304,9 @@ impl PackedMatrix {
             GgmlDType::Q5_0 => (kb, Q5_0_BYTES),
             GgmlDType::Q4K => (k / SUPER_BLOCK, Q4K_BYTES),
             GgmlDType::Q6K => (k / SUPER_BLOCK, Q6K_BYTES),
+            GgmlDType::Q4_0 => (kb, Q4_0_BYTES),
+            GgmlDType::Q5_1 => (kb, Q5_1_BYTES),
+            GgmlDType::Q5K => (k / SUPER_BLOCK, Q5K_BYTES),
             _ => (kb, Q4_1_BYTES),
         };
         // Checked: a file's dimensions are untrusted, and a wrapped product could match a
@@ -280,7 +317,57 @@ impl PackedMatrix {
         }
         let sb_n = k / SUPER_BLOCK;
         let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]);
-        let weights = if q.dtype() == GgmlDType::Q8_0 {
+        let weights = if matches!(q.dtype(), GgmlDType::Q4_0 | GgmlDType::Q5_1) {
+            // Blocks of 32: f16 d, then (Q5_1) f16 m and four bytes of fifth bits, then the
+            // nibbles as Q4_1's.
+            let five = q.dtype() == GgmlDType::Q5_1;
+            let (bytes, qs_at) = if five { (Q5_1_BYTES, 8) } else { (Q4_0_BYTES, 2) };
+            let mut qs = vec![0u8; n * k / 2];
+            let (mut d, mut m, mut qh) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb], vec![0u32; n * kb]);
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for b in 0..kb {
+                    let block = &data[(row * kb + b) * bytes..][..bytes];
+                    let at = (nt * kb + b) * TILE_N + lane;
+                    d[at] = f16_at(block, 0);
+                    if five {
+                        m[at] = f16_at(block, 2);
+                        qh[at] = u32::from_le_bytes([block[4], block[5], block[6], block[7]]);
+                    }
+                    let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
+                    for (j, &byte) in block[qs_at..].iter().enumerate() {
+                        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
+                    }
+                }
+            }
+            if five {
+                Packed::Q5_1 { qs, qh, d, m }
+            } else {
+                Packed::Q4_0 { qs, d }
+            }
+        } else if q.dtype() == GgmlDType::Q5K {
+            let mut qs = vec![0u8; n * k / 2];
+            let (mut sc, mut m, mut qh) = (vec![0u8; n * kb], vec![0u8; n * kb], vec![0u32; n * kb]);
+            let (mut d, mut dmin_neg) = (vec![f16::ZERO; n * sb_n], vec![f16::ZERO; n * sb_n]);
+            for row in 0..n {
+                let (nt, lane) = (row / TILE_N, row % TILE_N);
+                for s in 0..sb_n {
+                    let block = &data[(row * sb_n + s) * Q5K_BYTES..][..Q5K_BYTES];
+                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
+                    dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
+                    let (values, scales) = q5k_values(block);
+                    for (j, &(scale, min)) in scales.iter().enumerate() {
+                        let b = s * BLOCKS_PER_SUPER + j;
+                        let at = (nt * kb + b) * TILE_N + lane;
+                        let vals = &values[j * BLOCK..(j + 1) * BLOCK];
+                        (sc[at], m[at], qh[at]) = (scale, min, fifth_bits(vals));
+                        let low: Vec<u8> = vals.iter().map(|v| v & 0x0F).collect();
+                        pack_nibbles(&low, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                    }
+                }
+            }
+            Packed::Q5K { qs, qh, sc, m, d, dmin_neg }
+        } else if q.dtype() == GgmlDType::Q8_0 {
             let mut qs = vec![0u8; n * k];
             let mut d = vec![f16::ZERO; n * kb];
             for row in 0..n {
@@ -447,6 +534,9 @@ impl PackedMatrix {
                         Packed::Q5_0 { .. } => by_rows!($rows, $driver, avx512, q5_0_rows, $nt, $r0, $n),
                         Packed::Q4K { .. } => by_rows!($rows, $driver, avx512, q4k_rows, $nt, $r0, $n),
                         Packed::Q6K { .. } => by_rows!($rows, $driver, avx512, q6k_rows, $nt, $r0, $n),
+                        Packed::Q4_0 { .. } => by_rows!($rows, $driver, avx512, q4_0_rows, $nt, $r0, $n),
+                        Packed::Q5_1 { .. } => by_rows!($rows, $driver, avx512, q5_1_rows, $nt, $r0, $n),
+                        Packed::Q5K { .. } => by_rows!($rows, $driver, avx512, q5k_rows, $nt, $r0, $n),
                     }
                 };
             }
@@ -496,6 +586,9 @@ impl PackedMatrix {
                                 Packed::Q5_0 { .. } => avx2_rows!(q5_0_rows),
                                 Packed::Q4K { .. } => avx2_rows!(q4k_rows),
                                 Packed::Q6K { .. } => avx2_rows!(q6k_rows),
+                                Packed::Q4_0 { .. } => avx2_rows!(q4_0_rows),
+                                Packed::Q5_1 { .. } => avx2_rows!(q5_1_rows),
+                                Packed::Q5K { .. } => avx2_rows!(q5k_rows),
                             }
                         }
                     }

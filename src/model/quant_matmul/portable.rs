@@ -135,6 +135,19 @@ pub(super) fn matmul_portable(p: &PackedMatrix, x: &[f32]) -> Vec<f32> {
                         let (lo, hi) = ((nt * kb_n + b) * 2 * TILE_N + lane, ((nt * kb_n + b) * 2 + 1) * TILE_N + lane);
                         (w, 32, sc[lo] as f32 * row_d, Some(sc[hi] as f32 * row_d), None)
                     }
+                    Packed::Q4_0 { qs, d } => {
+                        let w = (0..BLOCK).map(|i| nibble(qs, i) as i32).collect();
+                        (w, 8, d[at].to_f32(), None, None)
+                    }
+                    Packed::Q5_1 { qs, qh, d, m } => {
+                        let w = (0..BLOCK).map(|i| (nibble(qs, i) | (((qh[at] >> i) & 1) as u8) << 4) as i32).collect();
+                        (w, 0, d[at].to_f32(), None, Some(m[at].to_f32()))
+                    }
+                    Packed::Q5K { qs, qh, sc, m, d, dmin_neg } => {
+                        let w = (0..BLOCK).map(|i| (nibble(qs, i) | (((qh[at] >> i) & 1) as u8) << 4) as i32).collect();
+                        let scale = sc[at] as f32 * d[at_sb].to_f32();
+                        (w, 0, scale, None, Some(m[at] as f32 * dmin_neg[at_sb].to_f32()))
+                    }
                 }
             };
             let mut acc = 0f32;

@@ -2,7 +2,21 @@ use super::portable::*;
 use super::*;
 use candle_core::{Device, Tensor};
 
-const ALL_TYPES: [GgmlDType; 5] = [GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1, GgmlDType::Q4K, GgmlDType::Q6K];
+const ALL_TYPES: [GgmlDType; 8] = [
+    GgmlDType::Q8_0,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Whether the type's blocks are 256 inputs (the k-quants).
+fn super_blocks(dtype: GgmlDType) -> bool {
+    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
+}
 
 fn random(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
@@ -34,7 +48,7 @@ fn kernels_equal_the_portable_loops_bitwise_and_every_row_count_agrees() {
         return;
     }
     for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
-        let (n, k) = (48, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 768 } else { 576 });
+        let (n, k) = (48, if super_blocks(dtype) { 768 } else { 576 });
         let (p, _) = packed_levels(dtype, n, k, levels);
         let x = with_outliers(random(19 * k, 11));
         let expected = matmul_portable(&p, &x);
@@ -61,7 +75,7 @@ fn every_row_count_from_1_to_32_gives_each_row_its_one_row_result() {
         return;
     }
     for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
-        let (n, k) = (32, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 320 });
+        let (n, k) = (32, if super_blocks(dtype) { 512 } else { 320 });
         let (p, _) = packed_levels(dtype, n, k, levels);
         let x = with_outliers(random(32 * k, 23));
         let expected = matmul_portable(&p, &x);
@@ -83,7 +97,7 @@ fn amx_tiles_agree_with_their_model_and_the_vnni_kernels() {
         return;
     }
     for (dtype, levels) in ALL_TYPES.into_iter().flat_map(|d| ALL_LEVELS.map(|l| (d, l))) {
-        let (n, k) = (64, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 768 } else { 576 });
+        let (n, k) = (64, if super_blocks(dtype) { 768 } else { 576 });
         let (p, _) = packed_levels(dtype, n, k, levels);
         let x = with_outliers(random(40 * k, 29));
         let vnni = p.matmul_on(&x, Isa::Avx512Vnni).unwrap();
@@ -142,7 +156,7 @@ fn kernels_stay_exact_at_the_largest_integer_sums() {
         return;
     }
     for dtype in ALL_TYPES {
-        let (n, k) = (32, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 256 });
+        let (n, k) = (32, if super_blocks(dtype) { 512 } else { 256 });
         let w: Vec<f32> = (0..n * k).map(|i| if i % BLOCK == 0 { -1.0 } else { 0.999 }).collect();
         let q = QTensor::quantize(&Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
         for levels in ALL_LEVELS {
@@ -270,7 +284,7 @@ fn results_are_close_to_the_dense_product() {
         return;
     }
     for dtype in ALL_TYPES {
-        let (n, k) = (32, if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) { 512 } else { 96 });
+        let (n, k) = (32, if super_blocks(dtype) { 512 } else { 96 });
         let (p, dense) = packed(dtype, n, k);
         let x = random(3 * k, 5);
         let got = p.matmul(&x).unwrap();
@@ -339,7 +353,14 @@ fn other_types_and_shapes_are_refused() {
     assert!(!supports(GgmlDType::Q8_0, 24, 64));
     assert!(!supports(GgmlDType::Q4_1, 32, 48));
     assert!(supports(GgmlDType::Q4K, 32, 256) && !supports(GgmlDType::Q4K, 32, 224));
-    assert!(supports(GgmlDType::Q6K, 32, 512) && !supports(GgmlDType::Q5K, 32, 256));
-    assert!(supports(GgmlDType::Q8_0, 32, 64) && supports(GgmlDType::Q4_1, 32, 64));
-    assert!(supports(GgmlDType::Q5_0, 32, 64) && !supports(GgmlDType::Q5_1, 32, 64));
+    assert!(
+        supports(GgmlDType::Q6K, 32, 512) && supports(GgmlDType::Q5K, 32, 256) && !supports(GgmlDType::Q5K, 32, 96)
+    );
+    assert!(
+        supports(GgmlDType::Q8_0, 32, 64) && supports(GgmlDType::Q4_1, 32, 64) && supports(GgmlDType::Q4_0, 32, 64)
+    );
+    assert!(supports(GgmlDType::Q5_0, 32, 64) && supports(GgmlDType::Q5_1, 32, 64));
+    assert!(
+        !supports(GgmlDType::Q3K, 32, 256) && !supports(GgmlDType::Q2K, 32, 256) && !supports(GgmlDType::F16, 32, 64)
+    );
 }

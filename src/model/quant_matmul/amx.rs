@@ -270,10 +270,12 @@ fn request_tile_permission() -> bool {
     false
 }
 
-/// Blocks in flight: a block's weights are decoded one block ahead of its tile work, and its
-/// float epilogue runs two blocks behind it, so the tile unit never waits on the stores that
-/// feed it and the epilogue never waits on the tile stores (the tiles reach the vector code
-/// through memory, and neither direction forwards from the store buffer).
+/// Blocks in flight: a block's weights are decoded two blocks ahead of its tile products, its
+/// sums stored one block after them and its float epilogue run two blocks after them, so the
+/// tile loads do not wait on the stores that feed them and the epilogue does not wait on the
+/// tile stores (weights and sums cross between the vector code and the tiles through memory).
+/// Measured on Q4_K 8960 × 1536 at 2 rows: 0.63 ms per matmul with each block done in turn,
+/// 0.33 ms pipelined.
 const RING: usize = 4;
 
 /// 64-byte aligned scratch for [`RING`] blocks.
@@ -316,8 +318,7 @@ const SUM_TILE_BYTES: usize = 16 * TILE_N * 4;
 /// The tiles of one block of 32 inputs: `C += A·B` for the first level, and with `second`
 /// `CR += A·B` for the remainder. Blocks alternate between two sets of tiles (0/2/4/6 and
 /// 1/3/5/7) so that a block's sums are stored only after the next block's products are
-/// issued: the tile unit runs its instructions in order, and a store right behind its
-/// product waits for all of it.
+/// issued: a store right behind its product held up the tile work after it.
 #[inline(always)]
 unsafe fn whole_block_products<U: TileUnit, const C: u8, const A: u8, const B: u8, const CR: u8>(
     unit: &mut U,

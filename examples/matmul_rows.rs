@@ -1,9 +1,10 @@
-//! Time of one quantised matmul for blocks of m activation rows, on the VNNI kernels and on
-//! AMX tiles (where the CPU has them), alternating, with the achieved int8 multiply-adds per
+//! Time of one quantised matmul for blocks of m activation rows, on our VNNI kernels, on AMX
+//! tiles (where the CPU has them) and on candle's kernels for the same type, alternating, with the achieved int8 multiply-adds per
 //! second: how the cost of a verified row moves with m, matrix by matrix.
 //!
 //! `cargo run --release --example matmul_rows -- [TYPE] [N] [K]` (default: Q4_K, the
-//! Qwen2.5-1.5B MLP's 8960 × 1536). TYPE: q8_0, q4_1, q5_0, q4_k or q6_k. Threads:
+//! Qwen2.5-1.5B MLP's 8960 × 1536). TYPE: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k.
+//! Threads:
 //! `CANDLE_NUM_THREADS`.
 
 use anyhow::{bail, Result};
@@ -21,6 +22,9 @@ fn main() -> Result<()> {
         Some("q8_0") => GgmlDType::Q8_0,
         Some("q4_1") => GgmlDType::Q4_1,
         Some("q5_0") => GgmlDType::Q5_0,
+        Some("q4_0") => GgmlDType::Q4_0,
+        Some("q5_1") => GgmlDType::Q5_1,
+        Some("q5_k") => GgmlDType::Q5K,
         Some(other) => bail!("unknown type {other}"),
     };
     let n: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(8960);
@@ -33,7 +37,9 @@ fn main() -> Result<()> {
         "vnni",
         Linear::from_qtensor(q.clone(), None, WeightFormat::Native, &KernelSettings { amx: false, ..base }, &dev)?,
     )];
-    kernels.push(("amx", Linear::from_qtensor(q, None, WeightFormat::Native, &base, &dev)?));
+    kernels.push(("amx", Linear::from_qtensor(q.clone(), None, WeightFormat::Native, &base, &dev)?));
+    let candle = KernelSettings { vnni_kernels: false, amx: false, ..base };
+    kernels.push(("candle", Linear::from_qtensor(q, None, WeightFormat::Native, &candle, &dev)?));
     println!("{dtype:?} {n}x{k}; ms per matmul (G int8 multiply-adds/s)");
     print!("{:>4}", "m");
     for (name, _) in &kernels {

@@ -6,6 +6,7 @@
 #   PATH=$PWD/target/release:$PATH bash docs/benchmarks/serve-itl/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+{ grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512_vnni\|amx_int8\|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } > "$here/cpu.txt"
 out="$here/results.txt"; : > "$out"
 log=$(mktemp)
 for round in 1 2; do

@@ -6,6 +6,7 @@
 #   PATH=$PWD/target/release:$PATH bash docs/benchmarks/spec-after-amx/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+{ grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512_vnni\|amx_int8\|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } > "$here/cpu.txt"
 specula bench --mode spec -m smollm2-135m --drafter dflash:drafters/smollm2-135m-dflash \
   --drafter ngram+dflash:drafters/smollm2-135m-dflash --draft-len auto \
   --dataset gsm8k-100 --dataset humaneval --dataset mt-bench --dataset math500 \

@@ -1,6 +1,6 @@
-//! Matmul weights in the chosen format: Q8_0, Q4_1, Q5_0, Q4_K and Q6_K on our own kernels
-//! (`quant_matmul`) where the CPU has AVX-512 VNNI or AVX2, everything else on candle's, padded where that unlocks its
-//! fast kernels.
+//! Matmul weights in the chosen format: the types our own kernels take (`quant_matmul`, where
+//! `KernelSettings::packed_kernels_take` says so) on them, everything else on candle's, padded
+//! where that unlocks its fast kernels.
 //!
 //! candle 0.11.1's repacked x86 kernels (one weight read for up to 16 activation rows, VNNI
 //! dot products) apply to Q8_0/Q4_K/Q6_K only when the input width is a multiple of 256.

@@ -18,8 +18,8 @@
 //! `tileloadd`, `tdpbssd` and `tilestored` do. So every AVX-512 machine runs the whole kernel
 //! in tests, and the real tiles are checked against it where the CPU has them.
 
-use super::avx512::{TileBlock, TileDriver};
-use super::{ActivationLevels, Packed, PackedMatrix, QuantizedRows, BLOCK, MAX_ROWS, TILE_N};
+use super::avx512::{add_outliers, store_rows, TileBlock, TileDriver};
+use super::{ActivationLevels, Packed, PackedMatrix, QuantizedRows, BLOCK, TILE_N};
 use core::arch::x86_64::*;
 
 /// Activation rows per pass: a tile's 16 rows.
@@ -385,7 +385,7 @@ unsafe fn halved_block_products<U: TileUnit, const LO: u8, const HI: u8>(
 impl<U: TileUnit> TileDriver for Amx<'_, U> {
     /// Per block: decode the weights (the type's `block`), then on the tiles `C = A·B` for
     /// each level (and half), stored; the float epilogue runs [`RING`]` − 2` blocks later, in
-    /// the VNNI kernels' order. Then the outliers of each group of [`MAX_ROWS`] rows, as the
+    /// the VNNI kernels' order. Then the outliers of each group of [`super::MAX_ROWS`] rows, as the
     /// VNNI kernels add them.
     #[inline(always)]
     unsafe fn run<const ROWS: usize>(
@@ -463,22 +463,9 @@ impl<U: TileUnit> TileDriver for Amx<'_, U> {
                 }
             }
             if acts.levels == ActivationLevels::Outliers {
-                // The VNNI kernels' groups of MAX_ROWS rows: each row gets its own outliers'
-                // terms (and the group's others as 0·w), in the same order.
-                for g in r0 / MAX_ROWS..(r0 + ROWS).div_ceil(MAX_ROWS) {
-                    let first = g * MAX_ROWS - r0;
-                    let inputs = acts.group_at[g] as usize..acts.group_at[g + 1] as usize;
-                    for (&(b, i), xs) in acts.group_inputs[inputs.clone()].iter().zip(&acts.group_x[inputs]) {
-                        let w = column(b as usize, i as usize);
-                        for (acc, &x) in acc[first..].iter_mut().zip(xs) {
-                            *acc = _mm512_fmadd_ps(w, _mm512_set1_ps(x), *acc);
-                        }
-                    }
-                }
+                add_outliers(&mut acc, acts, r0, &mut column);
             }
-            for (r, acc) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
-            }
+            store_rows(&acc, p, nt, r0, out);
         }
     }
 }

@@ -160,17 +160,43 @@ unsafe fn tile_rows<const ROWS: usize>(
             ActivationLevels::One => levels_loop::<ROWS, false>(p, acts, r0, &mut block),
             ActivationLevels::Outliers => {
                 let mut acc = levels_loop::<ROWS, false>(p, acts, r0, &mut block);
-                let g = r0 / MAX_ROWS;
-                let inputs = acts.group_at[g] as usize..acts.group_at[g + 1] as usize;
-                for (&(b, i), xs) in acts.group_inputs[inputs.clone()].iter().zip(&acts.group_x[inputs]) {
-                    let w = column(b as usize, i as usize);
-                    for (acc, &x) in acc.iter_mut().zip(xs) {
-                        *acc = _mm512_fmadd_ps(w, _mm512_set1_ps(x), *acc);
-                    }
-                }
+                add_outliers(&mut acc, acts, r0, &mut column);
                 acc
             }
         };
+        store_rows(&acc, p, nt, r0, out);
+    }
+}
+
+/// [`ActivationLevels::Outliers`]: each row's outliers, `w_i·x` in f32 with the input's
+/// dequantised weights (`column`), for rows `r0..r0 + acc.len()`, group of [`MAX_ROWS`] rows by
+/// group: a group's inputs are dequantised once for all its rows, and a row without an input
+/// among them adds `0·w`, so each row gets its own terms in its own order whatever the pass.
+#[inline(always)]
+pub(super) unsafe fn add_outliers(
+    acc: &mut [__m512],
+    acts: &QuantizedRows,
+    r0: usize,
+    column: &mut impl FnMut(usize, usize) -> __m512,
+) {
+    unsafe {
+        for g in r0 / MAX_ROWS..(r0 + acc.len()).div_ceil(MAX_ROWS) {
+            let first = g * MAX_ROWS - r0;
+            let inputs = acts.group_at[g] as usize..acts.group_at[g + 1] as usize;
+            for (&(b, i), xs) in acts.group_inputs[inputs.clone()].iter().zip(&acts.group_x[inputs]) {
+                let w = column(b as usize, i as usize);
+                for (acc, &x) in acc[first..].iter_mut().zip(xs) {
+                    *acc = _mm512_fmadd_ps(w, _mm512_set1_ps(x), *acc);
+                }
+            }
+        }
+    }
+}
+
+/// Rows `r0..` of output tile `nt`.
+#[inline(always)]
+pub(super) unsafe fn store_rows(acc: &[__m512], p: &PackedMatrix, nt: usize, r0: usize, out: *mut f32) {
+    unsafe {
         for (r, acc) in acc.iter().enumerate() {
             _mm512_storeu_ps(out.add((r0 + r) * p.n + nt * TILE_N), *acc);
         }

@@ -235,6 +235,9 @@ fn q4k_scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
     }
 }
 
+/// A k-quant super-block's 256 values and its 8 blocks' (scale, minimum) pairs.
+type SuperBlockValues = fn(&[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER]);
+
 /// The 256 quantised values (0..16) and 8 (scale, minimum) pairs of a Q4_K super-block.
 fn q4k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER]) {
     let qs = &block[16..];
@@ -281,11 +284,11 @@ fn q6k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [i8; 16]) {
     (values, std::array::from_fn(|j| block[192 + j] as i8))
 }
 
-/// Puts a block's 32 values (each < 16) into the tile layout Q4_1 stores: byte (g, row, i)
-/// holds input 4g+i in its low nibble and 16+4g+i in its high one.
+/// Puts the low four bits of a block's 32 values into the tile layout Q4_1 stores: byte
+/// (g, row, i) holds input 4g+i in its low nibble and 16+4g+i in its high one.
 fn pack_nibbles(values: &[u8], qs: &mut [u8], tile: usize, lane: usize) {
     for j in 0..BLOCK / 2 {
-        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = (values[j] & 0x0F) | (values[j + 16] << 4);
+        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = (values[j] & 0x0F) | ((values[j + 16] & 0x0F) << 4);
     }
 }
 
@@ -317,11 +320,16 @@ impl PackedMatrix {
         }
         let sb_n = k / SUPER_BLOCK;
         let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]);
-        let weights = if matches!(q.dtype(), GgmlDType::Q4_0 | GgmlDType::Q5_1) {
-            // Blocks of 32: f16 d, then (Q5_1) f16 m and four bytes of fifth bits, then the
-            // nibbles as Q4_1's.
-            let five = q.dtype() == GgmlDType::Q5_1;
-            let (bytes, qs_at) = if five { (Q5_1_BYTES, 8) } else { (Q4_0_BYTES, 2) };
+        let weights = if matches!(q.dtype(), GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) {
+            // Blocks of 32: f16 d, then f16 m (Q4_1, Q5_1) and four bytes of fifth bits (Q5_0,
+            // Q5_1), then 16 bytes of nibbles (input j low, j+16 high).
+            let (bytes, m_at, qh_at) = match q.dtype() {
+                GgmlDType::Q4_0 => (Q4_0_BYTES, None, None),
+                GgmlDType::Q4_1 => (Q4_1_BYTES, Some(2), None),
+                GgmlDType::Q5_0 => (Q5_0_BYTES, None, Some(2)),
+                _ => (Q5_1_BYTES, Some(2), Some(4)),
+            };
+            let qs_at = bytes - BLOCK / 2;
             let mut qs = vec![0u8; n * k / 2];
             let (mut d, mut m, mut qh) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb], vec![0u32; n * kb]);
             for row in 0..n {
@@ -330,9 +338,11 @@ impl PackedMatrix {
                     let block = &data[(row * kb + b) * bytes..][..bytes];
                     let at = (nt * kb + b) * TILE_N + lane;
                     d[at] = f16_at(block, 0);
-                    if five {
-                        m[at] = f16_at(block, 2);
-                        qh[at] = u32::from_le_bytes([block[4], block[5], block[6], block[7]]);
+                    if let Some(i) = m_at {
+                        m[at] = f16_at(block, i);
+                    }
+                    if let Some(i) = qh_at {
+                        qh[at] = u32::from_le_bytes([block[i], block[i + 1], block[i + 2], block[i + 3]]);
                     }
                     let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
                     for (j, &byte) in block[qs_at..].iter().enumerate() {
@@ -340,33 +350,41 @@ impl PackedMatrix {
                     }
                 }
             }
-            if five {
-                Packed::Q5_1 { qs, qh, d, m }
-            } else {
-                Packed::Q4_0 { qs, d }
+            match q.dtype() {
+                GgmlDType::Q4_0 => Packed::Q4_0 { qs, d },
+                GgmlDType::Q4_1 => Packed::Q4_1 { qs, d, m },
+                GgmlDType::Q5_0 => Packed::Q5_0 { qs, qh, d },
+                _ => Packed::Q5_1 { qs, qh, d, m },
             }
-        } else if q.dtype() == GgmlDType::Q5K {
+        } else if matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q5K) {
+            // Q5_K is Q4_K's super-block with the values' fifth bits beside.
+            let five = q.dtype() == GgmlDType::Q5K;
+            let (bytes, values_of): (usize, SuperBlockValues) =
+                if five { (Q5K_BYTES, q5k_values) } else { (Q4K_BYTES, q4k_values) };
             let mut qs = vec![0u8; n * k / 2];
             let (mut sc, mut m, mut qh) = (vec![0u8; n * kb], vec![0u8; n * kb], vec![0u32; n * kb]);
             let (mut d, mut dmin_neg) = (vec![f16::ZERO; n * sb_n], vec![f16::ZERO; n * sb_n]);
             for row in 0..n {
                 let (nt, lane) = (row / TILE_N, row % TILE_N);
                 for s in 0..sb_n {
-                    let block = &data[(row * sb_n + s) * Q5K_BYTES..][..Q5K_BYTES];
+                    let block = &data[(row * sb_n + s) * bytes..][..bytes];
                     d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
                     dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
-                    let (values, scales) = q5k_values(block);
+                    let (values, scales) = values_of(block);
                     for (j, &(scale, min)) in scales.iter().enumerate() {
                         let b = s * BLOCKS_PER_SUPER + j;
                         let at = (nt * kb + b) * TILE_N + lane;
                         let vals = &values[j * BLOCK..(j + 1) * BLOCK];
                         (sc[at], m[at], qh[at]) = (scale, min, fifth_bits(vals));
-                        let low: Vec<u8> = vals.iter().map(|v| v & 0x0F).collect();
-                        pack_nibbles(&low, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                        pack_nibbles(vals, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
                     }
                 }
             }
-            Packed::Q5K { qs, qh, sc, m, d, dmin_neg }
+            if five {
+                Packed::Q5K { qs, qh, sc, m, d, dmin_neg }
+            } else {
+                Packed::Q4K { qs, sc, m, d, dmin_neg }
+            }
         } else if q.dtype() == GgmlDType::Q8_0 {
             let mut qs = vec![0u8; n * k];
             let mut d = vec![f16::ZERO; n * kb];
@@ -382,44 +400,7 @@ impl PackedMatrix {
                 }
             }
             Packed::Q8_0 { qs, d }
-        } else if q.dtype() == GgmlDType::Q5_0 {
-            let mut qs = vec![0u8; n * k / 2];
-            let (mut qh, mut d) = (vec![0u32; n * kb], vec![f16::ZERO; n * kb]);
-            for row in 0..n {
-                let (nt, lane) = (row / TILE_N, row % TILE_N);
-                for b in 0..kb {
-                    let block = &data[(row * kb + b) * Q5_0_BYTES..][..Q5_0_BYTES];
-                    let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
-                    d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
-                    qh[(nt * kb + b) * TILE_N + lane] = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-                    for (j, &byte) in block[6..].iter().enumerate() {
-                        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
-                    }
-                }
-            }
-            Packed::Q5_0 { qs, qh, d }
-        } else if q.dtype() == GgmlDType::Q4K {
-            let mut qs = vec![0u8; n * k / 2];
-            let (mut sc, mut m) = (vec![0u8; n * kb], vec![0u8; n * kb]);
-            let (mut d, mut dmin_neg) = (vec![f16::ZERO; n * sb_n], vec![f16::ZERO; n * sb_n]);
-            for row in 0..n {
-                let (nt, lane) = (row / TILE_N, row % TILE_N);
-                for s in 0..sb_n {
-                    let block = &data[(row * sb_n + s) * Q4K_BYTES..][..Q4K_BYTES];
-                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
-                    dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
-                    let (values, scales) = q4k_values(block);
-                    for (j, &(scale, min)) in scales.iter().enumerate() {
-                        let b = s * BLOCKS_PER_SUPER + j;
-                        sc[(nt * kb + b) * TILE_N + lane] = scale;
-                        m[(nt * kb + b) * TILE_N + lane] = min;
-                        let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
-                        pack_nibbles(&values[j * BLOCK..(j + 1) * BLOCK], &mut qs, tile, lane);
-                    }
-                }
-            }
-            Packed::Q4K { qs, sc, m, d, dmin_neg }
-        } else if q.dtype() == GgmlDType::Q6K {
+        } else {
             let mut qs = vec![0u8; n * k / 2];
             let mut qh = vec![0u8; n * k / 4];
             let mut sc = vec![0i8; n * kb * 2];
@@ -433,8 +414,7 @@ impl PackedMatrix {
                     for j in 0..BLOCKS_PER_SUPER {
                         let b = s * BLOCKS_PER_SUPER + j;
                         let vals = &values[j * BLOCK..(j + 1) * BLOCK];
-                        let low: Vec<u8> = vals.iter().map(|v| v & 0x0F).collect();
-                        pack_nibbles(&low, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                        pack_nibbles(vals, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
                         for (input, v) in vals.iter().enumerate() {
                             let (g, i) = (input / 4, input % 4);
                             let at = (nt * kb + b) * TILE_N * BLOCK / 4 + ((g / 4) * TILE_N + lane) * 4 + i;
@@ -446,22 +426,6 @@ impl PackedMatrix {
                 }
             }
             Packed::Q6K { qs, qh, sc, d }
-        } else {
-            let mut qs = vec![0u8; n * k / 2];
-            let (mut d, mut m) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb]);
-            for row in 0..n {
-                let (nt, lane) = (row / TILE_N, row % TILE_N);
-                for b in 0..kb {
-                    let block = &data[(row * kb + b) * Q4_1_BYTES..][..Q4_1_BYTES];
-                    let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
-                    d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
-                    m[(nt * kb + b) * TILE_N + lane] = f16_at(block, 2);
-                    for (j, &byte) in block[4..].iter().enumerate() {
-                        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
-                    }
-                }
-            }
-            Packed::Q4_1 { qs, d, m }
         };
         Ok(Some(Self { n, k, weights, levels, amx }))
     }

@@ -121,6 +121,12 @@ impl Linear {
         self.in_features
     }
 
+    /// Whether the matmul runs on quantised (int8) products: our kernels or candle's quantised
+    /// ones, not dense f32/f16 weights.
+    pub fn runs_int8(&self) -> bool {
+        matches!(self.weight, Weight::Vnni(_) | Weight::Candle(QMatMul::QTensor(_)))
+    }
+
     /// `x`: `[rows, in_features]` → `[rows, out_features]`. Each row's result is the same
     /// whatever the number of rows (see [`row_invariant_matmul`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -240,6 +246,11 @@ impl FusedLinear {
 
     pub fn in_features(&self) -> usize {
         self.parts[0].in_features()
+    }
+
+    /// Whether every part runs on quantised (int8) products ([`Linear::runs_int8`]).
+    pub fn runs_int8(&self) -> bool {
+        self.parts.iter().all(Linear::runs_int8)
     }
 
     /// One output per logical projection, as host rows: `[rows, width]` each, row-major.

@@ -3,7 +3,7 @@
 
 use super::gguf::GgufFile;
 use anyhow::Result;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 pub trait TensorSource {
@@ -15,12 +15,6 @@ pub trait TensorSource {
     /// A small tensor (norm weights, biases) as dense f32.
     fn dense(&mut self, gguf_name: &str, device: &Device) -> Result<Tensor> {
         Ok(self.qtensor(gguf_name, device)?.dequantize(device)?)
-    }
-    /// The type a tensor is stored in, where the source knows it without reading the tensor
-    /// (`None`: unknown or missing; the default).
-    fn stored_type(&self, gguf_name: &str) -> Option<GgmlDType> {
-        let _ = gguf_name;
-        None
     }
 }
 
@@ -35,9 +29,5 @@ impl TensorSource for GgufFile {
 
     fn qtensor(&mut self, gguf_name: &str, device: &Device) -> Result<QTensor> {
         GgufFile::qtensor(self, gguf_name, device)
-    }
-
-    fn stored_type(&self, gguf_name: &str) -> Option<GgmlDType> {
-        self.content.tensor_infos.get(gguf_name).map(|t| t.ggml_dtype)
     }
 }

@@ -13,7 +13,6 @@ use super::rope::Rope;
 use super::source::TensorSource;
 use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
@@ -50,9 +49,6 @@ pub struct Transformer {
     /// The file or directory the weights came from, when loaded from a path: an untied LM
     /// head's weights are read again from there when asked for ([`Self::lm_head_weights`]).
     source_path: Option<std::path::PathBuf>,
-    /// Per matmul kind ([`Phase::ALL`]`[..Phase::MATMULS]`): whether its weights are quantised
-    /// in every layer, so that the profiler counts its int8 multiply-adds.
-    int8_matmuls: [bool; Phase::MATMULS],
 }
 
 impl Transformer {
@@ -72,11 +68,6 @@ impl Transformer {
         device: &Device,
     ) -> Result<Self> {
         let embedding = Arc::new(file.qtensor("token_embd.weight", device)?);
-        let mut int8_matmuls = [true; Phase::MATMULS];
-        int8_matmuls[Phase::LmHead as usize] = runs_int8(
-            format,
-            if config.tied_head { Some(embedding.dtype()) } else { file.stored_type("output.weight") },
-        );
         let lm_head = if config.tied_head {
             Linear::from_qtensor(embedding.clone(), None, format, kernels, device)?
         } else {
@@ -110,16 +101,6 @@ impl Transformer {
                 }
             };
             let names = |parts: &[&str]| parts.iter().map(|p| format!("blk.{i}.{p}")).collect::<Vec<_>>();
-            for (kind, parts) in [
-                (Phase::Qkv, &["attn_q", "attn_k", "attn_v"][..]),
-                (Phase::AttnOut, &["attn_output"]),
-                (Phase::GateUp, &["ffn_gate", "ffn_up"]),
-                (Phase::Down, &["ffn_down"]),
-            ] {
-                for name in names(parts) {
-                    int8_matmuls[kind as usize] &= runs_int8(format, file.stored_type(&format!("{name}.weight")));
-                }
-            }
             let layer = Layer {
                 qkv: FusedLinear::load(
                     file,
@@ -204,7 +185,6 @@ impl Transformer {
             lm_head,
             ropes,
             source_path: None,
-            int8_matmuls,
         })
     }
 
@@ -333,18 +313,15 @@ impl Transformer {
     /// Whether the profiler counts int8 multiply-adds for this matmul kind (its weights are
     /// quantised in every layer). False for phases that are not matmuls.
     pub fn int8_matmul(&self, kind: Phase) -> bool {
-        self.int8_matmuls.get(kind as usize).copied().unwrap_or(false)
-    }
-
-    /// Times a matmul of `kind` over `rows` rows ([`profile::matmul`]).
-    fn matmul_timer(
-        &self,
-        kind: Phase,
-        rows: usize,
-        out_features: usize,
-        in_features: usize,
-    ) -> profile::Timer<'static> {
-        profile::matmul(kind, self.int8_matmul(kind), rows, out_features, in_features)
+        let every_layer = |f: fn(&Layer) -> bool| self.layers.iter().all(f);
+        match kind {
+            Phase::Qkv => every_layer(|l| l.qkv.runs_int8()),
+            Phase::AttnOut => every_layer(|l| l.o.runs_int8()),
+            Phase::GateUp => every_layer(|l| l.gate_up.runs_int8()),
+            Phase::Down => every_layer(|l| l.down.runs_int8()),
+            Phase::LmHead => self.lm_head.runs_int8(),
+            _ => false,
+        }
     }
 
     fn forward_inner(&self, batch: &mut ForwardBatch<'_>) -> Result<ForwardOutput> {
@@ -435,7 +412,7 @@ impl Transformer {
             let h = rms_norm(&x, &layer.attn_norm)?;
             let mut qkv = {
                 let width = layer.qkv.widths().iter().sum();
-                let _t = self.matmul_timer(Phase::Qkv, n_rows, width, layer.qkv.in_features());
+                let _t = profile::matmul(Phase::Qkv, layer.qkv.runs_int8(), n_rows, width, layer.qkv.in_features());
                 layer.qkv.forward_host(&h)?
             };
             let v = qkv.pop().context("qkv projection has three parts")?;
@@ -468,7 +445,8 @@ impl Transformer {
             }
             let attn = Tensor::from_slice(&attn_out, (n_rows, nh * hd), &self.device)?;
             let mut attn = {
-                let _t = self.matmul_timer(Phase::AttnOut, n_rows, layer.o.out_features(), layer.o.in_features());
+                let o = &layer.o;
+                let _t = profile::matmul(Phase::AttnOut, o.runs_int8(), n_rows, o.out_features(), o.in_features());
                 layer.o.forward(&attn)?
             };
             if let Some((post_attn, _)) = &layer.post_norms {
@@ -482,7 +460,8 @@ impl Transformer {
             let h = rms_norm(&x, &layer.ffn_norm)?;
             let gate_up = {
                 let width = layer.gate_up.widths().iter().sum();
-                let _t = self.matmul_timer(Phase::GateUp, n_rows, width, layer.gate_up.in_features());
+                let gate_up = &layer.gate_up;
+                let _t = profile::matmul(Phase::GateUp, gate_up.runs_int8(), n_rows, width, gate_up.in_features());
                 layer.gate_up.forward(&h)?
             };
             let gated = {
@@ -490,7 +469,9 @@ impl Transformer {
                 super::elementwise::gated_mul(&gate_up[0], &gate_up[1], cfg.extras.activation)?
             };
             let mut mlp = {
-                let _t = self.matmul_timer(Phase::Down, n_rows, layer.down.out_features(), layer.down.in_features());
+                let down = &layer.down;
+                let _t =
+                    profile::matmul(Phase::Down, down.runs_int8(), n_rows, down.out_features(), down.in_features());
                 layer.down.forward(&gated)?
             };
             if let Some((_, post_ffn)) = &layer.post_norms {
@@ -516,8 +497,9 @@ impl Transformer {
             let idx = Tensor::new(logit_rows.as_slice(), &self.device)?;
             let h = x.index_select(&idx, 0)?;
             let h = rms_norm(&h, &self.norm)?;
-            let _t = self.matmul_timer(
+            let _t = profile::matmul(
                 Phase::LmHead,
+                self.lm_head.runs_int8(),
                 logit_rows.len(),
                 self.lm_head.out_features(),
                 self.lm_head.in_features(),
@@ -552,16 +534,6 @@ fn check_vector(t: &Tensor, len: usize, name: &str) -> Result<()> {
         bail!("{name}: shape {:?}, expected [{len}]", t.dims());
     }
     Ok(())
-}
-
-/// Whether a matmul whose weights are stored as `stored` runs on quantised (int8) products in
-/// `format`.
-fn runs_int8(format: WeightFormat, stored: Option<GgmlDType>) -> bool {
-    match format {
-        WeightFormat::Q8_0 | WeightFormat::Q4_0 => true,
-        WeightFormat::F32 | WeightFormat::F16 => false,
-        WeightFormat::Native => stored.is_some_and(|t| !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)),
-    }
 }
 
 /// RMSNorm over each `weight.len()`-wide head of `x`, in place.

@@ -210,3 +210,88 @@ fn qwen_verified_rows_are_bitwise_single_steps() {
     let m = Transformer::from_path(&path, Some(WeightFormat::Native), &Device::Cpu).unwrap();
     assert_block_rows_bitwise_equal_single_steps(&m, "qwen2.5-coder-1.5b native");
 }
+
+/// A draft tree's rows must be exactly what a chain step with the same ancestors gives (the
+/// verifier reads a node's row as the target's next-token logits after its path), and
+/// keeping the accepted path must leave the cache as if that path had been decoded.
+fn assert_tree_rows_bitwise_equal_chains(m: &Transformer, what: &str) {
+    use specula::kv::NO_PARENT;
+    let ctx = tokens(21, 45);
+    // 20 rows: a root with four children, branches of depth up to 5, over a block boundary.
+    let parents: Vec<u32> = vec![NO_PARENT, 0, 0, 0, 0, 1, 1, 2, 5, 5, 5, 8, 3, 11, 9, 2, 7, 4, 4, 13];
+    let tree = tokens(22, parents.len());
+    let path_of = |mut r: usize| {
+        let mut p = vec![r];
+        while parents[r] != NO_PARENT {
+            r = parents[r] as usize;
+            p.push(r);
+        }
+        p.reverse();
+        p
+    };
+    let pool = m.new_kv_pool(512);
+    let mut cache = pool.new_sequence();
+    let mut b = ForwardBatch::new();
+    b.push(&ctx, &mut cache, LogitsRows::None);
+    m.forward(&mut b).unwrap();
+    let mut b = ForwardBatch::new();
+    b.push_tree(&tree, &mut cache, LogitsRows::All, &parents);
+    let rows = m.forward(&mut b).unwrap().seq_logits(0).unwrap();
+    assert_eq!(cache.len(), ctx.len() + tree.len());
+    for r in 0..tree.len() {
+        let chain: Vec<u32> = path_of(r).iter().map(|&i| tree[i]).collect();
+        let mut chain_cache = pool.new_sequence();
+        let mut b = ForwardBatch::new();
+        b.push(&ctx, &mut chain_cache, LogitsRows::None);
+        m.forward(&mut b).unwrap();
+        let mut b = ForwardBatch::new();
+        b.push(&chain, &mut chain_cache, LogitsRows::Last);
+        let row = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
+        let d = max_abs_diff(&row, &rows[r]);
+        assert!(d == 0.0, "{what}: tree row {r} (path {:?}) differs from its chain by {d}", path_of(r));
+    }
+    // Keep the path to row 19, then decode one token on top.
+    let path = path_of(19);
+    cache.keep_rows(ctx.len(), &path);
+    assert_eq!(cache.len(), ctx.len() + path.len());
+    let next = [tokens(23, 1)[0]];
+    let mut b = ForwardBatch::new();
+    b.push(&next, &mut cache, LogitsRows::Last);
+    let after_tree = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
+    let mut chain: Vec<u32> = ctx.clone();
+    chain.extend(path.iter().map(|&i| tree[i]));
+    let mut chain_cache = pool.new_sequence();
+    let mut b = ForwardBatch::new();
+    b.push(&chain, &mut chain_cache, LogitsRows::None);
+    m.forward(&mut b).unwrap();
+    let mut b = ForwardBatch::new();
+    b.push(&next, &mut chain_cache, LogitsRows::Last);
+    let after_chain = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
+    let d = max_abs_diff(&after_tree, &after_chain);
+    assert!(d == 0.0, "{what}: decoding after keeping a tree path differs from the chain by {d}");
+}
+
+#[test]
+fn tree_rows_are_bitwise_chain_steps_with_the_same_ancestors() {
+    for format in [WeightFormat::Q8_0, WeightFormat::Native] {
+        assert_tree_rows_bitwise_equal_chains(&model(format), &format!("smollm2 {format:?}"));
+    }
+    // Gemma 3's sliding-window layers mask by position, which in a tree is the depth.
+    let path = specula::fetch::fetch_once("gemma3-270m", true).unwrap();
+    let m = Transformer::from_path(&path, None, &Device::Cpu).unwrap();
+    assert_tree_rows_bitwise_equal_chains(&m, "gemma3-270m");
+}
+
+#[test]
+fn a_tree_whose_parent_is_not_an_earlier_row_is_refused() {
+    let m = model(WeightFormat::Q8_0);
+    let pool = m.new_kv_pool(64);
+    let mut cache = pool.new_sequence();
+    let toks = tokens(3, 3);
+    let parents = [specula::kv::NO_PARENT, 2, 0];
+    let mut b = ForwardBatch::new();
+    b.push_tree(&toks, &mut cache, LogitsRows::All, &parents);
+    let err = m.forward(&mut b).unwrap_err().to_string();
+    assert!(err.contains("not an earlier row"), "{err}");
+    assert_eq!(cache.len(), 0, "a refused forward changes nothing");
+}

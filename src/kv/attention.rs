@@ -15,14 +15,40 @@ pub struct AttentionSeq<'a> {
     pub row_start: usize,
     /// Rows (new tokens) of this sequence in the batch.
     pub n_rows: usize,
-    /// Tokens cached before this forward; row i sits at position `cached + i`.
+    /// Tokens cached before this forward; row i's K/V sit in slot `cached + i`.
     pub cached: usize,
     pub blocks: &'a [u32],
+    /// A draft tree: row i's parent row (`NO_PARENT`: it follows the cached tokens). Row i
+    /// then attends to the cache and to its ancestors among the new rows, and sits at
+    /// position `cached + depth`. None: a chain, row i at position `cached + i`.
+    pub parents: Option<&'a [u32]>,
+}
+
+/// A tree row that follows the cached tokens directly.
+pub const NO_PARENT: u32 = u32::MAX;
+
+/// Row `row`'s ancestors among a tree's new rows and the row itself, root first.
+pub fn tree_path(parents: &[u32], row: usize, path: &mut Vec<usize>) {
+    path.clear();
+    let mut r = row;
+    loop {
+        path.push(r);
+        match parents[r] {
+            NO_PARENT => break,
+            p => r = p as usize,
+        }
+    }
+    path.reverse();
 }
 
 /// `q`: `[rows, n_heads, head_dim]` (already rotated); `out`: same shape. The K/V of every
-/// row must already be in the pool at its position. Scores are `q·k · scale`; with a
+/// row must already be in the pool at its slot. Scores are `q·k · scale`; with a
 /// `window`, a row at position p attends to positions `p+1−window ..= p` only.
+///
+/// A tree row's keys are laid out as its chain twin's would be: the cached keys, then its
+/// ancestors' in depth order, so its scores, softmax and weighted sum are the same
+/// arithmetic in the same order, and its output is bit for bit that of a chain row with
+/// the same ancestors.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     storage: &PoolStorage,
@@ -41,12 +67,12 @@ pub fn paged_attention(
     let keys = &storage.k[layer];
     let values = &storage.v[layer];
 
-    // Map each row to (its sequence, its absolute position).
+    // Map each row to (its sequence, its row within the sequence).
     let rows = q.len() / (n_heads * hd);
     let mut row_seq = vec![(0usize, 0usize); rows];
     for (si, s) in seqs.iter().enumerate() {
         for i in 0..s.n_rows {
-            row_seq[s.row_start + i] = (si, s.cached + i);
+            row_seq[s.row_start + i] = (si, i);
         }
     }
 
@@ -61,16 +87,30 @@ pub fn paged_attention(
     // pool from competing for the same cores while the first one's workers spin.
     candle_core::utils::barrier_pool().execute_chunked(rows * n_kv, |items| {
         let mut scores = Vec::new();
+        let mut path = Vec::new();
         let (mut max, mut inv) = (vec![0f32; group], vec![0f32; group]);
         for item in items {
             let row = item / n_kv;
             let kv_head = item % n_kv;
-            let (si, pos) = row_seq[row];
-            let blocks = seqs[si].blocks;
-            let n_keys = pos + 1;
-            let n_blocks = n_keys.div_ceil(bs);
+            let (si, i) = row_seq[row];
+            let s = &seqs[si];
+            let blocks = s.blocks;
+            // The keys: slots `0..contiguous`, read block by block, then (tree rows) the
+            // ancestors' slots one by one.
+            let contiguous = match s.parents {
+                None => {
+                    path.clear();
+                    s.cached + i + 1
+                }
+                Some(parents) => {
+                    tree_path(parents, i, &mut path);
+                    s.cached
+                }
+            };
+            let n_keys = contiguous + path.len();
+            let n_blocks = contiguous.div_ceil(bs);
             // A sliding window sees keys `first..n_keys`; blocks before `first`'s are skipped,
-            // and its own block's keys before `first` are masked out.
+            // and the keys from there to `first` are masked out.
             let first = window.map_or(0, |w| n_keys.saturating_sub(w.max(1)));
             let b0 = first / bs;
             let q_heads = &q[item * item_len..(item + 1) * item_len];
@@ -80,34 +120,32 @@ pub fn paged_attention(
 
             scores.clear();
             scores.resize(group * n_keys, 0f32);
-            max.fill(f32::NEG_INFINITY);
             // Block `bi`'s keys or values. The next block is always requested before this one
             // is computed on: the blocks lie scattered over the pool, and streaming them is
             // most of attention's time at decode (prefetching: batch-8 steps 7% faster at
             // 128 cached tokens, 16% at 400).
-            let n_at = |bi: usize| (n_keys - bi * bs).min(bs);
+            let n_at = |bi: usize| (contiguous - bi * bs).min(bs);
             let key_block = |bi: usize| keys.view(storage.head_offset(blocks[bi], kv_head), n_at(bi) * hd);
             let value_block = |bi: usize| values.view(storage.head_offset(blocks[bi], kv_head), n_at(bi) * hd);
+            let slot_offset =
+                |r: usize| storage.head_offset(blocks[(s.cached + r) / bs], kv_head) + (s.cached + r) % bs * hd;
             for bi in b0..n_blocks {
-                let n = n_at(bi);
                 if bi + 1 < n_blocks {
                     key_block(bi + 1).prefetch();
                 } else {
                     value_block(b0).prefetch();
                 }
-                kernels::group_scores(q_heads, hd, key_block(bi), n, scale, &mut scores[bi * bs..], n_keys);
-                if bi == b0 && first > b0 * bs {
-                    for g in 0..group {
-                        scores[g * n_keys + b0 * bs..g * n_keys + first].fill(f32::NEG_INFINITY);
-                    }
-                }
-                for (g, max) in max.iter_mut().enumerate() {
-                    let block_scores = &scores[g * n_keys + bi * bs..g * n_keys + bi * bs + n];
-                    *max = block_scores.iter().fold(*max, |m, &s| m.max(s));
-                }
+                kernels::group_scores(q_heads, hd, key_block(bi), n_at(bi), scale, &mut scores[bi * bs..], n_keys);
+            }
+            for (t, &r) in path.iter().enumerate() {
+                let key = keys.view(slot_offset(r), hd);
+                kernels::group_scores(q_heads, hd, key, 1, scale, &mut scores[contiguous + t..], n_keys);
             }
             for g in 0..group {
-                inv[g] = 1.0 / kernels::exp_shifted_sum(&mut scores[g * n_keys + b0 * bs..(g + 1) * n_keys], max[g]);
+                let row_scores = &mut scores[g * n_keys..(g + 1) * n_keys];
+                row_scores[(b0 * bs).min(first)..first].fill(f32::NEG_INFINITY);
+                max[g] = row_scores[b0 * bs..].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                inv[g] = 1.0 / kernels::exp_shifted_sum(&mut row_scores[b0 * bs..], max[g]);
             }
             out_heads.fill(0.0);
             for bi in b0..n_blocks {
@@ -115,6 +153,10 @@ pub fn paged_attention(
                     value_block(bi + 1).prefetch();
                 }
                 kernels::group_accumulate(&scores[bi * bs..], n_keys, n_at(bi), &inv, value_block(bi), out_heads);
+            }
+            for (t, &r) in path.iter().enumerate() {
+                let value = values.view(slot_offset(r), hd);
+                kernels::group_accumulate(&scores[contiguous + t..], n_keys, 1, &inv, value, out_heads);
             }
         }
     });
@@ -165,7 +207,7 @@ mod tests {
         // The last 3 positions as new rows; windows that start mid-block, at a block edge,
         // cover everything, and a window of one.
         let q = values(7, 3 * n_heads * hd);
-        let seq = AttentionSeq { row_start: 0, n_rows: 3, cached: len - 3, blocks: cache.blocks() };
+        let seq = AttentionSeq { row_start: 0, n_rows: 3, cached: len - 3, blocks: cache.blocks(), parents: None };
         for window in [None, Some(5), Some(4), Some(100), Some(1)] {
             let mut out = vec![0f32; q.len()];
             paged_attention(&storage, 0, &q, n_heads, std::slice::from_ref(&seq), 0.3, window, &mut out);

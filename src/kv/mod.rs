@@ -6,5 +6,5 @@ mod attention;
 mod block_kernels;
 mod pool;
 
-pub use attention::{paged_attention, AttentionSeq};
+pub use attention::{paged_attention, tree_path, AttentionSeq, NO_PARENT};
 pub use pool::{KvBuffer, KvDtype, KvLayout, KvPool, KvPoolStats, PoolExhausted, PoolStorage, SeqCache};

@@ -69,6 +69,14 @@ impl KvBuffer {
         }
     }
 
+    /// Copies `len` elements from `src` to `dst` (the ranges may overlap).
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
+        match self {
+            Self::F16(b) => b.copy_within(src..src + len, dst),
+            Self::F32(b) => b.copy_within(src..src + len, dst),
+        }
+    }
+
     /// `len` elements starting at `off`, in their stored type.
     #[inline]
     pub fn view(&self, off: usize, len: usize) -> KvView<'_> {
@@ -400,6 +408,35 @@ impl SeqCache {
     pub(crate) fn advance(&mut self, n: usize, block_size: usize) {
         debug_assert!(self.len + n <= self.blocks.len() * block_size);
         self.len += n;
+    }
+
+    /// After a draft tree was verified: moves the K/V of the new rows `rows` (offsets from
+    /// `first`, ascending, each at least its index: an accepted path through the tree) to
+    /// positions `first, first + 1, …`, in every layer, and keeps exactly those, so the cache
+    /// holds the committed path as if it had been decoded as a chain. A node's K/V do not
+    /// depend on its slot (RoPE uses its depth), so moving them is exact.
+    pub fn keep_rows(&mut self, first: usize, rows: &[usize]) {
+        let pool = self.pool.clone();
+        let mut storage = pool.lock();
+        let (hd, bs, n_kv) = (storage.layout.head_dim, storage.layout.block_size, storage.layout.n_kv_heads);
+        for (j, &r) in rows.iter().enumerate() {
+            assert!(r >= j && rows.get(j + 1).is_none_or(|&next| next > r), "keep_rows: {rows:?} is not a path");
+            let (src, dst) = (first + r, first + j);
+            if src == dst || src >= self.len {
+                continue;
+            }
+            let (sb, db) = (self.blocks[src / bs], self.blocks[dst / bs]);
+            for h in 0..n_kv {
+                let s = storage.head_offset(sb, h) + (src % bs) * hd;
+                let d = storage.head_offset(db, h) + (dst % bs) * hd;
+                for layer in 0..storage.layout.n_layers {
+                    storage.k[layer].copy_within(s, d, hd);
+                    storage.v[layer].copy_within(s, d, hd);
+                }
+            }
+        }
+        drop(storage);
+        self.truncate(first + rows.len());
     }
 
     /// Rolls back to `len` tokens: everything after is forgotten and whole blocks past the

@@ -17,11 +17,16 @@ pub enum LogitsRows {
 }
 
 /// One sequence in a packed batch: the new tokens to run on top of what its cache holds.
-/// Row i of `tokens` is at position `cache.len() + i`.
+/// Row i of `tokens` is written to cache slot `cache.len() + i`; it is at position
+/// `cache.len() + i` in a chain, or `cache.len() + depth` in a tree.
 pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     pub cache: &'a mut SeqCache,
     pub logits: LogitsRows,
+    /// A draft tree: row i's parent row (`NO_PARENT` for a row that follows the cache), each
+    /// parent before its children. Row i attends to the cache and its ancestors only. After
+    /// verifying, the caller keeps the accepted path with [`SeqCache::keep_rows`].
+    pub parents: Option<&'a [u32]>,
 }
 
 /// Several sequences packed into one forward, plus the layers whose outputs are wanted.
@@ -38,7 +43,13 @@ impl<'a> ForwardBatch<'a> {
     }
 
     pub fn push(&mut self, tokens: &'a [u32], cache: &'a mut SeqCache, logits: LogitsRows) {
-        self.seqs.push(SeqInput { tokens, cache, logits });
+        self.seqs.push(SeqInput { tokens, cache, logits, parents: None });
+    }
+
+    /// A sequence whose new rows form a tree: `parents[i]` is row i's parent row, or
+    /// [`crate::kv::NO_PARENT`].
+    pub fn push_tree(&mut self, tokens: &'a [u32], cache: &'a mut SeqCache, logits: LogitsRows, parents: &'a [u32]) {
+        self.seqs.push(SeqInput { tokens, cache, logits, parents: Some(parents) });
     }
 
     pub fn total_rows(&self) -> usize {

@@ -11,7 +11,7 @@ use super::linear::{FusedLinear, Linear};
 use super::profile::{self, Phase};
 use super::rope::Rope;
 use super::source::TensorSource;
-use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
+use crate::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool, NO_PARENT};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
@@ -365,10 +365,27 @@ impl Transformer {
             if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
                 bail!("token id {bad} is outside the vocabulary ({} tokens)", cfg.vocab);
             }
+            match s.parents {
+                None => positions.extend(start..end),
+                Some(parents) => {
+                    if parents.len() != s.tokens.len() {
+                        bail!("a draft tree has {} parents for {} rows", parents.len(), s.tokens.len());
+                    }
+                    // Parents come before their children, so depths fill in one pass.
+                    let mut depth = Vec::with_capacity(parents.len());
+                    for (r, &p) in parents.iter().enumerate() {
+                        depth.push(match p {
+                            NO_PARENT => 0,
+                            p if (p as usize) < r => depth[p as usize] + 1,
+                            p => bail!("draft tree row {r} has parent {p}, not an earlier row"),
+                        });
+                    }
+                    positions.extend(depth.iter().map(|d| start + d));
+                }
+            }
             s.cache.reserve_locked(&mut storage, end)?;
             let row0 = tokens.len();
             tokens.extend_from_slice(s.tokens);
-            positions.extend(start..end);
             row_ranges.push(row0..tokens.len());
             let l0 = logit_rows.len();
             match s.logits {
@@ -387,6 +404,7 @@ impl Transformer {
                 n_rows: r.len(),
                 cached: s.cache.len(),
                 blocks: s.cache.blocks(),
+                parents: s.parents,
             })
             .collect();
 

@@ -155,6 +155,30 @@ impl Constraint {
         result
     }
 
+    /// [`Self::mask_rows`] for a draft tree: row 0 in the current state, the row of node `i`
+    /// (row `i + 1`, whose parent row is `parents[i + 1]`) after the tokens on its path.
+    /// Rows below a forbidden token are left as they are (the verifier never reaches them).
+    /// The grammar state is unchanged afterwards.
+    pub fn mask_tree_rows<R: AsMut<[f32]>>(&mut self, rows: &mut [R], tokens: &[u32], parents: &[u32]) -> Result<()> {
+        let mut path = Vec::new();
+        for (r, row) in rows.iter_mut().enumerate() {
+            crate::kv::tree_path(parents, r, &mut path);
+            // The tokens of the nodes on the path (row 0 is the committed state).
+            let mut consumed = 0;
+            let reachable = path[1..].iter().all(|&pr| {
+                let ok = self.matcher.consume_token(tokens[pr - 1]).is_ok();
+                consumed += usize::from(ok);
+                ok
+            });
+            let masked = if reachable { self.mask_row(row.as_mut()) } else { Ok(()) };
+            if consumed > 0 {
+                self.matcher.rollback(consumed).map_err(|e| anyhow!("grammar rollback: {e}"))?;
+            }
+            masked?;
+        }
+        Ok(())
+    }
+
     /// Forbidden tokens of one row to −∞; where the grammar may end, every stop token stays.
     fn mask_row(&mut self, row: &mut [f32]) -> Result<()> {
         let mask = self.matcher.compute_mask_or_eos().map_err(|e| anyhow!("grammar: {e}"))?;

@@ -364,6 +364,9 @@ impl<'a> EngineCore<'a> {
     /// Phase 3: one packed forward over every planned row. None when it failed (the affected
     /// requests are dealt with here).
     fn forward(&mut self, plan: &StepPlan<Active<'a>>, drafts: &[Draft]) -> Option<StepForward> {
+        // A tree's rows: the pending token follows the cache, each node its parent.
+        let tree_parents: Vec<Option<Vec<u32>>> =
+            drafts.iter().map(|d| d.is_tree().then(|| d.forward_parents())).collect();
         let inputs: Vec<Vec<u32>> = plan
             .slots
             .iter()
@@ -391,9 +394,9 @@ impl<'a> EngineCore<'a> {
         let result = {
             let mut batch = ForwardBatch::new();
             batch.tap_layers = tap_layers.clone();
-            let mut slots = plan.slots.iter().zip(&inputs).peekable();
+            let mut slots = plan.slots.iter().zip(inputs.iter().zip(&tree_parents)).peekable();
             for (i, a) in self.sched.running.iter_mut().enumerate() {
-                let Some((slot, input)) = slots.peek() else { break };
+                let Some((slot, (input, parents))) = slots.peek() else { break };
                 if slot.index != i {
                     continue;
                 }
@@ -403,7 +406,10 @@ impl<'a> EngineCore<'a> {
                     SlotKind::Prefill { last: true } => LogitsRows::Last,
                     SlotKind::Prefill { last: false } => LogitsRows::None,
                 };
-                batch.push(input, &mut a.seq.cache, rows);
+                match parents {
+                    Some(parents) => batch.push_tree(input, &mut a.seq.cache, rows, parents),
+                    None => batch.push(input, &mut a.seq.cache, rows),
+                }
                 slots.next();
             }
             self.target.model.forward(&mut batch)
@@ -472,7 +478,7 @@ impl<'a> EngineCore<'a> {
         }
         if let SlotKind::Prefill { last: false } = slot.kind {
             self.totals.prefill_tokens += slot.rows as u64;
-            let taps = slot_taps(a, fwd, j, slot.rows)?;
+            let taps = slot_taps(a, fwd, j, &(0..slot.rows).collect::<Vec<_>>())?;
             if let Some(p) = a.proposer.as_mut() {
                 p.observe(&a.seq.tokens, cached_before..cached_before + slot.rows, &taps)?;
             }
@@ -488,18 +494,32 @@ impl<'a> EngineCore<'a> {
         } else {
             fwd.out.seq_logits(j)?
         };
-        penalize_verification_rows(&mut rows, a.seq.generated(), &draft.tokens, &a.seq.params);
+        penalize_verification_rows(&mut rows, a.seq.generated(), &draft, &a.seq.params);
         if let Some(c) = a.constraint.as_mut() {
-            c.mask_rows(&mut rows, &draft.tokens)?;
+            if draft.is_tree() {
+                c.mask_tree_rows(&mut rows, &draft.tokens, &draft.forward_parents())?;
+            } else {
+                c.mask_rows(&mut rows, &draft.tokens)?;
+            }
         }
         let verdict = verify(&draft, &rows, &a.seq.params, &mut a.seq.rng);
-        // Keep the fed pending tokens and the accepted drafts; forget rejected drafts.
+        // Keep the fed pending tokens and the accepted drafts; forget rejected drafts (in a
+        // tree, the accepted path moves into place first).
         let kept = cached_before + slot.rows + verdict.accepted;
+        // The forward rows of the committed tokens' distributions, and of the kept K/V.
+        let path_rows: Vec<usize> = verdict.rows().iter().map(|r| r + slot.rows - 1).collect();
+        if draft.is_tree() {
+            a.seq.cache.keep_rows(cached_before + slot.rows - 1, &verdict.rows());
+        }
         a.seq.cache.truncate(kept);
         let committed = verdict.committed(&draft.tokens);
         // Row i is the distribution committed token i was chosen from.
         let logprobs = match a.logprobs {
-            Some(n) => committed.iter().zip(&rows).map(|(&t, row)| token_logprob(row, &a.seq.params, t, n)).collect(),
+            Some(n) => committed
+                .iter()
+                .zip(&path_rows)
+                .map(|(&t, &r)| token_logprob(&rows[r - (slot.rows - 1)], &a.seq.params, t, n))
+                .collect(),
             None => Vec::new(),
         };
         if !a.seq.generated().is_empty() {
@@ -544,7 +564,8 @@ impl<'a> EngineCore<'a> {
                 self.totals.finished_requests += 1;
             }
             None if !a.done => {
-                let taps = slot_taps(a, fwd, j, kept - cached_before)?;
+                let tap_rows: Vec<usize> = (0..slot.rows - 1).chain(path_rows).collect();
+                let taps = slot_taps(a, fwd, j, &tap_rows)?;
                 if let Some(p) = a.proposer.as_mut() {
                     p.observe(&a.seq.tokens, cached_before..kept, &taps)?;
                 }
@@ -629,15 +650,21 @@ fn draft_for(a: &mut Active, slot: &Slot, stop_ids: &[u32]) -> Result<Draft> {
     }
     let t = Instant::now();
     let mut d = p.propose(&a.seq.tokens, k)?;
-    let stop = d.tokens.iter().position(|&t| a.is_stop(t, stop_ids));
-    d.tokens.truncate(k.min(stop.map_or(usize::MAX, |i| i + 1)));
-    // Tokens the grammar forbids would only be rejected: do not spend rows on them.
-    if let Some(c) = a.constraint.as_mut() {
-        let allowed = c.allowed_prefix(&d.tokens);
-        d.tokens.truncate(allowed);
-    }
-    if let Some(probs) = d.probs.as_mut() {
-        probs.truncate(d.tokens.len());
+    if d.is_tree() {
+        // Nothing after a stop token can be committed, and tokens the grammar forbids would
+        // only be rejected: do not spend rows on them.
+        d.truncate(k);
+        d.retain(|_, path| !path[..path.len() - 1].iter().any(|&t| a.is_stop(t, stop_ids)));
+        if let Some(c) = a.constraint.as_mut() {
+            d.retain(|_, path| c.allowed_prefix(path) == path.len());
+        }
+    } else {
+        let stop = d.tokens.iter().position(|&t| a.is_stop(t, stop_ids));
+        d.truncate(k.min(stop.map_or(usize::MAX, |i| i + 1)));
+        if let Some(c) = a.constraint.as_mut() {
+            let allowed = c.allowed_prefix(&d.tokens);
+            d.truncate(allowed);
+        }
     }
     a.metrics.draft_secs += t.elapsed().as_secs_f64();
     Ok(d)
@@ -670,18 +697,30 @@ fn record_prompt_logprobs(
     Ok(())
 }
 
-/// The first `rows` rows of slot `j`'s taps, in the order its proposer asked for them.
-fn slot_taps(a: &Active, fwd: &StepForward, j: usize, rows: usize) -> Result<Vec<Tensor>> {
+/// Rows `rows` of slot `j`'s taps (the committed ones), in the order its proposer asked for
+/// the layers.
+fn slot_taps(a: &Active, fwd: &StepForward, j: usize, rows: &[usize]) -> Result<Vec<Tensor>> {
     let Some(p) = a.proposer.as_ref() else { return Ok(Vec::new()) };
     if p.tap_layers().is_empty() {
         return Ok(Vec::new());
     }
     let all = fwd.out.seq_taps(j)?;
+    // A chain's committed rows are its first ones; a tree's are gathered.
+    let prefix = rows.iter().enumerate().all(|(i, &r)| i == r);
+    let index = if prefix {
+        None
+    } else {
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        Some(Tensor::new(ids.as_slice(), all.first().map_or(&candle_core::Device::Cpu, |t| t.device()))?)
+    };
     p.tap_layers()
         .iter()
         .map(|l| {
             let k = fwd.tap_layers.iter().position(|t| t == l).context("tap layer missing")?;
-            Ok(all[k].narrow(0, 0, rows)?)
+            Ok(match &index {
+                None => all[k].narrow(0, 0, rows.len())?,
+                Some(index) => all[k].index_select(index, 0)?,
+            })
         })
         .collect()
 }

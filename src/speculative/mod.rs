@@ -4,6 +4,7 @@
 
 pub mod combined;
 pub mod dflash;
+pub mod draft;
 pub mod draft_model;
 pub mod eagle3;
 pub mod factory;

@@ -1,0 +1,159 @@
+//! What a drafter proposes for one sequence in one step: a chain of tokens, or a tree of
+//! candidate continuations verified together in one forward.
+//!
+//! Rows: the target runs on the last committed token (row 0) followed by the draft's nodes
+//! (node `i` is row `i + 1`). A node's parent is a row: 0 for the first drafted position,
+//! `j + 1` for node `j`. Parents come before their children, so every prefix of the node
+//! list is itself a tree, and a chain is the tree whose node `i` has parent row `i`.
+
+use crate::kv::NO_PARENT;
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Draft {
+    /// The drafted tokens, one per node (a chain: `d1..dk` in order).
+    pub tokens: Vec<u32>,
+    /// For stochastic drafters: `probs[i]` is the exact distribution `tokens[i]` was drawn
+    /// from, given its parent and its earlier siblings (over token ids; missing trailing ids
+    /// count as 0). `None` for deterministic drafters, which the verifier treats as one-hot
+    /// at each token. A row that gives its own token no mass is treated as one-hot too.
+    pub probs: Option<Vec<Vec<f32>>>,
+    /// Node `i`'s parent row (`parents[i] <= i`); siblings in the order the drafter ranks
+    /// them, best first. Empty: a chain.
+    pub parents: Vec<u32>,
+}
+
+impl Draft {
+    /// A deterministic chain (one-hot `q`).
+    pub fn deterministic(tokens: Vec<u32>) -> Self {
+        Self { tokens, probs: None, parents: Vec::new() }
+    }
+
+    /// A deterministic tree. A tree that is a chain is stored as one.
+    ///
+    /// # Panics
+    /// If the lengths differ or a node's parent is not an earlier row (a drafter bug).
+    pub fn tree(tokens: Vec<u32>, parents: Vec<u32>) -> Self {
+        assert_eq!(tokens.len(), parents.len(), "a draft tree needs one parent per node");
+        for (i, &p) in parents.iter().enumerate() {
+            assert!(p as usize <= i, "draft tree node {i} has parent row {p}, not an earlier row");
+        }
+        let chain = parents.iter().enumerate().all(|(i, &p)| p as usize == i);
+        Self { tokens, probs: None, parents: if chain { Vec::new() } else { parents } }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn is_tree(&self) -> bool {
+        !self.parents.is_empty()
+    }
+
+    /// The row node `node` follows.
+    pub fn parent_row(&self, node: usize) -> usize {
+        self.parents.get(node).map_or(node, |&p| p as usize)
+    }
+
+    /// Node indices from the first drafted position down to `node`.
+    pub fn path(&self, node: usize) -> Vec<usize> {
+        let mut path = vec![node];
+        let mut row = self.parent_row(node);
+        while row > 0 {
+            path.push(row - 1);
+            row = self.parent_row(row - 1);
+        }
+        path.reverse();
+        path
+    }
+
+    /// The tokens on the path to `node`, `node`'s last.
+    pub fn path_tokens(&self, node: usize) -> Vec<u32> {
+        self.path(node).into_iter().map(|n| self.tokens[n]).collect()
+    }
+
+    /// The deepest path's length (a chain: its length).
+    pub fn depth(&self) -> usize {
+        let mut depth = vec![0usize; self.len() + 1];
+        for node in 0..self.len() {
+            depth[node + 1] = depth[self.parent_row(node)] + 1;
+        }
+        depth.into_iter().max().unwrap_or(0)
+    }
+
+    /// For each row `0..=len`, its children in sibling order.
+    pub fn children(&self) -> Vec<Vec<usize>> {
+        let mut children = vec![Vec::new(); self.len() + 1];
+        for node in 0..self.len() {
+            children[self.parent_row(node)].push(node);
+        }
+        children
+    }
+
+    /// The parent of every forward row (row 0 follows the cache), for
+    /// [`crate::model::ForwardBatch::push_tree`].
+    pub fn forward_parents(&self) -> Vec<u32> {
+        std::iter::once(NO_PARENT).chain((0..self.len()).map(|n| self.parent_row(n) as u32)).collect()
+    }
+
+    /// Keeps the first `n` nodes (a prefix of the node list is a tree).
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        if let Some(probs) = self.probs.as_mut() {
+            probs.truncate(n);
+        }
+        self.parents.truncate(n);
+    }
+
+    /// Keeps the nodes for which `keep(node, path tokens)` holds and whose ancestors are all
+    /// kept; the others go, with everything below them.
+    pub fn retain(&mut self, mut keep: impl FnMut(usize, &[u32]) -> bool) {
+        // New row of each old row (row 0 stays); None: dropped.
+        let mut new_row: Vec<Option<u32>> = vec![None; self.len() + 1];
+        new_row[0] = Some(0);
+        let mut kept = Vec::new();
+        for node in 0..self.len() {
+            let Some(parent) = new_row[self.parent_row(node)] else { continue };
+            if keep(node, &self.path_tokens(node)) {
+                kept.push((node, parent));
+                new_row[node + 1] = Some(kept.len() as u32);
+            }
+        }
+        if kept.len() == self.len() {
+            return;
+        }
+        let tokens = kept.iter().map(|&(n, _)| self.tokens[n]).collect();
+        let parents = kept.iter().map(|&(_, p)| p).collect();
+        let probs = self.probs.take().map(|probs| kept.iter().map(|&(n, _)| probs[n].clone()).collect());
+        *self = Self::tree(tokens, parents);
+        self.probs = probs;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_children_and_pruning() {
+        // Row 0 → nodes 0 (a), 1 (b); node 0 → node 2 (c), node 3 (d); node 2 → node 4 (e).
+        let mut d = Draft::tree(vec![10, 11, 12, 13, 14], vec![0, 0, 1, 1, 3]);
+        assert!(d.is_tree());
+        assert_eq!(d.path(4), vec![0, 2, 4]);
+        assert_eq!(d.path_tokens(3), vec![10, 13]);
+        assert_eq!(d.depth(), 3);
+        assert_eq!(d.children(), vec![vec![0, 1], vec![2, 3], vec![], vec![4], vec![], vec![]]);
+        assert_eq!(d.forward_parents(), vec![NO_PARENT, 0, 0, 1, 1, 3]);
+        // Dropping node 2 drops node 4 below it; the rest is renumbered.
+        d.retain(|node, _| node != 2);
+        assert_eq!(d, Draft::tree(vec![10, 11, 13], vec![0, 0, 1]));
+        // A chain stays a chain.
+        let mut chain = Draft::deterministic(vec![1, 2, 3, 4]);
+        chain.retain(|_, path| !path.contains(&3));
+        assert_eq!(chain, Draft::deterministic(vec![1, 2]));
+        assert!(!Draft::tree(vec![5, 6], vec![0, 1]).is_tree(), "a chain-shaped tree is a chain");
+    }
+}

@@ -9,7 +9,7 @@ use crate::datasets::{self, Prompt, PromptKind};
 use crate::engine::{generate, FleetAcceptance, GenerateOptions, LoadedModel};
 use crate::sample::SamplingParams;
 use crate::speculative::{build_proposer, DrafterSpec};
-use crate::speculative::{DraftLen, SpecMetrics, StepCost, StepCostSettings};
+use crate::speculative::{DraftLen, DraftTree, SpecMetrics, StepCost, StepCostSettings};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -30,6 +30,8 @@ pub struct Mode {
     /// The `--drafter` string; None = plain decoding.
     pub drafter: Option<String>,
     pub draft_len: Option<DraftLen>,
+    /// Draft trees (drafters that can draft them); `Off` for plain decoding.
+    pub draft_tree: DraftTree,
     /// Adaptive modes: each prompt starts from the acceptance the drafter had on the earlier
     /// prompts of its data set (as on a running server) instead of from nothing.
     pub warm: bool,
@@ -37,23 +39,29 @@ pub struct Mode {
 
 impl Mode {
     pub fn plain() -> Self {
-        Self { drafter: None, draft_len: None, warm: false }
+        Self { drafter: None, draft_len: None, draft_tree: DraftTree::Off, warm: false }
     }
 
     pub fn spec(drafter: &str, draft_len: DraftLen) -> Self {
-        Self { drafter: Some(drafter.to_string()), draft_len: Some(draft_len), warm: false }
+        Self { drafter: Some(drafter.to_string()), draft_len: Some(draft_len), draft_tree: DraftTree::Off, warm: false }
     }
 
     pub fn is_plain(&self) -> bool {
         self.drafter.is_none()
     }
 
-    /// `plain`, `ngram k=4`, `draft-model:qwen2.5-coder-0.5b k=auto`, `dflash:DIR k=auto warm`.
+    /// `plain`, `ngram k=4`, `draft-model:qwen2.5-coder-0.5b k=auto`, `dflash:DIR k=auto warm`,
+    /// `dflash:DIR k=auto tree=auto`.
     pub fn label(&self) -> String {
         let warm = if self.warm { " warm" } else { "" };
+        let tree = match self.draft_tree {
+            DraftTree::Off => String::new(),
+            DraftTree::Auto => " tree=auto".to_string(),
+            DraftTree::Max(n) => format!(" tree={n}"),
+        };
         match (&self.drafter, &self.draft_len) {
             (None, _) => "plain".to_string(),
-            (Some(d), Some(k)) => format!("{d} k={}{warm}", draft_len_label(*k)),
+            (Some(d), Some(k)) => format!("{d} k={}{tree}{warm}", draft_len_label(*k)),
             (Some(d), None) => d.clone(),
         }
     }
@@ -67,6 +75,8 @@ pub struct SpecBenchSettings {
     /// `--drafter` strings (see [`DrafterSpec::parse`]).
     pub drafters: Vec<String>,
     pub draft_lens: Vec<DraftLen>,
+    /// Draft-tree settings; each is its own mode.
+    pub draft_trees: Vec<DraftTree>,
     /// Starts of the adaptive modes: cold (false: each prompt knows nothing of the drafter) and/or
     /// warm (true: each prompt starts from the earlier prompts' acceptance); each is its own mode.
     pub starts: Vec<bool>,
@@ -95,13 +105,16 @@ impl SpecBenchSettings {
             // The canonical form names defaults (`ngram` → `ngram:3`); parse errors surface in validate.
             let name = DrafterSpec::parse(d).map_or_else(|_| d.clone(), |spec| spec.label());
             for k in &self.draft_lens {
-                match k {
-                    DraftLen::Auto => {
-                        for &warm in &self.starts {
-                            modes.push(Mode { warm, ..Mode::spec(&name, *k) });
+                for &draft_tree in &self.draft_trees {
+                    let mode = Mode { draft_tree, ..Mode::spec(&name, *k) };
+                    match k {
+                        DraftLen::Auto => {
+                            for &warm in &self.starts {
+                                modes.push(Mode { warm, ..mode.clone() });
+                            }
                         }
+                        DraftLen::Fixed(_) => modes.push(mode),
                     }
-                    DraftLen::Fixed(_) => modes.push(Mode::spec(&name, *k)),
                 }
             }
         }
@@ -117,6 +130,9 @@ impl SpecBenchSettings {
         }
         if self.draft_lens.is_empty() {
             bail!("no draft length: give --draft-len N|auto");
+        }
+        if self.draft_trees.is_empty() {
+            bail!("no draft-tree setting: give --draft-tree off|auto|N");
         }
         if self.starts.is_empty() {
             bail!("no start for the adaptive modes: give --acceptance-history cold and/or warm");
@@ -244,11 +260,9 @@ pub struct SpecBenchReport {
     pub greedy_mismatches: usize,
 }
 
-/// Steps by draft length: `out[j]` = steps that drafted exactly j tokens.
+/// Steps by draft size: `out[j]` = steps that drafted exactly j tokens (tree nodes).
 pub fn draft_len_histogram(m: &SpecMetrics) -> Vec<u64> {
-    // Steps drafting ≥ j tokens: all steps for j = 0, drafted_at[j−1] after.
-    let at_least = |j: usize| if j == 0 { m.steps } else { m.drafted_at.get(j - 1).copied().unwrap_or(0) };
-    (0..=m.drafted_at.len()).map(|j| at_least(j).saturating_sub(at_least(j + 1))).collect()
+    m.steps_by_nodes.clone()
 }
 
 /// Mean verify cost per step, in units of cost(1): a step drafting j tokens runs j + 1 rows.
@@ -528,6 +542,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                         let opts = GenerateOptions {
                             stop_ids: stop_ids.clone(),
                             draft_len: mode.draft_len.unwrap_or(DraftLen::Fixed(0)),
+                            draft_tree: mode.draft_tree,
                             max_draft: settings.max_auto_draft_len,
                             step_cost: Some(cost.clone()),
                             history: history.clone(),
@@ -748,6 +763,7 @@ mod tests {
             weights: None,
             drafters: vec!["ngram".into(), "draft-model:x".into()],
             draft_lens: vec![DraftLen::Fixed(4), DraftLen::Auto],
+            draft_trees: vec![DraftTree::Off],
             starts: vec![false, true],
             max_auto_draft_len: 8,
             datasets: vec!["humaneval".into()],
@@ -773,6 +789,14 @@ mod tests {
             ]
         );
         assert!(s.validate().is_ok());
+        let trees = SpecBenchSettings {
+            drafters: vec!["dflash:d".into()],
+            draft_lens: vec![DraftLen::Fixed(7)],
+            draft_trees: vec![DraftTree::Off, DraftTree::Max(15)],
+            ..s.clone()
+        };
+        let labels: Vec<String> = trees.modes().iter().map(Mode::label).collect();
+        assert_eq!(labels, ["plain", "dflash:d k=7", "dflash:d k=7 tree=15"]);
         assert!(SpecBenchSettings { drafters: vec!["bogus".into()], ..s.clone() }.validate().is_err());
         assert!(SpecBenchSettings { datasets: vec!["nope".into()], ..s }.validate().is_err());
     }

@@ -1,6 +1,6 @@
 use crate::bench::ar::{self, ArSettings};
 use crate::bench::{report, spec};
-use crate::speculative::{parse_draft_len, MAX_DRAFT};
+use crate::speculative::{parse_draft_len, parse_draft_tree, MAX_DRAFT};
 use anyhow::{bail, Result};
 
 #[derive(clap::Args)]
@@ -52,6 +52,10 @@ pub struct BenchArgs {
     /// Draft length per step: a number or `auto` (adaptive); repeatable, each is its own mode.
     #[arg(long, default_values_t = vec!["auto".to_string()])]
     draft_len: Vec<String>,
+    /// Draft trees (drafters that can draft them): `auto`, `off` or the most nodes per step;
+    /// comma-separated, each is its own mode (`--draft-tree off,auto`: chains against trees).
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["auto".to_string()])]
+    draft_tree: Vec<String>,
     /// Where each prompt of an adaptive mode starts: `cold` (nothing known about the drafter) or
     /// `warm` (the acceptance it had on the set's earlier prompts, as on a running server);
     /// comma-separated, each is its own mode.
@@ -110,6 +114,7 @@ fn run_spec(args: BenchArgs) -> Result<()> {
         weights: args.weights.first().cloned(),
         drafters: args.drafter.clone(),
         draft_lens: args.draft_len.iter().map(|s| parse_draft_len(s)).collect::<Result<_>>()?,
+        draft_trees: args.draft_tree.iter().map(|s| parse_draft_tree(s)).collect::<Result<_>>()?,
         starts: args
             .acceptance_history
             .iter()

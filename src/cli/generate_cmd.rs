@@ -1,7 +1,7 @@
 use super::ModelArgs;
 use crate::engine::{generate, EngineModel, GenerateOptions, Generation};
 use crate::sample::SamplingParams;
-use crate::speculative::{build_proposer, parse_draft_len, DraftLen, DrafterSpec, Proposer};
+use crate::speculative::{build_proposer, parse_draft_len, parse_draft_tree, DraftLen, DraftTree, DrafterSpec, Proposer};
 use crate::speculative::{SpecMetrics, StepCost, StepCostSettings, MAX_DRAFT};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
@@ -63,6 +63,11 @@ pub struct GenerateArgs {
     /// cost once, then choose 0..=15 per step from it and the acceptance so far).
     #[arg(long, default_value = "auto", value_parser = parse_draft_len)]
     draft_len: DraftLen,
+    /// Draft trees, for drafters that can draft them (DFlash): `auto` (as many nodes as pay,
+    /// chosen each step with the draft length), `off` (chains), or the most nodes per step.
+    /// Trees verify several candidates per position in one forward; output is unchanged.
+    #[arg(long, default_value = "auto", value_parser = parse_draft_tree)]
+    draft_tree: DraftTree,
     /// Write one JSON line per decode step here (draft tokens, accepted count, next token).
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
@@ -125,6 +130,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut opts = GenerateOptions {
         stop_ids: if args.ignore_eos { Vec::new() } else { loaded.stop_ids() },
         draft_len: args.draft_len,
+        draft_tree: args.draft_tree,
         trace: args.trace.is_some(),
         ..GenerateOptions::default()
     };

@@ -3,7 +3,7 @@
 use super::ModelArgs;
 use crate::engine::{Engine, EngineConfig};
 use crate::server::{serve, AppState, ServerConfig};
-use crate::speculative::{parse_draft_len, DrafterSpec, MAX_DRAFT};
+use crate::speculative::{parse_draft_len, parse_draft_tree, DraftTree, DrafterSpec, MAX_DRAFT};
 use anyhow::{bail, Context, Result};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
@@ -51,6 +51,11 @@ pub struct ServeArgs {
     /// Longest draft per sequence and step (`auto`).
     #[arg(long, default_value_t = MAX_DRAFT)]
     max_draft: usize,
+    /// Draft trees, for drafters that can draft them (DFlash): `auto` (as many nodes as pay,
+    /// chosen each step with the draft length), `off` (chains), or the most nodes per step.
+    /// Trees verify several candidates per position in one forward; output is unchanged.
+    #[arg(long, default_value = "auto", value_parser = parse_draft_tree)]
+    draft_tree: DraftTree,
     /// Do not reuse the K/V of prompt prefixes shared between requests (prefix caching is
     /// on by default; outputs are the same either way).
     #[arg(long)]
@@ -83,6 +88,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         drafter,
         draft_len: parse_draft_len(&args.draft_len)?,
         max_draft: args.max_draft,
+        draft_tree: args.draft_tree,
         step_cost: None,
         prefix_caching: !args.no_prefix_cache,
         trace: false,

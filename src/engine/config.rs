@@ -1,7 +1,7 @@
 //! The engine's settings, and the counters it publishes.
 
 use crate::kv::KvDtype;
-use crate::speculative::{DraftLen, DrafterSpec, StepCost, MAX_DRAFT};
+use crate::speculative::{DraftLen, DraftTree, DrafterSpec, StepCost, MAX_DRAFT};
 use std::sync::Arc;
 
 /// Settings of the engine.
@@ -22,6 +22,8 @@ pub struct EngineConfig {
     pub draft_len: DraftLen,
     /// Longest draft per request and step.
     pub max_draft: usize,
+    /// Whether drafters that can draft trees do, and their most nodes per step.
+    pub draft_tree: DraftTree,
     /// Step-cost curve for adaptive drafting; None = measured at start (with a drafter).
     pub step_cost: Option<Arc<StepCost>>,
     /// Reuse the K/V of full prompt blocks already computed for an earlier request with the
@@ -42,6 +44,7 @@ impl Default for EngineConfig {
             drafter: None,
             draft_len: DraftLen::Auto,
             max_draft: MAX_DRAFT,
+            draft_tree: DraftTree::Auto,
             step_cost: None,
             prefix_caching: true,
             trace: false,

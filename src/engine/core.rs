@@ -22,7 +22,8 @@ use crate::kv::{KvPool, PoolExhausted};
 use crate::model::{ForwardBatch, ForwardOutput, LogitsRows, Transformer};
 use crate::sample::token_logprob;
 use crate::speculative::verify::penalize_verification_rows;
-use crate::speculative::{verify, AdaptiveState, Draft, DraftLen, Proposer, StepCost, MAX_DRAFT};
+use crate::speculative::metrics::rank_outcomes;
+use crate::speculative::{verify, AdaptiveState, Draft, DraftLen, DraftTree, Proposer, StepCost, MAX_DRAFT};
 use crate::tokenize::Tokenizer;
 use anyhow::{Context, Result};
 use candle_core::Tensor;
@@ -48,6 +49,7 @@ pub struct EngineCore<'a> {
     cost: Option<Arc<StepCost>>,
     draft_len: DraftLen,
     max_draft: usize,
+    draft_tree: DraftTree,
     prefix_caching: bool,
     trace: bool,
     totals: EngineSnapshot,
@@ -92,6 +94,7 @@ impl<'a> EngineCore<'a> {
             cost,
             draft_len: config.draft_len,
             max_draft: config.max_draft.min(MAX_DRAFT),
+            draft_tree: config.draft_tree,
             prefix_caching: config.prefix_caching,
             trace: config.trace,
             totals: EngineSnapshot::default(),
@@ -132,7 +135,12 @@ impl<'a> EngineCore<'a> {
     }
 
     /// Queues a request. `proposer` drafts for it (None: plain decoding).
-    pub fn add(&mut self, req: EngineRequest, proposer: Option<Box<dyn Proposer + 'a>>, sink: Box<dyn EventSink + 'a>) {
+    pub fn add(
+        &mut self,
+        req: EngineRequest,
+        mut proposer: Option<Box<dyn Proposer + 'a>>,
+        sink: Box<dyn EventSink + 'a>,
+    ) {
         let ctx = self.target.model.config.context_len;
         let invalid = if req.prompt.is_empty() {
             Some("the prompt is empty".to_string())
@@ -140,6 +148,14 @@ impl<'a> EngineCore<'a> {
             Some(format!("the prompt has {} tokens, the model's context holds {ctx}", req.prompt.len()))
         } else {
             None
+        };
+        // Draft trees, where asked for and the drafter can: the most nodes per step.
+        let max_nodes = match (self.draft_tree, proposer.as_mut()) {
+            (DraftTree::Off, _) | (_, None) => None,
+            (tree, Some(p)) => p.enable_trees().then_some(match tree {
+                DraftTree::Max(n) => n.min(self.max_draft),
+                _ => self.max_draft,
+            }),
         };
         let draft = match (&proposer, self.draft_len) {
             (None, _) => DraftChoice::None,
@@ -150,7 +166,12 @@ impl<'a> EngineCore<'a> {
                     let shape = p.draft_cost_shape();
                     let probe = self.fleet.start_with_probe(cost, shape, self.max_draft, req.prompt.len(), max_tokens);
                     let shapes: Vec<_> = (0..p.sources()).map(|s| p.source_cost_shape(s)).collect();
-                    DraftChoice::Adaptive(AdaptiveState::with_sources(self.max_draft, cost.clone(), &shapes, probe))
+                    let mut policy =
+                        AdaptiveState::with_sources(max_nodes.unwrap_or(self.max_draft), cost.clone(), &shapes, probe);
+                    if max_nodes.is_some() {
+                        policy.enable_trees();
+                    }
+                    DraftChoice::Adaptive(policy)
                 }
                 None => DraftChoice::None,
             },
@@ -302,7 +323,13 @@ impl<'a> EngineCore<'a> {
                     let secs_per_token = draft.of(want) / want.max(1) as f64 * policy.step_secs();
                     let (own_accepted, own_tried) = policy.acceptance_counts();
                     let alpha = self.fleet.alpha_for(own_accepted, own_tried);
-                    DraftBid { alpha, max_len: want, secs_per_token, exact: policy.is_probing() && want > 0 }
+                    DraftBid {
+                        alpha,
+                        tree: policy.rank_rates(),
+                        max_len: want,
+                        secs_per_token,
+                        exact: policy.is_probing() && want > 0,
+                    }
                 }
             };
         }
@@ -523,7 +550,7 @@ impl<'a> EngineCore<'a> {
             None => Vec::new(),
         };
         if !a.seq.generated().is_empty() {
-            a.metrics.record(draft.tokens.len(), verdict.accepted, committed.len());
+            a.metrics.record_draft(&draft, &verdict, committed.len());
             // The forward served every sequence at once; charge this one its rows' share.
             let total_rows = fwd.out.row_ranges.iter().map(|r| r.len()).sum::<usize>().max(1);
             a.metrics.verify_secs += fwd.secs * fwd.out.row_ranges[j].len() as f64 / total_rows as f64;
@@ -532,7 +559,10 @@ impl<'a> EngineCore<'a> {
             }
             self.totals.verify_steps += 1;
             self.totals.drafted += draft.tokens.len() as u64;
-            self.fleet.record(draft.tokens.len(), verdict.accepted);
+            // The fleet's α is the drafter's first choices' acceptance, as the policy's is.
+            let ranks = rank_outcomes(&draft, &verdict);
+            let first_accepted = ranks.iter().filter(|(_, taken)| *taken == Some(0)).count();
+            self.fleet.record_positions(ranks.len(), first_accepted);
             if let Some(trace) = a.trace.as_mut() {
                 trace.push(StepTrace {
                     draft: draft.tokens.clone(),

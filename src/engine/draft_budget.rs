@@ -9,6 +9,7 @@
 //! compute-bound, speculation switches itself off, and throughput never falls below plain
 //! continuous batching (up to the accuracy of the cost model and of α).
 
+use crate::speculative::policy::{node_gains, RankRates};
 use crate::speculative::StepCost;
 
 /// What a decoding sequence asks for this step.
@@ -16,6 +17,9 @@ use crate::speculative::StepCost;
 pub struct DraftBid {
     /// Estimated acceptance of one draft position given the earlier ones were accepted.
     pub alpha: f64,
+    /// A tree drafter's acceptance of lower-ranked siblings: its nodes are priced by the
+    /// tree's [`node_gains`]. None: a chain.
+    pub tree: Option<RankRates>,
     /// The most draft tokens it can use (its own policy's choice, bounded by max_tokens and
     /// the context); 0 = no speculation this step.
     pub max_len: usize,
@@ -51,17 +55,23 @@ pub fn allocate_drafts(
     }
     let Some(cost) = cost else { return lens };
     let mut open: Vec<bool> = bids.iter().map(|b| !b.exact && b.max_len > 0 && b.alpha > 0.0).collect();
+    // What each bid's next node is expected to commit, node by node.
+    let gains: Vec<Vec<f64>> = bids
+        .iter()
+        .zip(&open)
+        .map(|(b, &open)| if open { node_gains(b.alpha, b.tree.as_ref(), b.max_len) } else { Vec::new() })
+        .collect();
     let mut rows = bids.len() + lens.iter().sum::<usize>();
     let mut tokens = rows as f64;
     let mut extra_secs: f64 = bids.iter().zip(&lens).map(|(b, &k)| b.secs_per_token * k as f64).sum();
     loop {
         // The open bid whose next draft token is most likely to be accepted.
         let mut best: Option<(usize, f64)> = None;
-        for (i, b) in bids.iter().enumerate() {
+        for i in 0..bids.len() {
             if !open[i] {
                 continue;
             }
-            let gain = b.alpha.clamp(0.0, 1.0).powi(lens[i] as i32 + 1);
+            let Some(&gain) = gains[i].get(lens[i]) else { continue };
             if best.is_none_or(|(_, g)| gain > g) {
                 best = Some((i, gain));
             }
@@ -98,7 +108,7 @@ mod tests {
     }
 
     fn bid(alpha: f64, max_len: usize) -> DraftBid {
-        DraftBid { alpha, max_len, secs_per_token: 0.0, exact: false }
+        DraftBid { alpha, max_len, secs_per_token: 0.0, exact: false, tree: None }
     }
 
     #[test]
@@ -144,15 +154,25 @@ mod tests {
         let free = allocate_drafts(Some(&cpu_curve()), &[bid(0.8, 8)], &mut |_, _| true)[0];
         let dear = allocate_drafts(
             Some(&cpu_curve()),
-            &[DraftBid { alpha: 0.8, max_len: 8, secs_per_token: 4.0, exact: false }],
+            &[DraftBid { alpha: 0.8, max_len: 8, secs_per_token: 4.0, exact: false, tree: None }],
             &mut |_, _| true,
         )[0];
         assert!(dear < free, "{dear} vs {free}");
     }
 
     #[test]
+    fn a_tree_drafter_with_poor_first_choices_gets_rows_a_chain_would_not() {
+        // First choices right a third of the time: a chain is not worth a row here, a tree
+        // whose second and third choices catch many of the misses is.
+        let chain = allocate_drafts(Some(&cpu_curve()), &[bid(0.35, 8)], &mut |_, _| true)[0];
+        let tree = DraftBid { tree: Some([0.5, 0.4, 0.3]), ..bid(0.35, 8) };
+        let tree = allocate_drafts(Some(&cpu_curve()), &[tree], &mut |_, _| true)[0];
+        assert!(tree > chain, "tree {tree} vs chain {chain}");
+    }
+
+    #[test]
     fn exact_bids_get_their_length_without_a_cost_model() {
-        let exact = DraftBid { alpha: 0.0, max_len: 5, secs_per_token: 0.0, exact: true };
+        let exact = DraftBid { alpha: 0.0, max_len: 5, secs_per_token: 0.0, exact: true, tree: None };
         assert_eq!(allocate_drafts(None, &[exact, bid(0.99, 8)], &mut |_, _| true), vec![5, 0]);
         let mut rows_left = 3;
         let lens = allocate_drafts(None, &[exact], &mut |_, _| {

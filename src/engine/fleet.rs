@@ -30,15 +30,21 @@ impl FleetAcceptance {
     /// Weight, in tried positions, the fleet estimate gets in a request's own estimate.
     const PRIOR_WEIGHT: f64 = 4.0;
 
+    /// A chain step: `drafted` tokens, the first `accepted` of them accepted.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
-        if drafted == 0 {
+        // Positions tried: the accepted ones and the first rejected one, if any.
+        self.record_positions((accepted + 1).min(drafted), accepted);
+    }
+
+    /// A step that tried `tried` draft positions with the drafter's first choice (a tree's
+    /// rank-0 siblings) and had `accepted` of them accepted.
+    pub fn record_positions(&mut self, tried: usize, accepted: usize) {
+        if tried == 0 {
             return;
         }
-        // Positions tried: the accepted ones and the first rejected one, if any.
-        let tried = (accepted + 1).min(drafted) as f64;
-        let decay = Self::DECAY.powf(tried);
+        let decay = Self::DECAY.powf(tried as f64);
         self.accepted = self.accepted * decay + accepted as f64;
-        self.tried = self.tried * decay + tried;
+        self.tried = self.tried * decay + tried as f64;
     }
 
     /// Upper confidence bound on α: optimistic while the server has seen few drafts (so

@@ -9,7 +9,7 @@ use super::request::{Completion, EngineEvent, EngineRequest, StepTrace, TokenChu
 use super::sequence::FinishReason;
 use crate::kv::KvPool;
 use crate::sample::SamplingParams;
-use crate::speculative::{DraftLen, Proposer, SpecMetrics, StepCost, MAX_DRAFT};
+use crate::speculative::{DraftLen, DraftTree, Proposer, SpecMetrics, StepCost, MAX_DRAFT};
 use anyhow::{bail, Result};
 use std::cell::RefCell;
 use std::sync::atomic::AtomicUsize;
@@ -25,6 +25,8 @@ pub struct GenerateOptions {
     pub draft_len: DraftLen,
     /// Longest draft `DraftLen::Auto` may choose.
     pub max_draft: usize,
+    /// Draft trees where the drafter can (`Auto`: as large as pays).
+    pub draft_tree: DraftTree,
     /// The target's step-cost curve, for `DraftLen::Auto`.
     pub step_cost: Option<Arc<StepCost>>,
     /// Record every step in [`Generation::trace`].
@@ -43,6 +45,7 @@ impl Default for GenerateOptions {
             step_tokens: 512,
             draft_len: DraftLen::Fixed(0),
             max_draft: MAX_DRAFT,
+            draft_tree: DraftTree::Auto,
             step_cost: None,
             trace: false,
             constraint: None,
@@ -151,6 +154,7 @@ pub fn generate(
         max_running: 1,
         draft_len: opts.draft_len,
         max_draft: opts.max_draft,
+        draft_tree: opts.draft_tree,
         // One request: nothing to share, and a later run must not start from an earlier one's
         // cached prompt (bench compares runs on the same pool).
         prefix_caching: false,

@@ -81,6 +81,11 @@ impl Proposer for CombinedProposer<'_> {
         self.first.restorable_prefix(prompt).min(self.then.restorable_prefix(prompt))
     }
 
+    fn enable_trees(&mut self) -> bool {
+        let first = self.first.enable_trees();
+        self.then.enable_trees() || first
+    }
+
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.first.begin(prompt)?;
         self.then.begin(prompt)

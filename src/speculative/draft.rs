@@ -133,9 +133,120 @@ impl Draft {
     }
 }
 
+/// One drafted position's candidates, best first: `(token, log-probability)`.
+pub type Candidates = Vec<(u32, f32)>;
+
+/// The tree of the `max_nodes` most probable paths (DDTree's best-first search), where
+/// `positions[d]` ranks the candidates for depth `d` and a path's score is the sum of its
+/// tokens' log-probabilities. With `chain_below_best`, only each position's best candidate
+/// has children (a drafter whose next distribution is conditioned on its own best token:
+/// the others are leaves). Nodes come out best first, so parents precede children and
+/// siblings are in rank order; a budget of one node per position and one candidate each is
+/// the chain.
+pub fn best_first_tree(positions: &[Candidates], max_nodes: usize, chain_below_best: bool) -> Draft {
+    use std::cmp::Ordering;
+    use std::collections::BinaryHeap;
+    #[derive(PartialEq)]
+    struct Frontier {
+        score: f32,
+        parent_row: u32,
+        depth: usize,
+        rank: usize,
+    }
+    impl Eq for Frontier {}
+    impl PartialOrd for Frontier {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Frontier {
+        // Higher score first; among equals the shallower, then the better ranked.
+        fn cmp(&self, other: &Self) -> Ordering {
+            self.score
+                .total_cmp(&other.score)
+                .then(other.depth.cmp(&self.depth))
+                .then(other.rank.cmp(&self.rank))
+        }
+    }
+    let mut tokens = Vec::new();
+    let mut parents = Vec::new();
+    let mut heap = BinaryHeap::new();
+    if let Some(&(_, lp)) = positions.first().and_then(|c| c.first()) {
+        heap.push(Frontier { score: lp, parent_row: 0, depth: 0, rank: 0 });
+    }
+    while tokens.len() < max_nodes {
+        let Some(f) = heap.pop() else { break };
+        let (token, lp) = positions[f.depth][f.rank];
+        tokens.push(token);
+        parents.push(f.parent_row);
+        let row = tokens.len() as u32;
+        if let Some(&(_, next_lp)) = positions[f.depth].get(f.rank + 1) {
+            heap.push(Frontier { score: f.score - lp + next_lp, rank: f.rank + 1, ..f });
+        }
+        if !(chain_below_best && f.rank > 0) {
+            if let Some(&(_, child_lp)) = positions.get(f.depth + 1).and_then(|c| c.first()) {
+                heap.push(Frontier { score: f.score + child_lp, parent_row: row, depth: f.depth + 1, rank: 0 });
+            }
+        }
+    }
+    Draft::tree(tokens, parents)
+}
+
+/// The `k` most probable tokens of a logits row with their log-probabilities, best first
+/// (ties to the lower id, as argmax). `map` turns a row index into a token id.
+pub fn top_candidates(logits: &[f32], k: usize, map: impl Fn(u32) -> u32) -> Candidates {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() || k == 0 {
+        return Vec::new();
+    }
+    let log_total = (logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>()).ln() as f32 + max;
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (i, &l) in logits.iter().enumerate() {
+        if best.len() == k && l <= best[k - 1].1 {
+            continue;
+        }
+        let at = best.partition_point(|&(_, b)| b >= l);
+        best.insert(at, (i as u32, l));
+        best.truncate(k);
+    }
+    best.into_iter().map(|(i, l)| (map(i), l - log_total)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn best_first_takes_the_most_probable_paths() {
+        let ln = |p: f32| p.ln();
+        // Depth 0: a 0.6, b 0.3; depth 1: c 0.45, d 0.4; depth 2: e 0.9.
+        let positions = vec![
+            vec![(1, ln(0.6)), (2, ln(0.3))],
+            vec![(3, ln(0.45)), (4, ln(0.4))],
+            vec![(5, ln(0.9))],
+        ];
+        // Paths by probability: a .6, b .3, a-c .27, a-c-e .243, a-d .24, b-c .135, ...
+        let tree = best_first_tree(&positions, 5, false);
+        assert_eq!(tree.tokens, vec![1, 2, 3, 5, 4]);
+        assert_eq!(tree.parents, vec![0, 0, 1, 3, 1]);
+        assert_eq!(best_first_tree(&positions, 6, false).tokens[5], 3, "b-c is sixth");
+        // One candidate per position: the chain.
+        let single: Vec<Candidates> = positions.iter().map(|c| c[..1].to_vec()).collect();
+        assert_eq!(best_first_tree(&single, 8, false), Draft::deterministic(vec![1, 3, 5]));
+        // Only the best continues: b and a-d are leaves, so the tree stops at five nodes.
+        let leaves = best_first_tree(&positions, 8, true);
+        assert_eq!(leaves.tokens, vec![1, 2, 3, 5, 4]);
+        assert!(leaves.children()[2].is_empty(), "b has no children");
+    }
+
+    #[test]
+    fn top_candidates_are_log_softmax_best_first() {
+        let top = top_candidates(&[0.0, 2.0, 1.0, 2.0], 3, |i| i + 100);
+        assert_eq!(top.iter().map(|c| c.0).collect::<Vec<_>>(), vec![101, 103, 102]);
+        let total: f32 = [0.0f32, 2.0, 1.0, 2.0].iter().map(|l| l.exp()).sum();
+        assert!((top[0].1 - (2.0f32.exp() / total).ln()).abs() < 1e-5);
+        assert!(top_candidates(&[f32::NEG_INFINITY; 3], 2, |i| i).is_empty());
+    }
 
     #[test]
     fn paths_children_and_pruning() {

@@ -1,6 +1,23 @@
 //! Speculation counters, per request and in aggregate.
 
+use super::verify::{Draft, Verdict};
 use serde::Serialize;
+
+/// Per depth the verifier walked down a draft: how many siblings were tried there (in rank
+/// order, up to the accepted one) and the rank accepted, if any.
+pub fn rank_outcomes(draft: &Draft, verdict: &Verdict) -> Vec<(usize, Option<usize>)> {
+    let children = draft.children();
+    let mut out = Vec::new();
+    for (depth, &row) in verdict.rows().iter().enumerate() {
+        let kids = &children[row];
+        if kids.is_empty() {
+            break;
+        }
+        let taken = verdict.path.get(depth).and_then(|n| kids.iter().position(|k| k == n));
+        out.push((taken.map_or(kids.len(), |r| r + 1), taken));
+    }
+    out
+}
 
 /// Acceptance length τ of `steps` verify steps that accepted `accepted` draft tokens in all:
 /// each step commits its accepted drafts plus one target token (0 before any step).
@@ -32,30 +49,81 @@ pub struct SpecMetrics {
     /// (a draft model's catch-up), and the time it took.
     pub catch_up_tokens: u64,
     pub catch_up_secs: f64,
+    /// `tried_at_rank[r]` / `accepted_at_rank[r]`: at each depth the verifier walked, the
+    /// sibling of rank r (0: the drafter's best) was tried (every better-ranked sibling had
+    /// been rejected), and accepted. A chain only ever has rank 0.
+    pub tried_at_rank: Vec<u64>,
+    pub accepted_at_rank: Vec<u64>,
+    /// `steps_by_nodes[j]`: steps that verified exactly j draft nodes (j + 1 rows).
+    pub steps_by_nodes: Vec<u64>,
     /// Steps whose forward also served other sequences (their `verify_secs` is a row share of
     /// a batched forward, not this sequence's own step time).
     pub shared_steps: u64,
 }
 
 impl SpecMetrics {
+    /// A chain step: `drafted` tokens, the first `accepted` of them accepted.
     pub fn record(&mut self, drafted: usize, accepted: usize, committed: usize) {
+        let ranks: Vec<(usize, Option<usize>)> =
+            (0..(accepted + 1).min(drafted)).map(|i| (1, (i < accepted).then_some(0))).collect();
+        self.record_walk(drafted, drafted, accepted, committed, &ranks);
+    }
+
+    /// A verified draft, chain or tree.
+    pub fn record_draft(&mut self, draft: &Draft, verdict: &Verdict, committed: usize) {
+        let ranks = rank_outcomes(draft, verdict);
+        self.record_walk(draft.len(), draft.depth(), verdict.accepted, committed, &ranks);
+    }
+
+    /// `ranks`: per depth walked, (siblings tried, rank accepted).
+    fn record_walk(
+        &mut self,
+        nodes: usize,
+        depth: usize,
+        accepted: usize,
+        committed: usize,
+        ranks: &[(usize, Option<usize>)],
+    ) {
         self.steps += 1;
         self.committed += committed as u64;
-        if drafted > 0 {
+        if nodes > 0 {
             self.spec_steps += 1;
         }
-        self.drafted += drafted as u64;
+        self.drafted += nodes as u64;
         self.accepted += accepted as u64;
-        if self.drafted_at.len() < drafted {
-            self.drafted_at.resize(drafted, 0);
-            self.accepted_at.resize(drafted, 0);
+        if self.steps_by_nodes.len() <= nodes {
+            self.steps_by_nodes.resize(nodes + 1, 0);
         }
-        for i in 0..drafted {
+        self.steps_by_nodes[nodes] += 1;
+        if self.drafted_at.len() < depth {
+            self.drafted_at.resize(depth, 0);
+            self.accepted_at.resize(depth, 0);
+        }
+        for i in 0..depth {
             self.drafted_at[i] += 1;
             if i < accepted {
                 self.accepted_at[i] += 1;
             }
         }
+        for &(tried, taken) in ranks {
+            if self.tried_at_rank.len() < tried {
+                self.tried_at_rank.resize(tried, 0);
+                self.accepted_at_rank.resize(tried, 0);
+            }
+            self.tried_at_rank[..tried].iter_mut().for_each(|t| *t += 1);
+            if let Some(r) = taken {
+                self.accepted_at_rank[r] += 1;
+            }
+        }
+    }
+
+    /// Per sibling rank r: the share of tries at rank r that were accepted.
+    pub fn per_rank_acceptance(&self) -> Vec<f64> {
+        self.tried_at_rank
+            .iter()
+            .zip(&self.accepted_at_rank)
+            .map(|(&t, &a)| if t == 0 { 0.0 } else { a as f64 / t as f64 })
+            .collect()
     }
 
     pub fn acceptance_rate(&self) -> f64 {
@@ -94,6 +162,20 @@ impl SpecMetrics {
         for (i, (&d, &a)) in other.drafted_at.iter().zip(&other.accepted_at).enumerate() {
             self.drafted_at[i] += d;
             self.accepted_at[i] += a;
+        }
+        if self.steps_by_nodes.len() < other.steps_by_nodes.len() {
+            self.steps_by_nodes.resize(other.steps_by_nodes.len(), 0);
+        }
+        for (i, &n) in other.steps_by_nodes.iter().enumerate() {
+            self.steps_by_nodes[i] += n;
+        }
+        if self.tried_at_rank.len() < other.tried_at_rank.len() {
+            self.tried_at_rank.resize(other.tried_at_rank.len(), 0);
+            self.accepted_at_rank.resize(other.tried_at_rank.len(), 0);
+        }
+        for (i, (&t, &a)) in other.tried_at_rank.iter().zip(&other.accepted_at_rank).enumerate() {
+            self.tried_at_rank[i] += t;
+            self.accepted_at_rank[i] += a;
         }
         self.draft_secs += other.draft_secs;
         self.verify_secs += other.verify_secs;

@@ -20,7 +20,7 @@ mod weight_cache;
 
 pub use factory::{build_proposer, DrafterSpec, Target};
 pub use metrics::SpecMetrics;
-pub use policy::{parse_draft_len, AdaptiveState, DraftLen};
+pub use policy::{parse_draft_len, parse_draft_tree, AdaptiveState, DraftLen, DraftTree};
 pub use proposer::{DraftCostShape, Proposer};
 pub use step_cost::{StepCost, StepCostSettings, MAX_DRAFT};
 pub use verify::{verify, Draft, Verdict};

@@ -84,24 +84,90 @@ impl DraftCost {
     }
 }
 
+/// Sibling ranks a draft tree's planner keeps acceptance for: the best (α) and three more.
+pub const TREE_RANKS: usize = 4;
+
+/// Acceptance of the sibling of rank 1, 2, 3 at a depth, given every better-ranked one there
+/// was rejected (rank 0's is α).
+pub type RankRates = [f64; TREE_RANKS - 1];
+
+/// What the node a draft of `i + 1` nodes adds over one of `i` is expected to commit: the
+/// probability that the verifier accepts it, for the first `n` nodes. Every draft-size
+/// decision weighs these against the verify-cost curve.
+///
+/// A chain: node i (0-based) is accepted when all before it were, `α^(i+1)` (the geometric
+/// model of Leviathan et al.). A tree (`ranks`): at each depth the verifier accepts the rank-r
+/// sibling with probability `Π_{r'<r}(1 − β_r')·β_r` (β_0 = α, β_r = `ranks[r − 1]`), so a
+/// node's probability is the product along its path of ranks, and the nodes come best first
+/// (a sibling only after the better-ranked one, a child only after its parent), which is how
+/// a tree drafter spends a node budget.
+pub fn node_gains(alpha: f64, ranks: Option<&RankRates>, n: usize) -> Vec<f64> {
+    let a = alpha.clamp(0.0, 1.0);
+    let Some(ranks) = ranks else {
+        return (1..=n).map(|i| a.powi(i as i32)).collect();
+    };
+    // Per depth: the probability that the rank-r sibling is the one accepted.
+    let mut at_rank = Vec::with_capacity(TREE_RANKS);
+    let mut reached = 1.0;
+    for beta in std::iter::once(a).chain(ranks.iter().map(|b| b.clamp(0.0, 1.0))) {
+        at_rank.push(reached * beta);
+        reached *= 1.0 - beta;
+    }
+    // Best first over (node probability, its parent's probability, its rank).
+    #[derive(PartialEq)]
+    struct Next(f64, f64, usize);
+    impl Eq for Next {}
+    impl PartialOrd for Next {
+        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Next {
+        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+            self.0.total_cmp(&other.0)
+        }
+    }
+    let mut heap = std::collections::BinaryHeap::from([Next(at_rank[0], 1.0, 0)]);
+    let mut gains = Vec::with_capacity(n);
+    while gains.len() < n {
+        let Some(Next(p, parent, rank)) = heap.pop() else { break };
+        gains.push(p);
+        if let Some(&g) = at_rank.get(rank + 1) {
+            heap.push(Next(parent * g, parent, rank + 1));
+        }
+        heap.push(Next(p * at_rank[0], p, 0));
+    }
+    gains
+}
+
 /// Expected speed of drafting k tokens relative to plain decoding, when each draft position is
 /// accepted with probability `alpha`, drafting costs `draft`, and a verify block costs
 /// `verify_excess` times what the curve says.
 pub fn speedup(cost: &StepCost, alpha: f64, draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
+    speedup_of_gains(cost, &node_gains(alpha, None, k), draft, verify_excess, k)
+}
+
+/// Expected speed of a draft of k nodes whose [`node_gains`] are `gains`, relative to plain
+/// decoding: `(1 + Σ gains[..k]) / (x·cost(k+1) + d(k))`.
+pub fn speedup_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
     if k == 0 {
         return 1.0;
     }
-    let a = alpha.clamp(0.0, 1.0);
-    let expected: f64 = (0..=k).map(|i| a.powi(i as i32)).sum();
+    let expected = 1.0 + gains[..k.min(gains.len())].iter().sum::<f64>();
     expected / (cost.relative(k + 1) * verify_excess + draft.of(k)).max(1e-9)
 }
 
 /// The k in 0..=max with the best expected speed (shortest on ties), and that speed (k = 0
 /// scores 1).
 pub fn best_len(cost: &StepCost, max: usize, alpha: f64, draft: DraftCost, verify_excess: f64) -> (usize, f64) {
+    best_len_of_gains(cost, &node_gains(alpha, None, max), draft, verify_excess)
+}
+
+/// [`best_len`] for nodes with these gains (up to `gains.len()` nodes).
+pub fn best_len_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64) -> (usize, f64) {
     let mut best = (0, 1.0);
-    for k in 1..=max {
-        let s = speedup(cost, alpha, draft, verify_excess, k);
+    for k in 1..=gains.len() {
+        let s = speedup_of_gains(cost, gains, draft, verify_excess, k);
         if s > best.1 * (1.0 + 1e-9) {
             best = (k, s);
         }
@@ -134,6 +200,33 @@ pub fn parse_draft_len(s: &str) -> Result<DraftLen> {
     }
 }
 
+/// A parsed `--draft-tree` value: whether drafters that can draft trees do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftTree {
+    /// Chains only.
+    Off,
+    /// Trees of as many nodes as the planner finds worth their rows (up to the longest draft).
+    Auto,
+    /// Trees of at most this many nodes.
+    Max(usize),
+}
+
+/// Parses `--draft-tree off|auto|N`.
+pub fn parse_draft_tree(s: &str) -> Result<DraftTree> {
+    let s = s.trim();
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(DraftTree::Off);
+    }
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(DraftTree::Auto);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_DRAFT).contains(&n) => Ok(DraftTree::Max(n)),
+        Ok(n) => bail!("--draft-tree {n} is out of range (1 to {MAX_DRAFT} nodes)"),
+        Err(_) => bail!("--draft-tree must be `off`, `auto` or a number of nodes, got `{s}`"),
+    }
+}
+
 /// Tuning of the adaptive policy.
 mod tuning {
     /// Weight of history per step: an estimate's half-life is ln 2 / -ln(DECAY) ≈ 8 steps.
@@ -142,6 +235,9 @@ mod tuning {
     /// unobserved stretches decay towards).
     pub const PRIOR_ALPHA: f64 = 0.5;
     pub const PRIOR_TRIALS: f64 = 1.0;
+    /// Prior acceptance of a draft tree's rank-1, 2 and 3 siblings once the better ones were
+    /// rejected (same weight).
+    pub const PRIOR_RANKS: [f64; super::TREE_RANKS - 1] = [0.3, 0.2, 0.15];
     /// Steps at k = 0 before the first probe; doubled after each probe, up to the maximum, and
     /// back to this only once speculation has stayed on for as many steps: a lucky probe that
     /// turns drafting on for a step or two must not restart the short probe intervals.
@@ -171,6 +267,9 @@ struct SourceState {
     /// when every earlier one was accepted).
     accepted: f64,
     trials: f64,
+    /// The same for siblings of rank 1, 2, 3 in draft trees.
+    rank_accepted: RankRates,
+    rank_trials: RankRates,
     /// How drafting time grows with k, and its decayed measurement: time per unit (token or
     /// draft) relative to one target decode step.
     draft_shape: DraftCostShape,
@@ -199,6 +298,8 @@ impl SourceState {
         Self {
             accepted: 0.0,
             trials: 0.0,
+            rank_accepted: [0.0; TREE_RANKS - 1],
+            rank_trials: [0.0; TREE_RANKS - 1],
             draft_shape,
             draft_cost_sum: 0.0,
             draft_cost_weight: 0.0,
@@ -215,6 +316,12 @@ impl SourceState {
 
     fn alpha(&self) -> f64 {
         alpha_estimate(self.accepted, self.trials, tuning::PRIOR_ALPHA, tuning::PRIOR_TRIALS)
+    }
+
+    fn rank_rates(&self) -> RankRates {
+        std::array::from_fn(|r| {
+            alpha_estimate(self.rank_accepted[r], self.rank_trials[r], tuning::PRIOR_RANKS[r], tuning::PRIOR_TRIALS)
+        })
     }
 
     fn draft_cost(&self) -> DraftCost {
@@ -247,13 +354,16 @@ pub struct AdaptiveState {
     /// curve says.
     excess_sum: f64,
     excess_weight: f64,
+    /// The proposer drafts trees: a draft of k nodes is priced by the tree's gains.
+    tree: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Snapshot {
     steps: u64,
     drafted: u64,
-    accepted: u64,
+    tried_at_rank: [u64; TREE_RANKS],
+    accepted_at_rank: [u64; TREE_RANKS],
     draft_secs: f64,
     verify_secs: f64,
     shared_steps: u64,
@@ -264,7 +374,8 @@ impl Snapshot {
         Self {
             steps: m.steps,
             drafted: m.drafted,
-            accepted: m.accepted,
+            tried_at_rank: std::array::from_fn(|r| m.tried_at_rank.get(r).copied().unwrap_or(0)),
+            accepted_at_rank: std::array::from_fn(|r| m.accepted_at_rank.get(r).copied().unwrap_or(0)),
             draft_secs: m.draft_secs,
             verify_secs: m.verify_secs,
             shared_steps: m.shared_steps,
@@ -297,7 +408,23 @@ impl AdaptiveState {
             solo_plain_secs: 0.0,
             excess_sum: 0.0,
             excess_weight: 0.0,
+            tree: false,
         }
+    }
+
+    /// Prices drafts as trees from now on (the proposer drafts them).
+    pub fn enable_trees(&mut self) {
+        self.tree = true;
+    }
+
+    /// The rank-1.. acceptance a tree's node gains use; None for chains.
+    pub fn rank_rates(&self) -> Option<RankRates> {
+        self.tree.then(|| self.src().rank_rates())
+    }
+
+    /// [`node_gains`] of this request's drafts at acceptance `alpha`, up to its maximum.
+    fn gains(&self, alpha: f64) -> Vec<f64> {
+        node_gains(alpha, self.rank_rates().as_ref(), self.max)
     }
 
     fn src(&self) -> &SourceState {
@@ -337,7 +464,7 @@ impl AdaptiveState {
 
     /// Expected speed of drafting k tokens relative to plain decoding (k = 0 scores 1).
     pub fn speedup(&self, k: usize) -> f64 {
-        speedup(&self.cost, self.alpha(), self.draft_cost(), self.verify_excess(), k)
+        speedup_of_gains(&self.cost, &self.gains(self.alpha()), self.draft_cost(), self.verify_excess(), k)
     }
 
     /// The k in 0..=max with the best expected speed (shortest on ties), or 0 when even that
@@ -347,7 +474,7 @@ impl AdaptiveState {
     }
 
     fn best_len_at(&self, alpha: f64) -> usize {
-        match best_len(&self.cost, self.max, alpha, self.draft_cost(), self.verify_excess()) {
+        match best_len_of_gains(&self.cost, &self.gains(alpha), self.draft_cost(), self.verify_excess()) {
             (k, s) if s >= 1.0 + tuning::MIN_GAIN => k,
             _ => 0,
         }
@@ -376,7 +503,6 @@ impl AdaptiveState {
             return;
         }
         let drafted = now.drafted.saturating_sub(prev.drafted) as f64;
-        let accepted = now.accepted.saturating_sub(prev.accepted) as f64;
         let block = (drafted / steps as f64).round() as usize + 1;
         let verify = (now.verify_secs - prev.verify_secs) / steps as f64;
         let ewma = |old: f64, new: f64| if old > 0.0 { old * tuning::DECAY + new * (1.0 - tuning::DECAY) } else { new };
@@ -413,16 +539,22 @@ impl AdaptiveState {
         }
         let s = self.src_mut();
         s.hold = false;
-        // Positions tried: the accepted ones plus the first rejected one (if any draft
-        // position was left). Exact for a single step; an approximation over several.
-        let tried = (accepted + steps as f64).min(drafted);
+        // Positions tried at each rank: the accepted ones plus the first rejected one (if
+        // any draft position was left), as the verifier walked them.
+        let delta = |r: usize, now: &[u64; TREE_RANKS], prev: &[u64; TREE_RANKS]| now[r].saturating_sub(prev[r]) as f64;
         let decay = tuning::DECAY.powi(steps as i32);
         if std::mem::take(&mut s.stale) {
             s.accepted = 0.0;
             s.trials = 0.0;
+            s.rank_accepted = [0.0; TREE_RANKS - 1];
+            s.rank_trials = [0.0; TREE_RANKS - 1];
         }
-        s.accepted = s.accepted * decay + accepted;
-        s.trials = s.trials * decay + tried;
+        s.accepted = s.accepted * decay + delta(0, &now.accepted_at_rank, &prev.accepted_at_rank);
+        s.trials = s.trials * decay + delta(0, &now.tried_at_rank, &prev.tried_at_rank);
+        for r in 1..TREE_RANKS {
+            s.rank_accepted[r - 1] = s.rank_accepted[r - 1] * decay + delta(r, &now.accepted_at_rank, &prev.accepted_at_rank);
+            s.rank_trials[r - 1] = s.rank_trials[r - 1] * decay + delta(r, &now.tried_at_rank, &prev.tried_at_rank);
+        }
 
         // Draft time per token relative to one decode step: the verify time of this step
         // divided by the curve's cost of its block gives the time of one decode step. Only

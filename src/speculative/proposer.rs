@@ -56,6 +56,12 @@ pub trait Proposer: Send {
         None
     }
 
+    /// From now on `propose` may return a draft tree of up to `max_len` nodes, where this
+    /// drafter can draft trees (a chain is always allowed). Returns whether it will.
+    fn enable_trees(&mut self) -> bool {
+        false
+    }
+
     /// Starts a new sequence with its prompt.
     fn begin(&mut self, prompt: &[u32]) -> Result<()>;
 
@@ -78,7 +84,8 @@ pub trait Proposer: Send {
     /// drop every trace of rejected draft tokens here (rollback of its own caches).
     fn observe(&mut self, tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()>;
 
-    /// Proposes up to `max_len` tokens to follow `tokens` (the committed sequence).
+    /// Proposes up to `max_len` tokens to follow `tokens` (the committed sequence): a chain,
+    /// or with [`Self::enable_trees`] a tree of up to `max_len` nodes.
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft>;
 
     /// Committed tokens the drafter has not processed yet and must before it can draft (a
@@ -122,6 +129,10 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn has_draft(&mut self, tokens: &[u32]) -> Option<bool> {
         (**self).has_draft(tokens)
+    }
+
+    fn enable_trees(&mut self) -> bool {
+        (**self).enable_trees()
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {

@@ -192,6 +192,34 @@ pub fn best_first_tree(positions: &[Candidates], max_nodes: usize, chain_below_b
     Draft::tree(tokens, parents)
 }
 
+/// Candidates per drafted position a chain drafter's tree keeps as leaves beside its best.
+pub const CHAIN_TREE_CANDIDATES: usize = 3;
+
+/// The tree of a drafter that drafts one position per step and continues only from its best
+/// token (a draft model, EAGLE-3): `next(best)` returns the ranked candidates of the next
+/// position after feeding `best` (None for the first), and the runner-ups become leaves.
+/// It stops stepping once the newest best token no longer makes the `max_nodes` most
+/// probable nodes (nothing below it would), at `max_depth`, or when `next` has nothing.
+pub fn chain_with_alternatives(
+    max_nodes: usize,
+    max_depth: usize,
+    mut next: impl FnMut(Option<u32>) -> anyhow::Result<Candidates>,
+) -> anyhow::Result<Draft> {
+    let mut positions: Vec<Candidates> = Vec::new();
+    while positions.len() < max_depth.min(max_nodes) {
+        let best = positions.last().map(|c| c[0].0);
+        let candidates = next(best)?;
+        if candidates.is_empty() {
+            break;
+        }
+        positions.push(candidates);
+        if best_first_tree(&positions, max_nodes, true).depth() < positions.len() {
+            break;
+        }
+    }
+    Ok(best_first_tree(&positions, max_nodes, true))
+}
+
 /// The `k` most probable tokens of a logits row with their log-probabilities, best first
 /// (ties to the lower id, as argmax). `map` turns a row index into a token id.
 pub fn top_candidates(logits: &[f32], k: usize, map: impl Fn(u32) -> u32) -> Candidates {
@@ -225,11 +253,12 @@ mod tests {
             vec![(3, ln(0.45)), (4, ln(0.4))],
             vec![(5, ln(0.9))],
         ];
-        // Paths by probability: a .6, b .3, a-c .27, a-c-e .243, a-d .24, b-c .135, ...
+        // Paths by probability: a .6, b .3, a-c .27, a-c-e .243, a-d .24, a-d-e .216, b-c .135.
         let tree = best_first_tree(&positions, 5, false);
         assert_eq!(tree.tokens, vec![1, 2, 3, 5, 4]);
         assert_eq!(tree.parents, vec![0, 0, 1, 3, 1]);
-        assert_eq!(best_first_tree(&positions, 6, false).tokens[5], 3, "b-c is sixth");
+        let six = best_first_tree(&positions, 6, false);
+        assert_eq!((six.tokens[5], six.parents[5]), (5, 5), "a-d-e is sixth, under a-d");
         // One candidate per position: the chain.
         let single: Vec<Candidates> = positions.iter().map(|c| c[..1].to_vec()).collect();
         assert_eq!(best_first_tree(&single, 8, false), Draft::deterministic(vec![1, 3, 5]));
@@ -237,6 +266,23 @@ mod tests {
         let leaves = best_first_tree(&positions, 8, true);
         assert_eq!(leaves.tokens, vec![1, 2, 3, 5, 4]);
         assert!(leaves.children()[2].is_empty(), "b has no children");
+    }
+
+    #[test]
+    fn a_chain_drafter_steps_only_while_its_best_path_makes_the_tree() {
+        let ln = |p: f32| p.ln();
+        // The best token is right 90%, then 50%, then 10% of the time; runner-ups 5% each.
+        let probs = [0.9, 0.5, 0.1, 0.1, 0.1];
+        let mut steps = 0;
+        let tree = chain_with_alternatives(4, 10, |_| {
+            let p = probs[steps];
+            steps += 1;
+            Ok(vec![(steps as u32 * 10, ln(p)), (steps as u32 * 10 + 1, ln(0.05))])
+        })
+        .unwrap();
+        // Nodes: .9, .45, then .05 (a runner-up at depth 0) beats .045 (depth 2).
+        assert_eq!(tree.tokens, vec![10, 20, 11, 21]);
+        assert_eq!(steps, 3, "the third position's best (.045) did not make the tree: no fourth step");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! sampled ones.
 
 use super::proposer::Proposer;
+use super::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATES};
 use super::verify::Draft;
 use crate::kv::{PoolExhausted, SeqCache};
 use crate::model::{ForwardBatch, LogitsRows, Transformer};
@@ -38,6 +39,8 @@ pub struct DraftModelProposer {
     fed: Vec<u32>,
     /// Draft tokens past which the target's generation ends (not drafted beyond).
     stop_ids: Vec<u32>,
+    /// Draft trees: runner-ups at each position as leaves ([`Proposer::enable_trees`]).
+    trees: bool,
 }
 
 impl DraftModelProposer {
@@ -45,7 +48,7 @@ impl DraftModelProposer {
     /// that end generation; drafting stops after proposing one.
     pub fn new(model: Arc<Transformer>, kv_tokens: usize, stop_ids: Vec<u32>) -> Self {
         let pool = model.new_kv_pool(kv_tokens.max(16));
-        Self { cache: pool.new_sequence(), model, fed: Vec::new(), stop_ids }
+        Self { cache: pool.new_sequence(), model, fed: Vec::new(), stop_ids, trees: false }
     }
 
     /// The tokens whose K/V the drafter's cache holds: always a prefix of the committed
@@ -85,6 +88,26 @@ impl DraftModelProposer {
         common_prefix(&self.fed, tokens).min(tokens.len().saturating_sub(1))
     }
 
+    /// The chain's tree: its runner-ups at each position as leaves. Drafting stops after a
+    /// stop token, as the chain does.
+    fn draft_tree(&mut self, tokens: &[u32], max_nodes: usize) -> Result<Draft> {
+        let shared = self.shared_prefix(tokens);
+        self.truncate(shared);
+        let ctx = self.model.config.context_len;
+        let mut stopped = false;
+        chain_with_alternatives(max_nodes, max_nodes, |best| {
+            let logits = match best {
+                None => self.feed(&tokens[shared..], true)?.unwrap_or_default(),
+                Some(t) if self.stop_ids.contains(&t) || self.fed.len() + 1 >= ctx => {
+                    stopped = true;
+                    Vec::new()
+                }
+                Some(t) => self.feed(&[t], true)?.unwrap_or_default(),
+            };
+            Ok(if stopped { Vec::new() } else { top_candidates(&logits, CHAIN_TREE_CANDIDATES, |id| id) })
+        })
+    }
+
     fn draft(&mut self, tokens: &[u32], max_len: usize) -> Result<Vec<u32>> {
         // Keep the shared prefix, but always re-feed at least the last committed token: its
         // logits give the first draft token.
@@ -111,6 +134,11 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 impl Proposer for DraftModelProposer {
     fn name(&self) -> &str {
         "draft-model"
+    }
+
+    fn enable_trees(&mut self) -> bool {
+        self.trees = true;
+        true
     }
 
     fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
@@ -153,8 +181,13 @@ impl Proposer for DraftModelProposer {
         if max_len == 0 || tokens.is_empty() || tokens.len() + max_len > ctx {
             return Ok(Draft::default());
         }
-        match self.draft(tokens, max_len) {
-            Ok(draft) => Ok(Draft::deterministic(draft)),
+        let draft = if self.trees {
+            self.draft_tree(tokens, max_len)
+        } else {
+            self.draft(tokens, max_len).map(Draft::deterministic)
+        };
+        match draft {
+            Ok(draft) => Ok(draft),
             // The drafter's own pool is full: draft nothing rather than fail the request.
             // Whatever was fed stays consistent (a failed forward changes no cache).
             Err(e) if e.is::<PoolExhausted>() => Ok(Draft::default()),

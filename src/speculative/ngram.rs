@@ -16,6 +16,10 @@ use std::ops::Range;
 /// Longest n-gram accepted by [`NgramProposer::new`] (long keys rarely match and cost hashing).
 pub const MAX_NGRAM_LIMIT: usize = 16;
 
+/// Distinct continuations a draft tree holds, and the nodes each one after the first gets.
+const TREE_CONTINUATIONS: usize = 3;
+const TREE_BRANCH_NODES: usize = 2;
+
 pub struct NgramProposer {
     min_ngram: usize,
     max_ngram: usize,
@@ -24,6 +28,8 @@ pub struct NgramProposer {
     /// `index[n - min_ngram]`: hash of an n-gram → start of its most recent occurrence in
     /// `seen` that has a following token. Hash collisions are caught by comparing tokens.
     index: Vec<HashMap<u64, u32>>,
+    /// Draft trees of several matches' continuations ([`Proposer::enable_trees`]).
+    trees: bool,
 }
 
 impl NgramProposer {
@@ -32,7 +38,13 @@ impl NgramProposer {
         if min_ngram == 0 || min_ngram > max_ngram || max_ngram > MAX_NGRAM_LIMIT {
             bail!("n-gram sizes must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram}) <= {MAX_NGRAM_LIMIT}");
         }
-        Ok(Self { min_ngram, max_ngram, seen: Vec::new(), index: vec![HashMap::new(); max_ngram - min_ngram + 1] })
+        Ok(Self {
+            min_ngram,
+            max_ngram,
+            seen: Vec::new(),
+            index: vec![HashMap::new(); max_ngram - min_ngram + 1],
+            trees: false,
+        })
     }
 
     fn hash(gram: &[u32]) -> u64 {
@@ -68,8 +80,18 @@ impl NgramProposer {
 
     /// The draft for the current `seen`: the continuation of the longest, most recent match.
     fn lookup(&self, max_len: usize) -> Vec<u32> {
+        self.continuations(max_len, 1).pop().unwrap_or_default()
+    }
+
+    /// Up to `most` distinct continuations, from the most recent match of each suffix length,
+    /// longest first; each `max_len` tokens long.
+    fn continuations(&self, max_len: usize, most: usize) -> Vec<Vec<u32>> {
+        let mut found: Vec<Vec<u32>> = Vec::new();
         let len = self.seen.len();
         for n in (self.min_ngram..=self.max_ngram).rev() {
+            if found.len() == most {
+                break;
+            }
             if n > len {
                 continue;
             }
@@ -91,9 +113,41 @@ impl NgramProposer {
                 let t = if at < len { self.seen[at] } else { draft[at - len] };
                 draft.push(t);
             }
-            return draft;
+            if !found.contains(&draft) {
+                found.push(draft);
+            }
         }
-        Vec::new()
+        found
+    }
+
+    /// A tree of the distinct continuations of the longest matches: the longest match's gets
+    /// half of the nodes or more, the others share the rest (a shared start is one path).
+    fn lookup_tree(&self, max_nodes: usize) -> Draft {
+        let found = self.continuations(max_nodes, TREE_CONTINUATIONS);
+        let others = found.len().saturating_sub(1);
+        let main = max_nodes.saturating_sub(others * TREE_BRANCH_NODES).max(max_nodes.div_ceil(2));
+        let mut tokens: Vec<u32> = Vec::new();
+        let mut parents: Vec<u32> = Vec::new();
+        for (i, continuation) in found.iter().enumerate() {
+            let mut take = if i == 0 { main } else { TREE_BRANCH_NODES };
+            let mut row = 0u32;
+            for &t in continuation {
+                if take == 0 || tokens.len() == max_nodes {
+                    break;
+                }
+                // Follow a path already in the tree, else branch off it.
+                match (0..tokens.len()).find(|&n| parents[n] == row && tokens[n] == t) {
+                    Some(n) => row = n as u32 + 1,
+                    None => {
+                        tokens.push(t);
+                        parents.push(row);
+                        row = tokens.len() as u32;
+                        take -= 1;
+                    }
+                }
+            }
+        }
+        Draft::tree(tokens, parents)
     }
 }
 
@@ -115,8 +169,16 @@ impl Proposer for NgramProposer {
         Ok(())
     }
 
+    fn enable_trees(&mut self) -> bool {
+        self.trees = true;
+        true
+    }
+
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
         self.sync(tokens);
+        if self.trees {
+            return Ok(self.lookup_tree(max_len));
+        }
         Ok(Draft::deterministic(self.lookup(max_len)))
     }
 
@@ -217,6 +279,24 @@ mod tests {
         // Not an extension of the previous tokens: nothing of them may leak into the lookup.
         assert!(propose(&mut p, &[9, 1], 2).is_empty());
         assert_eq!(propose(&mut p, &[9, 1, 9], 1), vec![1]);
+    }
+
+    #[test]
+    fn a_tree_holds_the_continuations_of_several_matches() {
+        let mut p = NgramProposer::new(1, 3).unwrap();
+        assert!(p.enable_trees());
+        // "5 6" last continued with 7 8; "6" alone last continued with 9.
+        let tokens = [5, 6, 7, 8, 1, 6, 9, 2, 5, 6];
+        let d = p.propose(&tokens, 6).unwrap();
+        assert!(d.is_tree());
+        assert_eq!(d.children()[0].len(), 2, "two first tokens: {d:?}");
+        assert_eq!(d.path_tokens(0)[0], 7, "the longest match's continuation ranks first");
+        assert!(d.tokens.contains(&9));
+        assert!(d.len() <= 6);
+        // A single match is a chain.
+        let mut p = NgramProposer::new(2, 2).unwrap();
+        p.enable_trees();
+        assert!(!p.propose(&[1, 2, 3, 1, 2], 3).unwrap().is_tree());
     }
 
     #[test]

@@ -12,9 +12,10 @@ use super::model::Eagle3Drafter;
 use crate::speculative::dflash::TargetHead;
 use crate::speculative::nn::{LayerKv, RowBuffer};
 use crate::speculative::proposer::Proposer;
+use crate::speculative::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATES};
 use crate::speculative::verify::Draft;
 use anyhow::{bail, Result};
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -40,6 +41,8 @@ pub struct Eagle3Proposer {
     /// Committed rows whose target states arrived but were not run yet (contiguous from `end`):
     /// running them waits for the next draft, so a drafter the policy leaves idle costs nothing.
     pending: Vec<(usize, Vec<Tensor>)>,
+    /// Draft trees: runner-ups at each step as leaves ([`Proposer::enable_trees`]).
+    trees: bool,
 }
 
 impl Eagle3Proposer {
@@ -65,6 +68,7 @@ impl Eagle3Proposer {
             end: 0,
             last: None,
             pending: Vec::new(),
+            trees: false,
         })
     }
 
@@ -187,6 +191,11 @@ impl Proposer for Eagle3Proposer {
         self.flush(tokens)
     }
 
+    fn enable_trees(&mut self) -> bool {
+        self.trees = true;
+        true
+    }
+
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
         let k = max_len.min(self.settings.max_draft.unwrap_or(usize::MAX));
         if k == 0 || tokens.is_empty() {
@@ -196,6 +205,25 @@ impl Proposer for Eagle3Proposer {
         let e = tokens.len() - 1;
         let Some(mut h) = self.last.clone().filter(|_| self.end == e) else { return Ok(Draft::default()) };
         let held = self.end - self.base;
+        if self.trees {
+            // Runner-ups at each step become leaves; the chain continues from the best.
+            let mut j = 0;
+            let result = chain_with_alternatives(max_len, k, |best| {
+                if let Some(token) = best {
+                    let embeds = self.drafter.embed(&[token], Some(&self.head))?;
+                    let (out, kv) = self.drafter.forward(&embeds, &h, &[e + j], &self.past()?, None)?;
+                    self.k.append(&kv.k)?;
+                    self.v.append(&kv.v)?;
+                    h = out;
+                    j += 1;
+                }
+                let logits = self.drafter.logits(&h)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                Ok(top_candidates(&logits, CHAIN_TREE_CANDIDATES, |id| self.drafter.target_token(id)))
+            });
+            self.k.truncate(held);
+            self.v.truncate(held);
+            return result;
+        }
         let mut draft = Vec::with_capacity(k);
         let result = (|| -> Result<()> {
             for j in 0..k {

@@ -226,7 +226,7 @@ impl specula::speculative::Proposer for StochasticDrafter {
     fn propose(&mut self, _tokens: &[u32], max_len: usize) -> anyhow::Result<specula::speculative::Draft> {
         let tokens: Vec<u32> =
             (0..max_len).map(|_| specula::sample::sample_from_weights(&self.q, &mut self.rng).unwrap()).collect();
-        Ok(specula::speculative::Draft { probs: Some(vec![self.q.clone(); tokens.len()]), tokens })
+        Ok(specula::speculative::Draft { probs: Some(vec![self.q.clone(); tokens.len()]), tokens, parents: Vec::new() })
     }
 }
 

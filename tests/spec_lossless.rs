@@ -184,7 +184,7 @@ impl Proposer for TreeTestDrafter {
             TreeKind::Random => {
                 while toks.len() < max_nodes {
                     let parent = (d.rng.next_u64() % (toks.len() as u64 + 1)) as u32;
-                    let t = if d.rng.next_u64() % 2 == 0 {
+                    let t = if d.rng.next_u64().is_multiple_of(2) {
                         d.reference.get(at + depth_of(&parents, parent)).copied().unwrap_or(0)
                     } else {
                         d.random_token()
@@ -214,6 +214,9 @@ struct CheckedDraftModel(DraftModelProposer);
 impl Proposer for CheckedDraftModel {
     fn name(&self) -> &str {
         self.0.name()
+    }
+    fn enable_trees(&mut self) -> bool {
+        self.0.enable_trees()
     }
     fn begin(&mut self, prompt: &[u32]) -> anyhow::Result<()> {
         self.0.begin(prompt)
@@ -434,15 +437,22 @@ fn tiny_model_greedy_speculation_equals_plain_greedy() {
     for prompt in &prompts {
         let plain = run(target, prompt, greedy(48), &[], None, GenerateOptions::default()).tokens;
         for k in 1..=16 {
-            let mut ngram = NgramProposer::new(1, 3).unwrap();
-            let gen = run(target, prompt, greedy(48), &[], Some(&mut ngram), GenerateOptions::fixed_draft(k));
-            assert_eq!(gen.tokens, plain, "ngram, k = {k}");
-            for (name, drafter) in [("self", target), ("perturbed", other)] {
-                let mut p = CheckedDraftModel(DraftModelProposer::new(drafter.clone(), 256, vec![]));
-                let gen = run(target, prompt, greedy(48), &[], Some(&mut p), GenerateOptions::fixed_draft(k));
-                assert_eq!(gen.tokens, plain, "draft model {name}, k = {k}");
-                if name == "self" {
-                    assert!(gen.metrics.acceptance_rate() > 0.95, "self-drafting accepts: {:?}", gen.metrics);
+            // Chains of k tokens, and trees of k nodes.
+            for (shape, opts) in [
+                ("chain", GenerateOptions::fixed_draft as fn(usize) -> GenerateOptions),
+                ("tree", GenerateOptions::fixed_tree),
+            ] {
+                let mut ngram = NgramProposer::new(1, 3).unwrap();
+                let gen = run(target, prompt, greedy(48), &[], Some(&mut ngram), opts(k));
+                assert_eq!(gen.tokens, plain, "ngram {shape}, k = {k}");
+                for (name, drafter) in [("self", target), ("perturbed", other)] {
+                    let mut p = CheckedDraftModel(DraftModelProposer::new(drafter.clone(), 256, vec![]));
+                    let gen = run(target, prompt, greedy(48), &[], Some(&mut p), opts(k));
+                    assert_eq!(gen.tokens, plain, "draft model {name} {shape}, k = {k}");
+                    if name == "self" {
+                        let first_choices = gen.metrics.per_rank_acceptance()[0];
+                        assert!(first_choices > 0.95, "self-drafting accepts: {:?}", gen.metrics);
+                    }
                 }
             }
         }
@@ -471,7 +481,8 @@ fn tiny_model_greedy_draft_trees_equal_plain_greedy() {
             for kind in [TreeKind::HiddenRight, TreeKind::Duplicates, TreeKind::Random] {
                 let inner = TestDrafter::new(Kind::Perfect, TINY_VOCAB, prompt.len(), &plain, &second, budget as u64);
                 let mut drafter = TreeTestDrafter { kind, inner };
-                let gen = run(target, &prompt, greedy(40), stop, Some(&mut drafter), GenerateOptions::fixed_draft(budget));
+                let gen =
+                    run(target, &prompt, greedy(40), stop, Some(&mut drafter), GenerateOptions::fixed_tree(budget));
                 assert_eq!(gen.tokens, plain, "{kind:?}, {budget} nodes, prompt {p}");
                 if matches!(kind, TreeKind::HiddenRight) && budget >= 6 {
                     // The right token sat behind rank 0 at every depth and was found anyway.
@@ -685,8 +696,8 @@ fn tiny_model_sampling_distribution_is_the_targets() {
     let total: f64 = exact.values().sum();
     assert!((total - 1.0).abs() < 1e-4);
 
-    // The learned drafters and the draft models draft trees of two nodes (the default); the
-    // last arms are DFlash as a chain and random trees of six nodes.
+    // The learned drafters and the draft models draft trees of two nodes; the last arms are
+    // DFlash as a chain and random trees of six nodes.
     let arms: [&str; 9] = [
         "plain",
         "self draft model",
@@ -757,9 +768,9 @@ fn tiny_model_sampling_distribution_is_the_targets() {
             };
             let proposer = proposer.as_mut().map(|p| &mut **p as &mut dyn Proposer);
             let opts = match arm_index {
-                7 => GenerateOptions { draft_tree: specula::speculative::DraftTree::Off, ..GenerateOptions::fixed_draft(2) },
-                8 => GenerateOptions::fixed_draft(6),
-                _ => GenerateOptions::fixed_draft(2),
+                7 => GenerateOptions::fixed_draft(2),
+                8 => GenerateOptions::fixed_tree(6),
+                _ => GenerateOptions::fixed_tree(2),
             };
             let gen = run(target, &prompt, params(seed), &[], proposer, opts);
             metrics.merge(&gen.metrics);

@@ -79,16 +79,40 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
             let _ = writeln!(s, "{}", table_row(c));
         }
         s.push('\n');
+        let spec: Vec<&CellSummary> = m.cells.iter().filter(|c| c.drafter.is_some() && c.steps > 0).collect();
+        if !spec.is_empty() {
+            let _ = writeln!(
+                s,
+                "| data set | T | mode | nodes/step | accepted by depth 1, 2, … | accepted by sibling rank 0, 1, … |"
+            );
+            let _ = writeln!(s, "|---|---|---|---:|---|---|");
+            let shares = |v: &[f64]| v.iter().map(|a| format!("{:.0}%", a * 100.0)).collect::<Vec<_>>().join(" ");
+            for c in spec {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {:.2} | {} | {} |",
+                    c.dataset,
+                    fmt_temp(c.temperature),
+                    c.mode,
+                    c.mean_draft_len,
+                    shares(&c.acceptance_at),
+                    shares(&c.acceptance_at_rank)
+                );
+            }
+            s.push('\n');
+        }
     }
     let _ = writeln!(
         s,
         "tok/s = generated tokens / (prefill + decode) seconds; decode tok/s excludes prefill and the first token. \
          95% interval: of the speedup, from a paired bootstrap over the prompts (the run-to-run noise). \
-         τ = tokens committed per target verify step; mean k = drafted tokens per step; draft ms/step = time \
+         τ = tokens committed per target verify step; mean k = drafted tokens (tree nodes) per step; draft ms/step = time \
          spent drafting per verify step (catching up excluded); verify cost = mean \
          cost(k+1)/cost(1) of the steps run; bound = τ / verify cost, the decode speedup if drafting were free; \
          of bound = decode speedup / bound. Greedy mismatches: prompts at T=0 whose speculative output differs \
-         from plain decoding (must be 0)."
+         from plain decoding (must be 0). Accepted by depth d: of the steps whose draft reached depth d, the share \
+         that accepted a token there; by sibling rank r: of the times the verifier tried a drafter's r-th choice \
+         (the better ones rejected), the share accepted."
     );
     let _ = writeln!(s, "\nGreedy mismatches in total: {}", report.greedy_mismatches);
     s
@@ -489,8 +513,12 @@ mod tests {
     fn table_has_one_row_per_dataset_temperature_and_mode() {
         let r = report(&["humaneval", "gsm8k-100"], &[0.0, 1.0], &modes(), 1);
         let md = render_markdown(&r);
-        let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| data set")).collect();
+        // The main table's rows (the acceptance table below it has no speedups).
+        let rows: Vec<&str> =
+            md.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| data set") && l.contains('×')).collect();
         assert_eq!(rows.len(), 2 * 2 * 3);
+        let by_rank = md.lines().filter(|l| l.starts_with("| ") && !l.contains('×') && !l.starts_with("| data set"));
+        assert_eq!(by_rank.count(), 2 * 2 * 2, "an acceptance row per speculative cell");
         for ds in ["humaneval", "gsm8k-100"] {
             for mode in ["plain", "ngram k=4", "draft-model:qwen2.5-coder-0.5b k=auto"] {
                 let n = rows

@@ -217,8 +217,10 @@ pub struct CellSummary {
     pub spec_steps: u64,
     pub drafted: u64,
     pub accepted: u64,
-    /// Fraction of drafts reaching position i that were accepted there.
+    /// Fraction of drafts reaching position (depth) i that were accepted there.
     pub acceptance_at: Vec<f64>,
+    /// Fraction of tries of sibling rank r (0: the drafter's first choice) that were accepted.
+    pub acceptance_at_rank: Vec<f64>,
     /// Drafted tokens per verify step.
     pub mean_draft_len: f64,
     pub draft_secs: f64,
@@ -390,6 +392,7 @@ pub fn summarize(
         drafted: metrics.drafted,
         accepted: metrics.accepted,
         acceptance_at,
+        acceptance_at_rank: metrics.per_rank_acceptance(),
         mean_draft_len: ratio(metrics.drafted as f64, metrics.steps as f64),
         draft_secs: metrics.draft_secs,
         verify_secs: metrics.verify_secs,

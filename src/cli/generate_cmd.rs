@@ -1,7 +1,9 @@
 use super::ModelArgs;
 use crate::engine::{generate, EngineModel, GenerateOptions, Generation};
 use crate::sample::SamplingParams;
-use crate::speculative::{build_proposer, parse_draft_len, parse_draft_tree, DraftLen, DraftTree, DrafterSpec, Proposer};
+use crate::speculative::{
+    build_proposer, parse_draft_len, parse_draft_tree, DraftLen, DraftTree, DrafterSpec, Proposer,
+};
 use crate::speculative::{SpecMetrics, StepCost, StepCostSettings, MAX_DRAFT};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};

@@ -144,7 +144,7 @@ impl Active<'_> {
             trace: self.trace.take().unwrap_or_default(),
             prompt_logprobs: self.take_prompt_logprobs(),
         };
-        self.send(EngineEvent::Done(completion));
+        self.send(EngineEvent::Done(Box::new(completion)));
         self.done = true;
     }
 
@@ -165,14 +165,15 @@ impl Active<'_> {
     }
 
     /// Appends committed tokens one by one into `chunk`, stopping at a stop token (not kept),
-    /// a stop string, `max_tokens` or the context end. The first `from_draft` tokens were
-    /// accepted drafts; `logprobs[i]`, when given, belongs to `tokens[i]`.
+    /// a stop string, `max_tokens` or the context end. The first `draft_ranks.len()` tokens
+    /// were accepted drafts, each of that sibling rank; `logprobs[i]`, when given, belongs to
+    /// `tokens[i]`.
     #[allow(clippy::too_many_arguments)]
     pub fn commit(
         &mut self,
         tokens: &[u32],
         logprobs: Vec<TokenLogprob>,
-        from_draft: usize,
+        draft_ranks: &[usize],
         stop_ids: &[u32],
         tokenizer: Option<&Tokenizer>,
         context_len: usize,
@@ -189,7 +190,11 @@ impl Active<'_> {
                 _ => String::new(),
             };
             chunk.ids.push(t);
-            chunk.sources.push(if i < from_draft { TokenSource::Draft } else { TokenSource::Target });
+            chunk.sources.push(match draft_ranks.get(i) {
+                Some(0) => TokenSource::Draft,
+                Some(_) => TokenSource::DraftBranch,
+                None => TokenSource::Target,
+            });
             chunk.pieces.push(piece);
             if let Some(lp) = logprobs.next() {
                 chunk.logprobs.push(lp);

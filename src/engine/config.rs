@@ -74,8 +74,14 @@ pub struct EngineSnapshot {
     pub generated_tokens: u64,
     /// Decode (verification) steps summed over sequences.
     pub verify_steps: u64,
+    /// Draft tokens verified (a tree's nodes count one each), and those accepted.
     pub drafted: u64,
     pub accepted: u64,
+    /// Verify steps whose draft was a tree.
+    pub tree_steps: u64,
+    /// Accepted draft tokens by sibling rank (0: the drafter's first choice; 3 and beyond
+    /// counted together).
+    pub accepted_by_rank: [u64; 4],
     pub preemptions: u64,
     /// Seconds spent in steps (forward + bookkeeping).
     pub busy_secs: f64,

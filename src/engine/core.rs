@@ -21,8 +21,8 @@ use super::text_stream::TextStream;
 use crate::kv::{KvPool, PoolExhausted};
 use crate::model::{ForwardBatch, ForwardOutput, LogitsRows, Transformer};
 use crate::sample::token_logprob;
-use crate::speculative::verify::penalize_verification_rows;
 use crate::speculative::metrics::rank_outcomes;
+use crate::speculative::verify::penalize_verification_rows;
 use crate::speculative::{verify, AdaptiveState, Draft, DraftLen, DraftTree, Proposer, StepCost, MAX_DRAFT};
 use crate::tokenize::Tokenizer;
 use anyhow::{Context, Result};
@@ -159,7 +159,7 @@ impl<'a> EngineCore<'a> {
         };
         let draft = match (&proposer, self.draft_len) {
             (None, _) => DraftChoice::None,
-            (Some(_), DraftLen::Fixed(n)) => DraftChoice::Fixed(n),
+            (Some(_), DraftLen::Fixed(n)) => DraftChoice::Fixed(n.min(max_nodes.unwrap_or(n))),
             (Some(p), DraftLen::Auto) => match &self.cost {
                 Some(cost) => {
                     let max_tokens = req.params.max_tokens.unwrap_or(ctx.saturating_sub(req.prompt.len()));
@@ -563,9 +563,15 @@ impl<'a> EngineCore<'a> {
             let ranks = rank_outcomes(&draft, &verdict);
             let first_accepted = ranks.iter().filter(|(_, taken)| *taken == Some(0)).count();
             self.fleet.record_positions(ranks.len(), first_accepted);
+            self.totals.tree_steps += u64::from(draft.is_tree());
+            for rank in ranks.iter().filter_map(|&(_, taken)| taken) {
+                self.totals.accepted_by_rank[rank.min(3)] += 1;
+            }
             if let Some(trace) = a.trace.as_mut() {
                 trace.push(StepTrace {
                     draft: draft.tokens.clone(),
+                    parents: draft.parents.clone(),
+                    path: if draft.is_tree() { verdict.path.clone() } else { Vec::new() },
                     accepted: verdict.accepted,
                     next_token: verdict.next_token,
                 });
@@ -573,7 +579,9 @@ impl<'a> EngineCore<'a> {
         }
 
         let mut chunk = TokenChunk::default();
-        let finish = a.commit(&committed, logprobs, verdict.accepted, &self.stop_ids, tokenizer, ctx, &mut chunk);
+        // Each accepted draft token's sibling rank (0: the drafter's first choice).
+        let draft_ranks: Vec<usize> = rank_outcomes(&draft, &verdict).iter().filter_map(|&(_, r)| r).collect();
+        let finish = a.commit(&committed, logprobs, &draft_ranks, &self.stop_ids, tokenizer, ctx, &mut chunk);
         if let Some(c) = a.constraint.as_mut() {
             c.commit(&chunk.ids)?;
         }

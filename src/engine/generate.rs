@@ -55,8 +55,15 @@ impl Default for GenerateOptions {
 }
 
 impl GenerateOptions {
+    /// Chains of `n` draft tokens per step.
     pub fn fixed_draft(n: usize) -> Self {
-        Self { draft_len: DraftLen::Fixed(n), ..Self::default() }
+        Self { draft_len: DraftLen::Fixed(n), draft_tree: DraftTree::Off, ..Self::default() }
+    }
+
+    /// Draft trees of `n` nodes per step, from drafters that can draft them (chains from the
+    /// others).
+    pub fn fixed_tree(n: usize) -> Self {
+        Self { draft_len: DraftLen::Fixed(n), draft_tree: DraftTree::Max(n.max(1)), ..Self::default() }
     }
 }
 
@@ -119,7 +126,7 @@ impl EventSink for Collector<'_> {
             }
             EngineEvent::Done(c) => {
                 o.text.push_str(&c.tail);
-                o.end = Some(Ok(c));
+                o.end = Some(Ok(*c));
             }
             EngineEvent::Failed(e) => o.end = Some(Err(e)),
         }

@@ -13,6 +13,9 @@ use serde::Serialize;
 pub enum TokenSource {
     /// A draft token the target accepted.
     Draft,
+    /// An accepted draft token that was not the drafter's first choice at its position: a
+    /// draft tree's other branch won.
+    DraftBranch,
     /// Sampled from the target (first token, correction, or bonus).
     Target,
 }
@@ -21,6 +24,12 @@ pub enum TokenSource {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StepTrace {
     pub draft: Vec<u32>,
+    /// A draft tree's parent rows (empty for a chain; see [`crate::speculative::Draft`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub parents: Vec<u32>,
+    /// The accepted nodes, in order (a chain: the first `accepted`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub path: Vec<usize>,
     pub accepted: usize,
     /// The target's token after the accepted drafts (a bonus when all were accepted).
     pub next_token: u32,
@@ -128,7 +137,7 @@ pub struct Completion {
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
     Tokens(TokenChunk),
-    Done(Completion),
+    Done(Box<Completion>),
     /// The request could not be completed (a drafter error, a forward error, shutdown).
     Failed(String),
 }

@@ -188,8 +188,20 @@ impl ServerMetrics {
             "Sequences preempted (KV freed, recomputed later).",
             e.preemptions.to_string(),
         );
-        metric("specula_draft_tokens_total", "counter", "Draft tokens proposed.", e.drafted.to_string());
+        metric(
+            "specula_draft_tokens_total",
+            "counter",
+            "Draft tokens verified (each node of a draft tree counts one).",
+            e.drafted.to_string(),
+        );
         metric("specula_draft_tokens_accepted_total", "counter", "Draft tokens accepted.", e.accepted.to_string());
+        metric(
+            "specula_draft_tree_steps_total",
+            "counter",
+            "Per-sequence verify steps whose draft was a tree.",
+            e.tree_steps.to_string(),
+        );
+
         metric(
             "specula_verify_steps_total",
             "counter",
@@ -221,6 +233,13 @@ impl ServerMetrics {
             "Requests the engine could not complete.",
             e.failed_requests.to_string(),
         );
+        let _ = writeln!(
+            out,
+            "# HELP specula_draft_tokens_accepted_by_rank_total Accepted draft tokens by sibling rank (0: the drafter's first choice; 3: the fourth and beyond).\n# TYPE specula_draft_tokens_accepted_by_rank_total counter"
+        );
+        for (rank, n) in e.accepted_by_rank.iter().enumerate() {
+            let _ = writeln!(out, "specula_draft_tokens_accepted_by_rank_total{{rank=\"{rank}\"}} {n}");
+        }
         let _ = writeln!(out, "# HELP specula_http_requests_total HTTP requests by endpoint and status.\n# TYPE specula_http_requests_total counter");
         for ((endpoint, status), n) in &inner.requests {
             let _ = writeln!(out, "specula_http_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}");

@@ -841,6 +841,7 @@ impl ResponseMeta {
                 .iter()
                 .map(|s| match s {
                     TokenSource::Draft => "draft",
+                    TokenSource::DraftBranch => "draft-branch",
                     TokenSource::Target => "target",
                 })
                 .collect();

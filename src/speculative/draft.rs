@@ -162,10 +162,7 @@ pub fn best_first_tree(positions: &[Candidates], max_nodes: usize, chain_below_b
     impl Ord for Frontier {
         // Higher score first; among equals the shallower, then the better ranked.
         fn cmp(&self, other: &Self) -> Ordering {
-            self.score
-                .total_cmp(&other.score)
-                .then(other.depth.cmp(&self.depth))
-                .then(other.rank.cmp(&self.rank))
+            self.score.total_cmp(&other.score).then(other.depth.cmp(&self.depth)).then(other.rank.cmp(&self.rank))
         }
     }
     let mut tokens = Vec::new();
@@ -248,11 +245,7 @@ mod tests {
     fn best_first_takes_the_most_probable_paths() {
         let ln = |p: f32| p.ln();
         // Depth 0: a 0.6, b 0.3; depth 1: c 0.45, d 0.4; depth 2: e 0.9.
-        let positions = vec![
-            vec![(1, ln(0.6)), (2, ln(0.3))],
-            vec![(3, ln(0.45)), (4, ln(0.4))],
-            vec![(5, ln(0.9))],
-        ];
+        let positions = vec![vec![(1, ln(0.6)), (2, ln(0.3))], vec![(3, ln(0.45)), (4, ln(0.4))], vec![(5, ln(0.9))]];
         // Paths by probability: a .6, b .3, a-c .27, a-c-e .243, a-d .24, a-d-e .216, b-c .135.
         let tree = best_first_tree(&positions, 5, false);
         assert_eq!(tree.tokens, vec![1, 2, 3, 5, 4]);

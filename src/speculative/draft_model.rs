@@ -11,8 +11,8 @@
 //! them as one-hot, which keeps sampling exact, and greedy drafts are accepted more often than
 //! sampled ones.
 
-use super::proposer::Proposer;
 use super::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATES};
+use super::proposer::Proposer;
 use super::verify::Draft;
 use crate::kv::{PoolExhausted, SeqCache};
 use crate::model::{ForwardBatch, LogitsRows, Transformer};

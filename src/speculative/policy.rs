@@ -552,7 +552,8 @@ impl AdaptiveState {
         s.accepted = s.accepted * decay + delta(0, &now.accepted_at_rank, &prev.accepted_at_rank);
         s.trials = s.trials * decay + delta(0, &now.tried_at_rank, &prev.tried_at_rank);
         for r in 1..TREE_RANKS {
-            s.rank_accepted[r - 1] = s.rank_accepted[r - 1] * decay + delta(r, &now.accepted_at_rank, &prev.accepted_at_rank);
+            s.rank_accepted[r - 1] =
+                s.rank_accepted[r - 1] * decay + delta(r, &now.accepted_at_rank, &prev.accepted_at_rank);
             s.rank_trials[r - 1] = s.rank_trials[r - 1] * decay + delta(r, &now.tried_at_rank, &prev.tried_at_rank);
         }
 

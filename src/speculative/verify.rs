@@ -23,8 +23,8 @@
 //! Penalties are not applied here: they depend on the history, which differs per row. Apply them
 //! to the rows first with [`penalize_verification_rows`].
 
-use crate::sample::{self, SamplerRng, SamplingParams, TokenCounts};
 pub use super::draft::Draft;
+use crate::sample::{self, SamplerRng, SamplingParams, TokenCounts};
 
 /// The verifier's decision for one sequence.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -245,7 +245,12 @@ mod tests {
                     self.next_logits(&ctx)
                 })
                 .collect();
-            penalize_verification_rows(&mut rows, &context[prompt_len..], &Draft::deterministic(draft.to_vec()), params);
+            penalize_verification_rows(
+                &mut rows,
+                &context[prompt_len..],
+                &Draft::deterministic(draft.to_vec()),
+                params,
+            );
             rows
         }
 
@@ -746,7 +751,13 @@ mod tests {
     }
 
     /// Target rows for verifying a tree: node rows see their own path.
-    fn tree_rows(target: &ToyLm, context: &[u32], prompt_len: usize, draft: &Draft, params: &SamplingParams) -> Vec<Vec<f32>> {
+    fn tree_rows(
+        target: &ToyLm,
+        context: &[u32],
+        prompt_len: usize,
+        draft: &Draft,
+        params: &SamplingParams,
+    ) -> Vec<Vec<f32>> {
         let mut rows: Vec<Vec<f32>> = (0..=draft.len())
             .map(|r| {
                 let mut ctx = context.to_vec();
@@ -760,6 +771,7 @@ mod tests {
         rows
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn tree_decode(
         target: &ToyLm,
         drafter: &TreeDrafter,
@@ -861,7 +873,8 @@ mod tests {
                 let mut counts = vec![0f64; vocab.pow(SEQUENCE_LEN as u32)];
                 let mut rng = SamplerRng::from_seed(99);
                 for _ in 0..200_000 {
-                    counts[sequence_index(&target.plain_decode(&prompt, SEQUENCE_LEN, &params, &mut rng), vocab)] += 1.0;
+                    counts[sequence_index(&target.plain_decode(&prompt, SEQUENCE_LEN, &params, &mut rng), vocab)] +=
+                        1.0;
                 }
                 counts.iter().map(|c| c / 200_000.0).collect()
             } else {
@@ -882,8 +895,16 @@ mod tests {
                 let mut stats = SpecStats::default();
                 let mut observed = vec![0usize; expected.len()];
                 for _ in 0..SAMPLES {
-                    let tokens =
-                        tree_decode(&target, drafter, &prompt, SEQUENCE_LEN, &params, &mut rng, &mut drafter_rng, &mut stats);
+                    let tokens = tree_decode(
+                        &target,
+                        drafter,
+                        &prompt,
+                        SEQUENCE_LEN,
+                        &params,
+                        &mut rng,
+                        &mut drafter_rng,
+                        &mut stats,
+                    );
                     observed[sequence_index(&tokens, vocab)] += 1;
                 }
                 let (statistic, dof) = chi_square(&observed, &expected, SAMPLES);

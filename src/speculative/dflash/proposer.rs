@@ -9,9 +9,9 @@
 //! ever sees committed rows, so no rejected token can leave a trace (spec §3.4).
 
 use super::model::{DflashDrafter, LayerKv, Packing, TargetHead};
+use crate::speculative::draft::{best_first_tree, top_candidates, Candidates};
 use crate::speculative::nn::RowBuffer;
 use crate::speculative::proposer::{DraftCostShape, Proposer};
-use crate::speculative::draft::{best_first_tree, top_candidates, Candidates};
 use crate::speculative::verify::Draft;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};

@@ -10,9 +10,9 @@
 
 use super::model::Eagle3Drafter;
 use crate::speculative::dflash::TargetHead;
+use crate::speculative::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATES};
 use crate::speculative::nn::{LayerKv, RowBuffer};
 use crate::speculative::proposer::Proposer;
-use crate::speculative::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATES};
 use crate::speculative::verify::Draft;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, D};

@@ -1,7 +1,7 @@
 //! One request inside the engine: its sequence, drafter, draft policy, counters, and the sink
 //! its events go to.
 
-use super::draft_budget::DraftBid;
+use crate::speculative::planner::DraftBid;
 use super::request::{Completion, EngineEvent, StepTrace, TokenChunk, TokenLogprob, TokenSource, Usage};
 use super::scheduler::SchedSeq;
 use super::sequence::{FinishReason, Sequence};

@@ -12,7 +12,7 @@
 
 use super::active::{Active, DraftChoice, EventSink, PromptLogprobs};
 pub use super::config::{EngineConfig, EngineSnapshot};
-use super::draft_budget::DraftBid;
+use crate::speculative::planner::DraftBid;
 use super::fleet::FleetAcceptance;
 use super::request::{EngineEvent, EngineRequest, StepTrace, TokenChunk};
 use super::scheduler::{SchedSeq, Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};

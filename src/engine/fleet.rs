@@ -1,6 +1,7 @@
 //! Acceptance seen across all requests: the prior for each new request's own estimate.
 
-use crate::speculative::policy::{alpha_estimate, best_len, DraftCost};
+use crate::speculative::planner::{best_len, DraftCost};
+use crate::speculative::policy::alpha_estimate;
 use crate::speculative::{DraftCostShape, StepCost};
 
 /// Decayed counts of accepted draft positions and positions tried, over every request the

@@ -9,13 +9,12 @@
 //! - [`core`]: [`EngineCore`], the step loop over a batch of requests.
 //! - [`handle`]: [`Engine`], the server's engine thread around it.
 //! - [`generate`]: one request on the same loop (CLI, bench, tests).
-//! - `scheduler` / `draft_budget`: which rows run in a step, and how many draft tokens each
+//! - `scheduler` (with `speculative::planner`): which rows run in a step, and how many draft tokens each
 //!   decoding request gets.
 
 mod active;
 mod config;
 mod core;
-mod draft_budget;
 mod fleet;
 mod generate;
 mod handle;
@@ -27,7 +26,7 @@ mod text_stream;
 
 pub use self::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
 pub use active::EventSink;
-pub use draft_budget::{allocate_drafts, DraftBid};
+pub use crate::speculative::planner::{allocate_drafts, DraftBid};
 pub use fleet::FleetAcceptance;
 pub use generate::{generate, GenerateOptions, Generation};
 pub use handle::Engine;

@@ -5,7 +5,7 @@
 //! 1. one row for every decoding sequence (its pending token). When the pool cannot hold
 //!    those rows, the newest running sequence is preempted: its KV cache is dropped and it
 //!    goes back to the front of `waiting`, to be recomputed later from its committed tokens;
-//! 2. draft tokens for decoding sequences, where speculation pays (see [`super::draft_budget`]);
+//! 2. draft tokens for decoding sequences, where speculation pays (see [`crate::speculative::planner`]);
 //! 3. prefill chunks of running sequences still prefilling (chunked prefill);
 //! 4. admission of waiting sequences, strictly first come first served (the queue head
 //!    blocks the ones behind it), when the whole prompt fits in the free blocks.
@@ -13,7 +13,7 @@
 //! Invariant: every running sequence arrived before every waiting one, so FIFO order is
 //! global and the newest running sequence is always the preemption victim.
 
-use super::draft_budget::{allocate_drafts, DraftBid};
+use crate::speculative::planner::{allocate_drafts, DraftBid};
 use crate::speculative::StepCost;
 use std::collections::VecDeque;
 

@@ -1,6 +1,6 @@
-//! Speculative decoding: the `Proposer` trait (one file or folder per drafter), one pure verifier, the
-//! step-cost model and draft-length policy, and a factory that builds a drafter from a
-//! `--drafter` string. Depends on `model`, `kv`, `tokenize` and `sample`, never on `engine`.
+//! Speculative decoding: the `Proposer` trait (one file or folder per drafter), drafts (chains
+//! and trees), one pure verifier, the step-cost model, the draft planner and the statistics it
+//! plans from, and a factory that builds a drafter from a `--drafter` string. Depends on `model`, `kv`, `tokenize` and `sample`, never on `engine`.
 
 pub mod combined;
 pub mod dflash;
@@ -12,6 +12,7 @@ mod fused;
 pub mod metrics;
 pub mod ngram;
 pub mod nn;
+pub mod planner;
 pub mod policy;
 pub mod proposer;
 pub mod step_cost;

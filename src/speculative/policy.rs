@@ -42,6 +42,7 @@
 //! short. What belongs to the target (its step time, how dear verifying is) is shared.
 
 use super::metrics::SpecMetrics;
+use super::planner::{best_len_of_gains, node_gains, speedup_of_gains, DraftCost, RankRates, TREE_RANKS};
 use super::proposer::DraftCostShape;
 use super::step_cost::{StepCost, MAX_DRAFT};
 use anyhow::{bail, Result};
@@ -51,128 +52,6 @@ use std::sync::Arc;
 /// of `prior_trials` tried positions.
 pub fn alpha_estimate(accepted: f64, tried: f64, prior: f64, prior_trials: f64) -> f64 {
     (accepted + prior * prior_trials) / (tried + prior_trials)
-}
-
-/// A drafter's time for a draft, in target decode steps: `r` per token or per draft.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct DraftCost {
-    pub shape: DraftCostShape,
-    pub r: f64,
-}
-
-impl DraftCost {
-    #[cfg(test)]
-    pub fn per_token(r: f64) -> Self {
-        Self { shape: DraftCostShape::PerToken, r }
-    }
-
-    /// Decode steps spent drafting k tokens.
-    pub fn of(&self, k: usize) -> f64 {
-        match (k, self.shape) {
-            (0, _) => 0.0,
-            (_, DraftCostShape::PerToken) => self.r * k as f64,
-            (_, DraftCostShape::PerDraft) => self.r,
-        }
-    }
-
-    /// Observed units of `r` in a stretch that drafted `drafted` tokens over `drafts` drafts.
-    pub fn units(shape: DraftCostShape, drafted: f64, drafts: f64) -> f64 {
-        match shape {
-            DraftCostShape::PerToken => drafted,
-            DraftCostShape::PerDraft => drafts,
-        }
-    }
-}
-
-/// Sibling ranks a draft tree's planner keeps acceptance for: the best (α) and three more.
-pub const TREE_RANKS: usize = 4;
-
-/// Acceptance of the sibling of rank 1, 2, 3 at a depth, given every better-ranked one there
-/// was rejected (rank 0's is α).
-pub type RankRates = [f64; TREE_RANKS - 1];
-
-/// What the node a draft of `i + 1` nodes adds over one of `i` is expected to commit: the
-/// probability that the verifier accepts it, for the first `n` nodes. Every draft-size
-/// decision weighs these against the verify-cost curve.
-///
-/// A chain: node i (0-based) is accepted when all before it were, `α^(i+1)` (the geometric
-/// model of Leviathan et al.). A tree (`ranks`): at each depth the verifier accepts the rank-r
-/// sibling with probability `Π_{r'<r}(1 − β_r')·β_r` (β_0 = α, β_r = `ranks[r − 1]`), so a
-/// node's probability is the product along its path of ranks, and the nodes come best first
-/// (a sibling only after the better-ranked one, a child only after its parent), which is how
-/// a tree drafter spends a node budget.
-pub fn node_gains(alpha: f64, ranks: Option<&RankRates>, n: usize) -> Vec<f64> {
-    let a = alpha.clamp(0.0, 1.0);
-    let Some(ranks) = ranks else {
-        return (1..=n).map(|i| a.powi(i as i32)).collect();
-    };
-    // Per depth: the probability that the rank-r sibling is the one accepted.
-    let mut at_rank = Vec::with_capacity(TREE_RANKS);
-    let mut reached = 1.0;
-    for beta in std::iter::once(a).chain(ranks.iter().map(|b| b.clamp(0.0, 1.0))) {
-        at_rank.push(reached * beta);
-        reached *= 1.0 - beta;
-    }
-    // Best first over (node probability, its parent's probability, its rank).
-    #[derive(PartialEq)]
-    struct Next(f64, f64, usize);
-    impl Eq for Next {}
-    impl PartialOrd for Next {
-        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-            Some(self.cmp(other))
-        }
-    }
-    impl Ord for Next {
-        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-            self.0.total_cmp(&other.0)
-        }
-    }
-    let mut heap = std::collections::BinaryHeap::from([Next(at_rank[0], 1.0, 0)]);
-    let mut gains = Vec::with_capacity(n);
-    while gains.len() < n {
-        let Some(Next(p, parent, rank)) = heap.pop() else { break };
-        gains.push(p);
-        if let Some(&g) = at_rank.get(rank + 1) {
-            heap.push(Next(parent * g, parent, rank + 1));
-        }
-        heap.push(Next(p * at_rank[0], p, 0));
-    }
-    gains
-}
-
-/// Expected speed of drafting k tokens relative to plain decoding, when each draft position is
-/// accepted with probability `alpha`, drafting costs `draft`, and a verify block costs
-/// `verify_excess` times what the curve says.
-pub fn speedup(cost: &StepCost, alpha: f64, draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
-    speedup_of_gains(cost, &node_gains(alpha, None, k), draft, verify_excess, k)
-}
-
-/// Expected speed of a draft of k nodes whose [`node_gains`] are `gains`, relative to plain
-/// decoding: `(1 + Σ gains[..k]) / (x·cost(k+1) + d(k))`.
-pub fn speedup_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
-    if k == 0 {
-        return 1.0;
-    }
-    let expected = 1.0 + gains[..k.min(gains.len())].iter().sum::<f64>();
-    expected / (cost.relative(k + 1) * verify_excess + draft.of(k)).max(1e-9)
-}
-
-/// The k in 0..=max with the best expected speed (shortest on ties), and that speed (k = 0
-/// scores 1).
-pub fn best_len(cost: &StepCost, max: usize, alpha: f64, draft: DraftCost, verify_excess: f64) -> (usize, f64) {
-    best_len_of_gains(cost, &node_gains(alpha, None, max), draft, verify_excess)
-}
-
-/// [`best_len`] for nodes with these gains (up to `gains.len()` nodes).
-pub fn best_len_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64) -> (usize, f64) {
-    let mut best = (0, 1.0);
-    for k in 1..=gains.len() {
-        let s = speedup_of_gains(cost, gains, draft, verify_excess, k);
-        if s > best.1 * (1.0 + 1e-9) {
-            best = (k, s);
-        }
-    }
-    best
 }
 
 /// Measured seconds a drafter spends catching up per missed token (None before any catch-up).
@@ -236,8 +115,10 @@ mod tuning {
     pub const PRIOR_ALPHA: f64 = 0.5;
     pub const PRIOR_TRIALS: f64 = 1.0;
     /// Prior acceptance of a draft tree's rank-1, 2 and 3 siblings once the better ones were
-    /// rejected (same weight).
-    pub const PRIOR_RANKS: [f64; super::TREE_RANKS - 1] = [0.3, 0.2, 0.15];
+    /// rejected (same weight): about what SmolLM2's drafters' runner-ups reach over the
+    /// evaluation sets (11–30% for rank 1 greedy, 2–25% at T = 1; docs/speculative.md). A
+    /// prior of 30/20/15% bought rows that did not pay at T = 1.
+    pub const PRIOR_RANKS: [f64; super::TREE_RANKS - 1] = [0.2, 0.12, 0.08];
     /// Steps at k = 0 before the first probe; doubled after each probe, up to the maximum, and
     /// back to this only once speculation has stayed on for as many steps: a lucky probe that
     /// turns drafting on for a step or two must not restart the short probe intervals.
@@ -648,6 +529,7 @@ impl AdaptiveState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::speculative::planner::best_len;
 
     /// Feeds `steps` steps where every draft is accepted with probability `alpha` (position by
     /// position, deterministic pseudo-randomness), drafting what the policy asks for.

@@ -1,0 +1,330 @@
+//! The draft planner: how many draft nodes (tokens of a chain, nodes of a tree) each decoding
+//! sequence verifies per step. Every decision here weighs the same thing: what a node is
+//! expected to commit ([`node_gains`], from acceptance measured per depth and sibling rank)
+//! against what its row costs on the measured verify-cost curve, plus the drafter's own time.
+//!
+//! - One request ([`best_len_of_gains`]): the k maximising `(1 + Σ gains[..k]) /
+//!   (x·cost(k+1) + d(k))`, drafting only when that beats plain decoding by the policy's
+//!   margin (`super::policy`, which keeps the statistics these are computed from).
+//! - A batch ([`allocate_drafts`]): nodes go one at a time to the sequence whose next node
+//!   gains most, while they raise the step's expected tokens per second.
+//!
+//! Batches: a step's time grows with its rows. On a CPU the curve is flat for a few rows (one
+//! weight read serves them all) and then linear (compute-bound). Draft nodes are handed out
+//! greedily, best first, while they raise the step's expected tokens per second above what the
+//! same step would give without them. So when the batch is large enough for the step to be
+//! compute-bound, speculation switches itself off, and throughput never falls below plain
+//! continuous batching (up to the accuracy of the cost model and of the acceptance estimates).
+
+use super::proposer::DraftCostShape;
+use super::step_cost::StepCost;
+
+/// A drafter's time for a draft, in target decode steps: `r` per token or per draft.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DraftCost {
+    pub shape: DraftCostShape,
+    pub r: f64,
+}
+
+impl DraftCost {
+    #[cfg(test)]
+    pub fn per_token(r: f64) -> Self {
+        Self { shape: DraftCostShape::PerToken, r }
+    }
+
+    /// Decode steps spent drafting k tokens.
+    pub fn of(&self, k: usize) -> f64 {
+        match (k, self.shape) {
+            (0, _) => 0.0,
+            (_, DraftCostShape::PerToken) => self.r * k as f64,
+            (_, DraftCostShape::PerDraft) => self.r,
+        }
+    }
+
+    /// Observed units of `r` in a stretch that drafted `drafted` tokens over `drafts` drafts.
+    pub fn units(shape: DraftCostShape, drafted: f64, drafts: f64) -> f64 {
+        match shape {
+            DraftCostShape::PerToken => drafted,
+            DraftCostShape::PerDraft => drafts,
+        }
+    }
+}
+
+/// Sibling ranks a draft tree's planner keeps acceptance for: the best (α) and three more.
+pub const TREE_RANKS: usize = 4;
+
+/// Acceptance of the sibling of rank 1, 2, 3 at a depth, given every better-ranked one there
+/// was rejected (rank 0's is α).
+pub type RankRates = [f64; TREE_RANKS - 1];
+
+/// What the node a draft of `i + 1` nodes adds over one of `i` is expected to commit: the
+/// probability that the verifier accepts it, for the first `n` nodes. Every draft-size
+/// decision weighs these against the verify-cost curve.
+///
+/// A chain: node i (0-based) is accepted when all before it were, `α^(i+1)` (the geometric
+/// model of Leviathan et al.). A tree (`ranks`): at each depth the verifier accepts the rank-r
+/// sibling with probability `Π_{r'<r}(1 − β_r')·β_r` (β_0 = α, β_r = `ranks[r − 1]`), so a
+/// node's probability is the product along its path of ranks, and the nodes come best first
+/// (a sibling only after the better-ranked one, a child only after its parent), which is how
+/// a tree drafter spends a node budget.
+pub fn node_gains(alpha: f64, ranks: Option<&RankRates>, n: usize) -> Vec<f64> {
+    let a = alpha.clamp(0.0, 1.0);
+    let Some(ranks) = ranks else {
+        return (1..=n).map(|i| a.powi(i as i32)).collect();
+    };
+    // Per depth: the probability that the rank-r sibling is the one accepted.
+    let mut at_rank = Vec::with_capacity(TREE_RANKS);
+    let mut reached = 1.0;
+    for beta in std::iter::once(a).chain(ranks.iter().map(|b| b.clamp(0.0, 1.0))) {
+        at_rank.push(reached * beta);
+        reached *= 1.0 - beta;
+    }
+    // Best first over (node probability, its parent's probability, its rank).
+    #[derive(PartialEq)]
+    struct Next(f64, f64, usize);
+    impl Eq for Next {}
+    impl PartialOrd for Next {
+        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Next {
+        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+            self.0.total_cmp(&other.0)
+        }
+    }
+    let mut heap = std::collections::BinaryHeap::from([Next(at_rank[0], 1.0, 0)]);
+    let mut gains = Vec::with_capacity(n);
+    while gains.len() < n {
+        let Some(Next(p, parent, rank)) = heap.pop() else { break };
+        gains.push(p);
+        if let Some(&g) = at_rank.get(rank + 1) {
+            heap.push(Next(parent * g, parent, rank + 1));
+        }
+        heap.push(Next(p * at_rank[0], p, 0));
+    }
+    gains
+}
+
+/// Expected speed of drafting k tokens relative to plain decoding, when each draft position is
+/// accepted with probability `alpha`, drafting costs `draft`, and a verify block costs
+/// `verify_excess` times what the curve says.
+pub fn speedup(cost: &StepCost, alpha: f64, draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
+    speedup_of_gains(cost, &node_gains(alpha, None, k), draft, verify_excess, k)
+}
+
+/// Expected speed of a draft of k nodes whose [`node_gains`] are `gains`, relative to plain
+/// decoding: `(1 + Σ gains[..k]) / (x·cost(k+1) + d(k))`.
+pub fn speedup_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
+    if k == 0 {
+        return 1.0;
+    }
+    let expected = 1.0 + gains[..k.min(gains.len())].iter().sum::<f64>();
+    expected / (cost.relative(k + 1) * verify_excess + draft.of(k)).max(1e-9)
+}
+
+/// The k in 0..=max with the best expected speed (shortest on ties), and that speed (k = 0
+/// scores 1).
+pub fn best_len(cost: &StepCost, max: usize, alpha: f64, draft: DraftCost, verify_excess: f64) -> (usize, f64) {
+    best_len_of_gains(cost, &node_gains(alpha, None, max), draft, verify_excess)
+}
+
+/// [`best_len`] for nodes with these gains (up to `gains.len()` nodes).
+pub fn best_len_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64) -> (usize, f64) {
+    let mut best = (0, 1.0);
+    for k in 1..=gains.len() {
+        let s = speedup_of_gains(cost, gains, draft, verify_excess, k);
+        if s > best.1 * (1.0 + 1e-9) {
+            best = (k, s);
+        }
+    }
+    best
+}
+
+/// What a decoding sequence asks for this step.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DraftBid {
+    /// Estimated acceptance of one draft position given the earlier ones were accepted.
+    pub alpha: f64,
+    /// A tree drafter's acceptance of lower-ranked siblings: its nodes are priced by the
+    /// tree's [`node_gains`]. None: a chain.
+    pub tree: Option<RankRates>,
+    /// The most draft tokens it can use (its own policy's choice, bounded by max_tokens and
+    /// the context); 0 = no speculation this step.
+    pub max_len: usize,
+    /// Drafter time per drafted token.
+    pub secs_per_token: f64,
+    /// A fixed draft length (`--draft-len N`), or an adaptive policy's probe: granted as far as
+    /// rows and blocks allow, without weighing its cost. A probe must not be weighed: it is how
+    /// a request learns that acceptance has changed, and weighing it by the acceptance it is
+    /// there to re-measure would keep a drafter off for good once the fleet had seen it fail.
+    pub exact: bool,
+}
+
+/// Smallest predicted rise in the step's tokens per second that a draft token must bring. The
+/// cost model leaves out per-row work outside the forward (sampling and verifying each row)
+/// and is measured on a noisy machine; a token predicted to gain less than this was measured
+/// to lose (4 clients on SmolLM2: +1.5% predicted, −12% served).
+const BATCH_MIN_GAIN: f64 = 0.03;
+
+/// Draft lengths for one step: `bids[i]` belongs to the i-th decoding sequence (each already
+/// has its one decode row). `can_grow(i, k)` says whether sequence i may have k draft tokens
+/// (row budget, KV blocks); it is asked in order of growth and may keep its own accounting.
+/// Exact bids are served first; the others only with a cost model to weigh them.
+pub fn allocate_drafts(
+    cost: Option<&StepCost>,
+    bids: &[DraftBid],
+    can_grow: &mut dyn FnMut(usize, usize) -> bool,
+) -> Vec<usize> {
+    let mut lens = vec![0usize; bids.len()];
+    for (i, b) in bids.iter().enumerate().filter(|(_, b)| b.exact) {
+        while lens[i] < b.max_len && can_grow(i, lens[i] + 1) {
+            lens[i] += 1;
+        }
+    }
+    let Some(cost) = cost else { return lens };
+    let mut open: Vec<bool> = bids.iter().map(|b| !b.exact && b.max_len > 0 && b.alpha > 0.0).collect();
+    // What each bid's next node is expected to commit, node by node.
+    let gains: Vec<Vec<f64>> = bids
+        .iter()
+        .zip(&open)
+        .map(|(b, &open)| if open { node_gains(b.alpha, b.tree.as_ref(), b.max_len) } else { Vec::new() })
+        .collect();
+    let mut rows = bids.len() + lens.iter().sum::<usize>();
+    let mut tokens = rows as f64;
+    let mut extra_secs: f64 = bids.iter().zip(&lens).map(|(b, &k)| b.secs_per_token * k as f64).sum();
+    loop {
+        // The open bid whose next draft token is most likely to be accepted.
+        let mut best: Option<(usize, f64)> = None;
+        for i in 0..bids.len() {
+            if !open[i] {
+                continue;
+            }
+            let Some(&gain) = gains[i].get(lens[i]) else { continue };
+            if best.is_none_or(|(_, g)| gain > g) {
+                best = Some((i, gain));
+            }
+        }
+        let Some((i, gain)) = best else { break };
+        let now = tokens / (cost.secs(rows) + extra_secs).max(1e-12);
+        let then = (tokens + gain) / (cost.secs(rows + 1) + extra_secs + bids[i].secs_per_token).max(1e-12);
+        if then <= now * (1.0 + BATCH_MIN_GAIN) {
+            // Every other open bid gains less for the same cost: done.
+            break;
+        }
+        if !can_grow(i, lens[i] + 1) {
+            open[i] = false;
+            continue;
+        }
+        lens[i] += 1;
+        rows += 1;
+        tokens += gain;
+        extra_secs += bids[i].secs_per_token;
+        if lens[i] >= bids[i].max_len {
+            open[i] = false;
+        }
+    }
+    lens
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::speculative::StepCost;
+
+    #[test]
+    fn node_gains_of_chains_and_trees() {
+        let chain = node_gains(0.5, None, 3);
+        assert_eq!(chain, vec![0.5, 0.25, 0.125]);
+        // Rank r is accepted at a depth with probability 0.5, 0.5·0.4, 0.5·0.6·0.3, …: the
+        // second node is the first choice's child (0.25), the third the runner-up (0.2).
+        let tree = node_gains(0.5, Some(&[0.4, 0.3, 0.2]), 8);
+        assert_eq!(tree.len(), 8);
+        assert!((tree[1] - 0.25).abs() < 1e-12 && (tree[2] - 0.2).abs() < 1e-12, "{tree:?}");
+        // A tree of k nodes never expects less than a chain of k.
+        let chain = node_gains(0.5, None, 8);
+        for k in 1..=8 {
+            assert!(tree[..k].iter().sum::<f64>() >= chain[..k].iter().sum::<f64>() - 1e-12);
+        }
+    }
+
+    /// A CPU-like curve: flat up to 4 rows, then linear.
+    fn cpu_curve() -> StepCost {
+        StepCost::from_points(vec![(1, 10.0), (2, 10.5), (4, 11.0), (8, 20.0), (16, 38.0), (32, 74.0), (64, 146.0)])
+    }
+
+    fn bid(alpha: f64, max_len: usize) -> DraftBid {
+        DraftBid { alpha, max_len, secs_per_token: 0.0, exact: false, tree: None }
+    }
+
+    #[test]
+    fn one_sequence_with_good_acceptance_drafts_into_the_flat_region() {
+        let lens = allocate_drafts(Some(&cpu_curve()), &[bid(0.9, 8)], &mut |_, _| true);
+        assert!(lens[0] >= 3, "{lens:?}");
+    }
+
+    #[test]
+    fn a_compute_bound_batch_switches_speculation_off() {
+        // 16 decoding sequences: the step is on the linear part, where a row costs as much as
+        // the average row, so only a certain token would pay.
+        let bids = vec![bid(0.8, 8); 16];
+        let lens = allocate_drafts(Some(&cpu_curve()), &bids, &mut |_, _| true);
+        assert!(lens.iter().all(|&k| k == 0), "{lens:?}");
+    }
+
+    #[test]
+    fn better_acceptance_gets_the_rows_first() {
+        let bids = [bid(0.3, 8), bid(0.95, 8)];
+        let lens = allocate_drafts(Some(&cpu_curve()), &bids, &mut |_, _| true);
+        assert!(lens[1] > lens[0], "{lens:?}");
+    }
+
+    #[test]
+    fn respects_caps_budget_and_zero_bids() {
+        let bids = [bid(0.99, 2), bid(0.0, 8), bid(0.99, 0)];
+        let mut rows_left = 1;
+        let lens = allocate_drafts(Some(&cpu_curve()), &bids, &mut |_, _| {
+            if rows_left == 0 {
+                return false;
+            }
+            rows_left -= 1;
+            true
+        });
+        assert_eq!(lens, vec![1, 0, 0]);
+        let lens = allocate_drafts(Some(&cpu_curve()), &bids, &mut |_, _| true);
+        assert_eq!(lens, vec![2, 0, 0]);
+    }
+
+    #[test]
+    fn an_expensive_drafter_drafts_less() {
+        let free = allocate_drafts(Some(&cpu_curve()), &[bid(0.8, 8)], &mut |_, _| true)[0];
+        let dear = allocate_drafts(
+            Some(&cpu_curve()),
+            &[DraftBid { alpha: 0.8, max_len: 8, secs_per_token: 4.0, exact: false, tree: None }],
+            &mut |_, _| true,
+        )[0];
+        assert!(dear < free, "{dear} vs {free}");
+    }
+
+    #[test]
+    fn a_tree_drafter_with_poor_first_choices_gets_rows_a_chain_would_not() {
+        // First choices right a third of the time: a chain is not worth a row here, a tree
+        // whose second and third choices catch many of the misses is.
+        let chain = allocate_drafts(Some(&cpu_curve()), &[bid(0.35, 8)], &mut |_, _| true)[0];
+        let tree = DraftBid { tree: Some([0.5, 0.4, 0.3]), ..bid(0.35, 8) };
+        let tree = allocate_drafts(Some(&cpu_curve()), &[tree], &mut |_, _| true)[0];
+        assert!(tree > chain, "tree {tree} vs chain {chain}");
+    }
+
+    #[test]
+    fn exact_bids_get_their_length_without_a_cost_model() {
+        let exact = DraftBid { alpha: 0.0, max_len: 5, secs_per_token: 0.0, exact: true, tree: None };
+        assert_eq!(allocate_drafts(None, &[exact, bid(0.99, 8)], &mut |_, _| true), vec![5, 0]);
+        let mut rows_left = 3;
+        let lens = allocate_drafts(None, &[exact], &mut |_, _| {
+            rows_left -= 1;
+            rows_left >= 0
+        });
+        assert_eq!(lens, vec![3], "bounded by the rows left");
+    }
+}

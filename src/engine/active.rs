@@ -1,13 +1,13 @@
 //! One request inside the engine: its sequence, drafter, draft policy, counters, and the sink
 //! its events go to.
 
-use crate::speculative::planner::DraftBid;
 use super::request::{Completion, EngineEvent, StepTrace, TokenChunk, TokenLogprob, TokenSource, Usage};
 use super::scheduler::SchedSeq;
 use super::sequence::{FinishReason, Sequence};
 use super::text_stream::TextStream;
 use crate::grammar::Constraint;
 use crate::kv::KvPool;
+use crate::speculative::planner::DraftBid;
 use crate::speculative::{AdaptiveState, Proposer, SpecMetrics};
 use crate::tokenize::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;

@@ -12,7 +12,6 @@
 
 use super::active::{Active, DraftChoice, EventSink, PromptLogprobs};
 pub use super::config::{EngineConfig, EngineSnapshot};
-use crate::speculative::planner::DraftBid;
 use super::fleet::FleetAcceptance;
 use super::request::{EngineEvent, EngineRequest, StepTrace, TokenChunk};
 use super::scheduler::{SchedSeq, Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};
@@ -22,6 +21,7 @@ use crate::kv::{KvPool, PoolExhausted};
 use crate::model::{ForwardBatch, ForwardOutput, LogitsRows, Transformer};
 use crate::sample::token_logprob;
 use crate::speculative::metrics::rank_outcomes;
+use crate::speculative::planner::DraftBid;
 use crate::speculative::verify::penalize_verification_rows;
 use crate::speculative::{verify, AdaptiveState, Draft, DraftLen, DraftTree, Proposer, StepCost, MAX_DRAFT};
 use crate::tokenize::Tokenizer;
@@ -549,6 +549,8 @@ impl<'a> EngineCore<'a> {
                 .collect(),
             None => Vec::new(),
         };
+        // Per depth walked: siblings tried and the rank accepted (0: the drafter's first choice).
+        let ranks = rank_outcomes(&draft, &verdict);
         if !a.seq.generated().is_empty() {
             a.metrics.record_draft(&draft, &verdict, committed.len());
             // The forward served every sequence at once; charge this one its rows' share.
@@ -560,7 +562,6 @@ impl<'a> EngineCore<'a> {
             self.totals.verify_steps += 1;
             self.totals.drafted += draft.tokens.len() as u64;
             // The fleet's α is the drafter's first choices' acceptance, as the policy's is.
-            let ranks = rank_outcomes(&draft, &verdict);
             let first_accepted = ranks.iter().filter(|(_, taken)| *taken == Some(0)).count();
             self.fleet.record_positions(ranks.len(), first_accepted);
             self.totals.tree_steps += u64::from(draft.is_tree());
@@ -579,8 +580,7 @@ impl<'a> EngineCore<'a> {
         }
 
         let mut chunk = TokenChunk::default();
-        // Each accepted draft token's sibling rank (0: the drafter's first choice).
-        let draft_ranks: Vec<usize> = rank_outcomes(&draft, &verdict).iter().filter_map(|&(_, r)| r).collect();
+        let draft_ranks: Vec<usize> = ranks.iter().filter_map(|&(_, r)| r).collect();
         let finish = a.commit(&committed, logprobs, &draft_ranks, &self.stop_ids, tokenizer, ctx, &mut chunk);
         if let Some(c) = a.constraint.as_mut() {
             c.commit(&chunk.ids)?;

@@ -25,8 +25,8 @@ mod sequence;
 mod text_stream;
 
 pub use self::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
-pub use active::EventSink;
 pub use crate::speculative::planner::{allocate_drafts, DraftBid};
+pub use active::EventSink;
 pub use fleet::FleetAcceptance;
 pub use generate::{generate, GenerateOptions, Generation};
 pub use handle::Engine;

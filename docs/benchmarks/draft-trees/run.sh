@@ -8,8 +8,8 @@
 #        against trees (--draft-tree off,auto), greedy and T = 1, the four evaluation sets.
 # qwen:  Qwen2.5-Coder-1.5B with the 0.5B draft model at auto, chains against trees, humaneval
 #        and gsm8k-100, greedy and T = 1.
-# serve: SmolLM2 served with prompt lookup + DFlash, --draft-tree off against auto, 1 and 8
-#        clients, alternating, two rounds.
+# serve: SmolLM2 served with prompt lookup + DFlash, --draft-tree off against auto, 1 client
+#        (16 requests) and 8 clients (32 requests) of 128 tokens, alternating, two rounds.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 { grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512_vnni\|amx_int8\|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } > "$here/cpu.txt"
@@ -37,7 +37,7 @@ for part in "${@:-tau auto qwen serve}"; do
               specula serve -m smollm2-135m --drafter ngram+dflash:$dflash --draft-tree $tree --port 18092 > /dev/null 2>&1 &
               server=$!
               for _ in $(seq 240); do curl -s localhost:18092/health >/dev/null 2>&1 && break; sleep 0.5; done
-              specula loadtest --url http://127.0.0.1:18092 --clients $clients --requests $((clients * 4)) --max-tokens 128 2>&1 \
+              specula loadtest --url http://127.0.0.1:18092 --clients $clients --requests $((clients == 1 ? 16 : 32)) --max-tokens 128 2>&1 \
                 | tail -1 | sed "s/^/round $round, $clients clients, --draft-tree $tree: /" | tee -a "$out"
               curl -s localhost:18092/metrics | grep -E '^specula_(draft|acceptance|verify_steps)' \
                 | sed "s/^/  /" >> "$out"

@@ -238,16 +238,19 @@ fn assert_tree_rows_bitwise_equal_chains(m: &Transformer, what: &str) {
     b.push_tree(&tree, &mut cache, LogitsRows::All, &parents);
     let rows = m.forward(&mut b).unwrap().seq_logits(0).unwrap();
     assert_eq!(cache.len(), ctx.len() + tree.len());
-    for (r, tree_row) in rows.iter().enumerate() {
-        let chain: Vec<u32> = path_of(r).iter().map(|&i| tree[i]).collect();
+    // `ctx` then `chain` through a fresh cache, in two forwards: the last row's logits.
+    let chain_step = |chain: &[u32]| {
         let mut chain_cache = pool.new_sequence();
         let mut b = ForwardBatch::new();
-        b.push(&ctx, &mut chain_cache, LogitsRows::None);
+        b.push(&chain[..ctx.len()], &mut chain_cache, LogitsRows::None);
         m.forward(&mut b).unwrap();
         let mut b = ForwardBatch::new();
-        b.push(&chain, &mut chain_cache, LogitsRows::Last);
-        let row = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
-        let d = max_abs_diff(&row, tree_row);
+        b.push(&chain[ctx.len()..], &mut chain_cache, LogitsRows::Last);
+        m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0)
+    };
+    let with_path = |path: &[usize]| -> Vec<u32> { ctx.iter().copied().chain(path.iter().map(|&i| tree[i])).collect() };
+    for (r, tree_row) in rows.iter().enumerate() {
+        let d = max_abs_diff(&chain_step(&with_path(&path_of(r))), tree_row);
         assert!(d == 0.0, "{what}: tree row {r} (path {:?}) differs from its chain by {d}", path_of(r));
     }
     // Keep the path to row 19, then decode one token on top.
@@ -258,15 +261,9 @@ fn assert_tree_rows_bitwise_equal_chains(m: &Transformer, what: &str) {
     let mut b = ForwardBatch::new();
     b.push(&next, &mut cache, LogitsRows::Last);
     let after_tree = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
-    let mut chain: Vec<u32> = ctx.clone();
-    chain.extend(path.iter().map(|&i| tree[i]));
-    let mut chain_cache = pool.new_sequence();
-    let mut b = ForwardBatch::new();
-    b.push(&chain, &mut chain_cache, LogitsRows::None);
-    m.forward(&mut b).unwrap();
-    let mut b = ForwardBatch::new();
-    b.push(&next, &mut chain_cache, LogitsRows::Last);
-    let after_chain = m.forward(&mut b).unwrap().seq_logits(0).unwrap().remove(0);
+    let mut chain = with_path(&path);
+    chain.push(next[0]);
+    let after_chain = chain_step(&chain);
     let d = max_abs_diff(&after_tree, &after_chain);
     assert!(d == 0.0, "{what}: decoding after keeping a tree path differs from the chain by {d}");
 }

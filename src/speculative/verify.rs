@@ -562,6 +562,28 @@ mod tests {
         tokens.iter().fold(0, |acc, &t| acc * vocab + t as usize)
     }
 
+    /// Draws `SAMPLES` continuations with `decode(rng, drafter_rng, stats)` and checks their
+    /// distribution against `expected` (chi-square at p = 0.001); returns the run's stats.
+    fn assert_distribution(
+        what: &str,
+        expected: &[f64],
+        vocab: usize,
+        seed: u64,
+        mut decode: impl FnMut(&mut SamplerRng, &mut SamplerRng, &mut SpecStats) -> Vec<u32>,
+    ) -> SpecStats {
+        let mut rng = SamplerRng::from_seed(seed);
+        let mut drafter_rng = SamplerRng::from_seed(seed + 1000);
+        let mut stats = SpecStats::default();
+        let mut observed = vec![0usize; expected.len()];
+        for _ in 0..SAMPLES {
+            observed[sequence_index(&decode(&mut rng, &mut drafter_rng, &mut stats), vocab)] += 1;
+        }
+        let (statistic, dof) = chi_square(&observed, expected, SAMPLES);
+        let critical = chi_square_critical_0_001(dof);
+        assert!(statistic < critical, "{what}: chi2 = {statistic:.1} >= {critical:.1} ({dof} dof)");
+        stats
+    }
+
     fn target_params() -> Vec<(&'static str, SamplingParams)> {
         let d = SamplingParams::default;
         vec![
@@ -591,30 +613,10 @@ mod tests {
             ];
             for (drafter_index, (drafter_name, drafter)) in drafters.iter().enumerate() {
                 let seed = (config_index * 16 + drafter_index) as u64;
-                let mut rng = SamplerRng::from_seed(seed);
-                let mut drafter_rng = SamplerRng::from_seed(seed + 1000);
-                let mut stats = SpecStats::default();
-                let mut observed = vec![0usize; expected.len()];
-                for _ in 0..SAMPLES {
-                    let tokens = speculative_decode(
-                        &target,
-                        drafter,
-                        &prompt,
-                        SEQUENCE_LEN,
-                        4,
-                        &params,
-                        &mut rng,
-                        &mut drafter_rng,
-                        &mut stats,
-                    );
-                    observed[sequence_index(&tokens, vocab)] += 1;
-                }
-                let (statistic, dof) = chi_square(&observed, &expected, SAMPLES);
-                let critical = chi_square_critical_0_001(dof);
-                assert!(
-                    statistic < critical,
-                    "{name}, drafter {drafter_name}: chi2 = {statistic:.1} >= {critical:.1} ({dof} dof)"
-                );
+                let what = format!("{name}, drafter {drafter_name}");
+                let stats = assert_distribution(&what, &expected, vocab, seed, |rng, drafter_rng, stats| {
+                    speculative_decode(&target, drafter, &prompt, SEQUENCE_LEN, 4, &params, rng, drafter_rng, stats)
+                });
                 if matches!(drafter, Drafter::ExactTarget(_)) {
                     assert_eq!(stats.accepted, stats.drafted, "q = p must accept every draft");
                 } else {
@@ -890,29 +892,10 @@ mod tests {
             ];
             for (drafter_index, (drafter_name, drafter)) in drafters.iter().enumerate() {
                 let seed = (config_index * 16 + drafter_index) as u64;
-                let mut rng = SamplerRng::from_seed(seed);
-                let mut drafter_rng = SamplerRng::from_seed(seed + 1000);
-                let mut stats = SpecStats::default();
-                let mut observed = vec![0usize; expected.len()];
-                for _ in 0..SAMPLES {
-                    let tokens = tree_decode(
-                        &target,
-                        drafter,
-                        &prompt,
-                        SEQUENCE_LEN,
-                        &params,
-                        &mut rng,
-                        &mut drafter_rng,
-                        &mut stats,
-                    );
-                    observed[sequence_index(&tokens, vocab)] += 1;
-                }
-                let (statistic, dof) = chi_square(&observed, &expected, SAMPLES);
-                let critical = chi_square_critical_0_001(dof);
-                assert!(
-                    statistic < critical,
-                    "{name}, tree drafter {drafter_name}: chi2 = {statistic:.1} >= {critical:.1} ({dof} dof)"
-                );
+                let what = format!("{name}, tree drafter {drafter_name}");
+                assert_distribution(&what, &expected, vocab, seed, |rng, drafter_rng, stats| {
+                    tree_decode(&target, drafter, &prompt, SEQUENCE_LEN, &params, rng, drafter_rng, stats)
+                });
             }
         }
     }

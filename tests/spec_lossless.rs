@@ -215,8 +215,8 @@ impl Proposer for CheckedDraftModel {
     fn name(&self) -> &str {
         self.0.name()
     }
-    fn enable_trees(&mut self) -> bool {
-        self.0.enable_trees()
+    fn set_trees(&mut self, on: bool) -> bool {
+        self.0.set_trees(on)
     }
     fn begin(&mut self, prompt: &[u32]) -> anyhow::Result<()> {
         self.0.begin(prompt)

@@ -60,6 +60,8 @@ pub(super) struct Active<'a> {
     /// Prompt tokens attached from the prefix cache at arrival.
     pub cached_prompt_tokens: usize,
     pub bid: DraftBid,
+    /// Its drafter drafts trees (None: chains only), and whether this step's draft is one.
+    pub trees: Option<bool>,
     /// Finished, failed or abandoned: removed (and its KV freed) at the end of the step.
     pub done: bool,
     /// Its receiver went away (a client that disconnected).

@@ -152,7 +152,7 @@ impl<'a> EngineCore<'a> {
         // Draft trees, where asked for and the drafter can: the most nodes per step.
         let max_nodes = match (self.draft_tree, proposer.as_mut()) {
             (DraftTree::Off, _) | (_, None) => None,
-            (tree, Some(p)) => p.enable_trees().then_some(match tree {
+            (tree, Some(p)) => p.set_trees(true).then_some(match tree {
                 DraftTree::Max(n) => n.min(self.max_draft),
                 _ => self.max_draft,
             }),
@@ -202,6 +202,7 @@ impl<'a> EngineCore<'a> {
             preemptions: 0,
             cached_prompt_tokens,
             bid: DraftBid::default(),
+            trees: max_nodes.map(|_| true),
             done: false,
             abandoned: false,
             ignore_eos: req.ignore_eos,
@@ -318,6 +319,10 @@ impl<'a> EngineCore<'a> {
                         .as_mut()
                         .map_or((0, 0), |p| (p.next_source(&a.seq.tokens), p.pending_catch_up(&a.seq.tokens)));
                     let want = policy.choose_for(source, &a.metrics, pending).min(room);
+                    // A tree only where the best draft of this size has a runner-up in it.
+                    if a.trees.is_some() {
+                        a.trees = Some(policy.tree_pays(want));
+                    }
                     // A one-pass drafter's time is spread over the length its policy chose.
                     let draft = policy.draft_cost();
                     let secs_per_token = draft.of(want) / want.max(1) as f64 * policy.step_secs();
@@ -687,6 +692,9 @@ fn draft_for(a: &mut Active, slot: &Slot, stop_ids: &[u32]) -> Result<Draft> {
         a.metrics.catch_up_secs += t.elapsed().as_secs_f64();
     }
     let t = Instant::now();
+    if let Some(on) = a.trees {
+        p.set_trees(on);
+    }
     let mut d = p.propose(&a.seq.tokens, k)?;
     if d.is_tree() {
         // Nothing after a stop token can be committed, and tokens the grammar forbids would

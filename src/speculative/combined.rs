@@ -81,9 +81,9 @@ impl Proposer for CombinedProposer<'_> {
         self.first.restorable_prefix(prompt).min(self.then.restorable_prefix(prompt))
     }
 
-    fn enable_trees(&mut self) -> bool {
-        let first = self.first.enable_trees();
-        self.then.enable_trees() || first
+    fn set_trees(&mut self, on: bool) -> bool {
+        let first = self.first.set_trees(on);
+        self.then.set_trees(on) || first
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {

@@ -39,7 +39,7 @@ pub struct DraftModelProposer {
     fed: Vec<u32>,
     /// Draft tokens past which the target's generation ends (not drafted beyond).
     stop_ids: Vec<u32>,
-    /// Draft trees: runner-ups at each position as leaves ([`Proposer::enable_trees`]).
+    /// Draft trees: runner-ups at each position as leaves ([`Proposer::set_trees`]).
     trees: bool,
 }
 
@@ -136,8 +136,8 @@ impl Proposer for DraftModelProposer {
         "draft-model"
     }
 
-    fn enable_trees(&mut self) -> bool {
-        self.trees = true;
+    fn set_trees(&mut self, on: bool) -> bool {
+        self.trees = on;
         true
     }
 

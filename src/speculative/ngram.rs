@@ -28,7 +28,7 @@ pub struct NgramProposer {
     /// `index[n - min_ngram]`: hash of an n-gram → start of its most recent occurrence in
     /// `seen` that has a following token. Hash collisions are caught by comparing tokens.
     index: Vec<HashMap<u64, u32>>,
-    /// Draft trees of several matches' continuations ([`Proposer::enable_trees`]).
+    /// Draft trees of several matches' continuations ([`Proposer::set_trees`]).
     trees: bool,
 }
 
@@ -169,8 +169,8 @@ impl Proposer for NgramProposer {
         Ok(())
     }
 
-    fn enable_trees(&mut self) -> bool {
-        self.trees = true;
+    fn set_trees(&mut self, on: bool) -> bool {
+        self.trees = on;
         true
     }
 
@@ -284,7 +284,7 @@ mod tests {
     #[test]
     fn a_tree_holds_the_continuations_of_several_matches() {
         let mut p = NgramProposer::new(1, 3).unwrap();
-        assert!(p.enable_trees());
+        assert!(p.set_trees(true));
         // "5 6" last continued with 7 8; "6" alone last continued with 9.
         let tokens = [5, 6, 7, 8, 1, 6, 9, 2, 5, 6];
         let d = p.propose(&tokens, 6).unwrap();
@@ -295,7 +295,7 @@ mod tests {
         assert!(d.len() <= 6);
         // A single match is a chain.
         let mut p = NgramProposer::new(2, 2).unwrap();
-        p.enable_trees();
+        p.set_trees(true);
         assert!(!p.propose(&[1, 2, 3, 1, 2], 3).unwrap().is_tree());
     }
 

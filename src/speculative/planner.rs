@@ -69,13 +69,25 @@ pub type RankRates = [f64; TREE_RANKS - 1];
 /// a tree drafter spends a node budget.
 pub fn node_gains(alpha: f64, ranks: Option<&RankRates>, n: usize) -> Vec<f64> {
     let a = alpha.clamp(0.0, 1.0);
-    let Some(ranks) = ranks else {
-        return (1..=n).map(|i| a.powi(i as i32)).collect();
-    };
+    match ranks {
+        None => (1..=n).map(|i| a.powi(i as i32)).collect(),
+        Some(ranks) => best_first_nodes(a, ranks, n).into_iter().map(|(gain, _)| gain).collect(),
+    }
+}
+
+/// Whether the `n` best nodes of [`node_gains`]' tree include a sibling that is not the
+/// drafter's first choice: if not, the best draft of that size is a chain, and a drafter
+/// asked for a tree would spend rows on runner-ups the measured acceptance does not buy.
+pub fn tree_pays(alpha: f64, ranks: &RankRates, n: usize) -> bool {
+    best_first_nodes(alpha.clamp(0.0, 1.0), ranks, n).iter().any(|&(_, rank)| rank > 0)
+}
+
+/// The tree's nodes best first: (probability of being accepted, sibling rank).
+fn best_first_nodes(alpha: f64, ranks: &RankRates, n: usize) -> Vec<(f64, usize)> {
     // Per depth: the probability that the rank-r sibling is the one accepted.
     let mut at_rank = Vec::with_capacity(TREE_RANKS);
     let mut reached = 1.0;
-    for beta in std::iter::once(a).chain(ranks.iter().map(|b| b.clamp(0.0, 1.0))) {
+    for beta in std::iter::once(alpha).chain(ranks.iter().map(|b| b.clamp(0.0, 1.0))) {
         at_rank.push(reached * beta);
         reached *= 1.0 - beta;
     }
@@ -94,16 +106,16 @@ pub fn node_gains(alpha: f64, ranks: Option<&RankRates>, n: usize) -> Vec<f64> {
         }
     }
     let mut heap = std::collections::BinaryHeap::from([Next(at_rank[0], 1.0, 0)]);
-    let mut gains = Vec::with_capacity(n);
-    while gains.len() < n {
+    let mut nodes = Vec::with_capacity(n);
+    while nodes.len() < n {
         let Some(Next(p, parent, rank)) = heap.pop() else { break };
-        gains.push(p);
+        nodes.push((p, rank));
         if let Some(&g) = at_rank.get(rank + 1) {
             heap.push(Next(parent * g, parent, rank + 1));
         }
         heap.push(Next(p * at_rank[0], p, 0));
     }
-    gains
+    nodes
 }
 
 /// Expected speed of drafting k tokens relative to plain decoding, when each draft position is
@@ -241,6 +253,10 @@ mod tests {
         let tree = node_gains(0.5, Some(&[0.4, 0.3, 0.2]), 8);
         assert_eq!(tree.len(), 8);
         assert!((tree[1] - 0.25).abs() < 1e-12 && (tree[2] - 0.2).abs() < 1e-12, "{tree:?}");
+        // Here the runner-up is worth a row from the third node on; with a drafter right
+        // nine times in ten it is not, for the sizes a CPU verifies.
+        assert!(!tree_pays(0.5, &[0.4, 0.3, 0.2], 2) && tree_pays(0.5, &[0.4, 0.3, 0.2], 3));
+        assert!(!tree_pays(0.9, &[0.3, 0.2, 0.1], 12));
         // A tree of k nodes never expects less than a chain of k.
         let chain = node_gains(0.5, None, 8);
         for k in 1..=8 {

@@ -42,7 +42,7 @@
 //! short. What belongs to the target (its step time, how dear verifying is) is shared.
 
 use super::metrics::SpecMetrics;
-use super::planner::{best_len_of_gains, node_gains, speedup_of_gains, DraftCost, RankRates, TREE_RANKS};
+use super::planner::{best_len_of_gains, node_gains, speedup_of_gains, tree_pays, DraftCost, RankRates, TREE_RANKS};
 use super::proposer::DraftCostShape;
 use super::step_cost::{StepCost, MAX_DRAFT};
 use anyhow::{bail, Result};
@@ -296,6 +296,12 @@ impl AdaptiveState {
     /// Prices drafts as trees from now on (the proposer drafts them).
     pub fn enable_trees(&mut self) {
         self.tree = true;
+    }
+
+    /// Whether a draft of `k` nodes should be a tree: the planner's best draft of that size
+    /// has a runner-up in it ([`tree_pays`]).
+    pub fn tree_pays(&self, k: usize) -> bool {
+        self.tree && tree_pays(self.alpha(), &self.src().rank_rates(), k)
     }
 
     /// The rank-1.. acceptance a tree's node gains use; None for chains.

@@ -56,9 +56,9 @@ pub trait Proposer: Send {
         None
     }
 
-    /// From now on `propose` may return a draft tree of up to `max_len` nodes, where this
-    /// drafter can draft trees (a chain is always allowed). Returns whether it will.
-    fn enable_trees(&mut self) -> bool {
+    /// From now on `propose` drafts trees of up to `max_len` nodes (`on`) or chains, where
+    /// this drafter can draft trees. Returns whether it can.
+    fn set_trees(&mut self, _on: bool) -> bool {
         false
     }
 
@@ -85,7 +85,7 @@ pub trait Proposer: Send {
     fn observe(&mut self, tokens: &[u32], cached: Range<usize>, taps: &[Tensor]) -> Result<()>;
 
     /// Proposes up to `max_len` tokens to follow `tokens` (the committed sequence): a chain,
-    /// or with [`Self::enable_trees`] a tree of up to `max_len` nodes.
+    /// or after [`Self::set_trees`] a tree of up to `max_len` nodes.
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft>;
 
     /// Committed tokens the drafter has not processed yet and must before it can draft (a
@@ -131,8 +131,8 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
         (**self).has_draft(tokens)
     }
 
-    fn enable_trees(&mut self) -> bool {
-        (**self).enable_trees()
+    fn set_trees(&mut self, on: bool) -> bool {
+        (**self).set_trees(on)
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {

@@ -8,6 +8,9 @@
 #        against trees (--draft-tree off,auto), greedy and T = 1, the four evaluation sets.
 # qwen:  Qwen2.5-Coder-1.5B with the 0.5B draft model at auto, chains against trees, humaneval
 #        and gsm8k-100, greedy and T = 1.
+# pays:  after the planner asks for a tree only when its best draft of the size has a runner-up
+#        in it: chains against trees for SmolLM2 (DFlash, lookup + DFlash; gsm8k-100, humaneval,
+#        T = 0 and 1) and Qwen2.5-Coder-1.5B's draft model (5 prompts, greedy).
 # serve: SmolLM2 served with prompt lookup + DFlash, --draft-tree off against auto, 1 client
 #        (16 requests) and 8 clients (32 requests) of 128 tokens, alternating, two rounds.
 set -euo pipefail
@@ -29,6 +32,13 @@ for part in "${@:-tau auto qwen serve}"; do
         specula bench --mode spec -m qwen2.5-coder-1.5b --drafter draft-model:qwen2.5-coder-0.5b --draft-len auto \
           --draft-tree off,auto --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 \
           --temperatures 0,1 --out-dir "$here/qwen1.5b" ;;
+      pays)
+        specula bench --mode spec -m smollm2-135m --drafter dflash:$dflash --drafter ngram+dflash:$dflash \
+          --draft-len auto --draft-tree off,auto --dataset gsm8k-100 --dataset humaneval --limit 10 \
+          --max-tokens 128 --temperatures 0,1 --out-dir "$here/tree-when-it-pays/smollm2"
+        specula bench --mode spec -m qwen2.5-coder-1.5b --drafter draft-model:qwen2.5-coder-0.5b --draft-len auto \
+          --draft-tree off,auto --dataset humaneval --dataset gsm8k-100 --limit 5 --max-tokens 128 \
+          --temperatures 0 --out-dir "$here/tree-when-it-pays/qwen1.5b" ;;
       serve)
         out="$here/serve.txt"; : > "$out"
         for round in 1 2; do

@@ -104,7 +104,7 @@ pub struct DflashProposer {
     /// (contiguous from `cache.end`): projecting waits until a draft is asked for, so a drafter
     /// the policy leaves idle costs nothing per token.
     pending: Vec<(usize, Vec<Tensor>)>,
-    /// Draft trees instead of chains ([`Proposer::enable_trees`]).
+    /// Draft trees instead of chains ([`Proposer::set_trees`]).
     trees: bool,
 }
 
@@ -347,8 +347,8 @@ impl Proposer for DflashProposer {
         self.flush()
     }
 
-    fn enable_trees(&mut self) -> bool {
-        self.trees = true;
+    fn set_trees(&mut self, on: bool) -> bool {
+        self.trees = on;
         true
     }
 

@@ -41,7 +41,7 @@ pub struct Eagle3Proposer {
     /// Committed rows whose target states arrived but were not run yet (contiguous from `end`):
     /// running them waits for the next draft, so a drafter the policy leaves idle costs nothing.
     pending: Vec<(usize, Vec<Tensor>)>,
-    /// Draft trees: runner-ups at each step as leaves ([`Proposer::enable_trees`]).
+    /// Draft trees: runner-ups at each step as leaves ([`Proposer::set_trees`]).
     trees: bool,
 }
 
@@ -191,8 +191,8 @@ impl Proposer for Eagle3Proposer {
         self.flush(tokens)
     }
 
-    fn enable_trees(&mut self) -> bool {
-        self.trees = true;
+    fn set_trees(&mut self, on: bool) -> bool {
+        self.trees = on;
         true
     }
 

@@ -557,7 +557,7 @@ impl<'a> EngineCore<'a> {
         // Per depth walked: siblings tried and the rank accepted (0: the drafter's first choice).
         let ranks = rank_outcomes(&draft, &verdict);
         if !a.seq.generated().is_empty() {
-            a.metrics.record_draft(&draft, &verdict, committed.len());
+            a.metrics.record_draft(&draft, verdict.accepted, committed.len(), &ranks);
             // The forward served every sequence at once; charge this one its rows' share.
             let total_rows = fwd.out.row_ranges.iter().map(|r| r.len()).sum::<usize>().max(1);
             a.metrics.verify_secs += fwd.secs * fwd.out.row_ranges[j].len() as f64 / total_rows as f64;

@@ -32,6 +32,7 @@ impl FleetAcceptance {
     const PRIOR_WEIGHT: f64 = 4.0;
 
     /// A chain step: `drafted` tokens, the first `accepted` of them accepted.
+    #[cfg(test)]
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         // Positions tried: the accepted ones and the first rejected one, if any.
         self.record_positions((accepted + 1).min(drafted), accepted);

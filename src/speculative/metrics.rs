@@ -69,10 +69,9 @@ impl SpecMetrics {
         self.record_walk(drafted, drafted, accepted, committed, &ranks);
     }
 
-    /// A verified draft, chain or tree.
-    pub fn record_draft(&mut self, draft: &Draft, verdict: &Verdict, committed: usize) {
-        let ranks = rank_outcomes(draft, verdict);
-        self.record_walk(draft.len(), draft.depth(), verdict.accepted, committed, &ranks);
+    /// A verified draft, chain or tree; `ranks` is its [`rank_outcomes`].
+    pub fn record_draft(&mut self, draft: &Draft, accepted: usize, committed: usize, ranks: &[(usize, Option<usize>)]) {
+        self.record_walk(draft.len(), draft.depth(), accepted, committed, ranks);
     }
 
     /// `ranks`: per depth walked, (siblings tried, rank accepted).

@@ -118,13 +118,6 @@ fn best_first_nodes(alpha: f64, ranks: &RankRates, n: usize) -> Vec<(f64, usize)
     nodes
 }
 
-/// Expected speed of drafting k tokens relative to plain decoding, when each draft position is
-/// accepted with probability `alpha`, drafting costs `draft`, and a verify block costs
-/// `verify_excess` times what the curve says.
-pub fn speedup(cost: &StepCost, alpha: f64, draft: DraftCost, verify_excess: f64, k: usize) -> f64 {
-    speedup_of_gains(cost, &node_gains(alpha, None, k), draft, verify_excess, k)
-}
-
 /// Expected speed of a draft of k nodes whose [`node_gains`] are `gains`, relative to plain
 /// decoding: `(1 + Σ gains[..k]) / (x·cost(k+1) + d(k))`.
 pub fn speedup_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64, k: usize) -> f64 {

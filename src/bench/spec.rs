@@ -8,7 +8,8 @@
 use crate::datasets::{self, Prompt, PromptKind};
 use crate::engine::{generate, FleetAcceptance, GenerateOptions, LoadedModel};
 use crate::sample::SamplingParams;
-use crate::speculative::{build_proposer, DrafterSpec};
+use crate::speculative::suffix::cache::SuffixCache;
+use crate::speculative::{build_proposer, Caller, DrafterSpec};
 use crate::speculative::{DraftLen, DraftTree, SpecMetrics, StepCost, StepCostSettings};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
@@ -505,7 +506,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         // A drafter that cannot draft for this target (another vocabulary) fails here, before
         // any time is spent measuring.
         for spec in drafters.iter().flatten() {
-            build_proposer(spec, loaded.target())
+            build_proposer(spec, loaded.target(), Caller::default())
                 .with_context(|| format!("drafter {} for {model_key}", spec.label()))?;
         }
         let curve_max_m = settings.curve_max_m.max(settings.max_auto_draft_len + 1).max(
@@ -516,6 +517,11 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         let curve: Vec<f64> = (1..=curve_max_m).map(|m| cost.relative(m)).collect();
         let stop_ids = loaded.stop_ids();
         let mut runs: Vec<PromptRun> = Vec::new();
+        // A suffix drafter remembers this model's earlier requests, as a server's would.
+        let suffix_caches: Vec<Option<Arc<SuffixCache>>> = drafters
+            .iter()
+            .map(|d| d.as_ref().filter(|d| d.uses_suffix()).map(|_| Arc::new(SuffixCache::new(Default::default()))))
+            .collect();
 
         for (ds, raw_prompts) in &sets {
             let prompts = encode_set(&loaded, ds, raw_prompts, &settings.chat_template_kwargs)?;
@@ -530,7 +536,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                     .collect();
                 for (i, prompt) in prompts.iter().enumerate() {
                     let mut plain_tokens: Option<Vec<u32>> = None;
-                    for ((mode, drafter), history) in modes.iter().zip(&drafters).zip(&histories) {
+                    for (m, ((mode, drafter), history)) in modes.iter().zip(&drafters).zip(&histories).enumerate() {
                         progress.set_message(format!("{model_key} · {ds} · T={temperature} · {}", mode.label()));
                         let params = SamplingParams {
                             temperature,
@@ -539,7 +545,11 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
                             ..SamplingParams::default()
                         };
                         let mut proposer = match drafter {
-                            Some(spec) => Some(build_proposer(spec, loaded.target())?),
+                            Some(spec) => Some(build_proposer(
+                                spec,
+                                loaded.target(),
+                                Caller { suffix_cache: suffix_caches[m].as_ref(), api_key: None },
+                            )?),
                             None => None,
                         };
                         let opts = GenerateOptions {

@@ -3,6 +3,7 @@
 use super::ModelArgs;
 use crate::engine::{Engine, EngineConfig};
 use crate::server::{serve, AppState, ServerConfig};
+use crate::speculative::suffix::cache::{SuffixCache, SuffixCacheConfig, SuffixScope, DEFAULT_CACHE_MB};
 use crate::speculative::{parse_draft_len, parse_draft_tree, DraftTree, DrafterSpec, MAX_DRAFT};
 use anyhow::{bail, Context, Result};
 use std::net::{IpAddr, SocketAddr};
@@ -14,7 +15,7 @@ use std::time::Duration;
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Drafter for every request: ngram[:N], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, two of
+    /// Drafter for every request: ngram[:N], suffix[:OPTIONS], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, two of
     /// those joined by `+` (the second drafts where the first finds nothing), `auto` (prompt
     /// lookup, with the repository's DFlash drafter for the model behind it where there is
     /// one), or `none`. The draft length adapts per request and to the load (down to none when
@@ -69,6 +70,21 @@ pub struct ServeArgs {
     /// On SIGTERM / Ctrl-C, seconds in-flight requests get to finish (a second Ctrl-C exits at once).
     #[arg(long, default_value_t = 30)]
     shutdown_grace_secs: u64,
+    /// Memory of the suffix drafter's cache of recent requests, in MiB; the oldest requests
+    /// are evicted whole to stay within it.
+    #[arg(long, default_value_t = DEFAULT_CACHE_MB)]
+    suffix_cache_mb: usize,
+    /// Whose earlier requests the suffix drafter drafts from: `global` (everyone's), `api-key`
+    /// (the same `Authorization: Bearer` key's; requests without a key share one scope) or
+    /// `request` (its own text only). Outputs are the same either way; latency can tell one
+    /// caller how well another's text predicted theirs.
+    #[arg(long, default_value = "api-key", value_parser = SuffixScope::parse)]
+    suffix_scope: SuffixScope,
+    /// Keep the suffix drafter's cache in this file: read at start (a damaged or foreign file
+    /// is reported and the server starts with an empty cache), written atomically at shutdown.
+    /// Without it nothing is written to disk.
+    #[arg(long)]
+    suffix_cache_file: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -92,9 +108,35 @@ pub fn run(args: ServeArgs) -> Result<()> {
         step_cost: None,
         prefix_caching: !args.no_prefix_cache,
         trace: false,
+        suffix_cache: None,
     };
     if args.max_draft > MAX_DRAFT {
         bail!("--max-draft {} is too long (at most {MAX_DRAFT})", args.max_draft);
+    }
+    let suffix_identity = format!("{}:{}", model_id, loaded.tokenizer.vocab_size());
+    let mut config = config;
+    if config.drafter.as_ref().is_some_and(DrafterSpec::uses_suffix) {
+        let suffix_config = SuffixCacheConfig {
+            max_bytes: args.suffix_cache_mb.saturating_mul(1 << 20),
+            scope: args.suffix_scope,
+            ..Default::default()
+        };
+        let cache = match &args.suffix_cache_file {
+            Some(path) if path.exists() => {
+                match SuffixCache::load(suffix_config.clone(), path, &suffix_identity, loaded.tokenizer.vocab_size()) {
+                    Ok(cache) => {
+                        eprintln!("specula: suffix cache: {} requests from {}", cache.read().sequences(), path.display());
+                        cache
+                    }
+                    Err(e) => {
+                        eprintln!("specula: error: {e:#}; starting with an empty suffix cache");
+                        SuffixCache::new(suffix_config)
+                    }
+                }
+            }
+            _ => SuffixCache::new(suffix_config),
+        };
+        config.suffix_cache = Some(Arc::new(cache));
     }
     let engine = Arc::new(Engine::start(loaded, config)?);
     let server_config = ServerConfig {
@@ -137,6 +179,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         serve(listener, state, shutdown_signal()).await
     })?;
     engine.shutdown();
+    if let (Some(path), Some(cache)) = (&args.suffix_cache_file, engine.suffix_cache()) {
+        match cache.save(path, &suffix_identity) {
+            Ok(()) => eprintln!("specula: suffix cache written to {}", path.display()),
+            Err(e) => eprintln!("specula: error: the suffix cache was not written: {e:#}"),
+        }
+    }
     eprintln!("specula: stopped");
     Ok(())
 }

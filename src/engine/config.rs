@@ -1,6 +1,7 @@
 //! The engine's settings, and the counters it publishes.
 
 use crate::kv::KvDtype;
+use crate::speculative::suffix::cache::SuffixCache;
 use crate::speculative::{DraftLen, DraftTree, DrafterSpec, StepCost, MAX_DRAFT};
 use std::sync::Arc;
 
@@ -31,6 +32,9 @@ pub struct EngineConfig {
     pub prefix_caching: bool,
     /// Record every verify step of every request (`Completion::trace`).
     pub trace: bool,
+    /// The suffix drafter's cache of recent requests; None = a fresh one with default
+    /// settings where the drafter has a `suffix` part.
+    pub suffix_cache: Option<Arc<SuffixCache>>,
 }
 
 impl Default for EngineConfig {
@@ -48,6 +52,7 @@ impl Default for EngineConfig {
             step_cost: None,
             prefix_caching: true,
             trace: false,
+            suffix_cache: None,
         }
     }
 }

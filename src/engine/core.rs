@@ -314,10 +314,17 @@ impl<'a> EngineCore<'a> {
                 DraftChoice::None => DraftBid::default(),
                 DraftChoice::Fixed(n) => DraftBid { max_len: (*n).min(room), exact: true, ..DraftBid::default() },
                 DraftChoice::Adaptive(policy) => {
-                    let (source, pending) = a
-                        .proposer
-                        .as_mut()
-                        .map_or((0, 0), |p| (p.next_source(&a.seq.tokens), p.pending_catch_up(&a.seq.tokens)));
+                    let (source, pending) = a.proposer.as_mut().map_or((0, 0), |p| {
+                        let mut source = p.next_source(&a.seq.tokens);
+                        // Two drafters could draft: the one whose expected gain is larger does.
+                        if let Some(other) = p.alternative_source(&a.seq.tokens) {
+                            if policy.source_speedup(other) > policy.source_speedup(source) {
+                                source = other;
+                            }
+                            p.select_source(source);
+                        }
+                        (source, p.pending_catch_up(&a.seq.tokens))
+                    });
                     let want = policy.choose_for(source, &a.metrics, pending).min(room);
                     // A tree only where the best draft of this size has a runner-up in it.
                     if a.trees.is_some() {

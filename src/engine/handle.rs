@@ -5,7 +5,8 @@
 use super::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
 use super::loaded::LoadedModel;
 use super::request::{EngineEvent, EngineRequest, SubmitError};
-use crate::speculative::{build_proposer, StepCost, StepCostSettings};
+use crate::speculative::suffix::cache::{SuffixCache, SuffixCacheConfig};
+use crate::speculative::{build_proposer, Caller, DrafterSpec, StepCost, StepCostSettings};
 use anyhow::{Context, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -37,14 +38,18 @@ pub struct Engine {
 impl Engine {
     /// Builds the KV pool (and, with a drafter, checks it and measures the step-cost curve)
     /// and starts the engine thread.
-    pub fn start(model: Arc<LoadedModel>, config: EngineConfig) -> Result<Self> {
+    pub fn start(model: Arc<LoadedModel>, mut config: EngineConfig) -> Result<Self> {
+        if config.suffix_cache.is_none() && config.drafter.as_ref().is_some_and(DrafterSpec::uses_suffix) {
+            config.suffix_cache = Some(Arc::new(SuffixCache::new(SuffixCacheConfig::default())));
+        }
         let pool = model.model.new_kv_pool_typed(config.kv_tokens.max(1), config.kv_dtype);
         let stats = pool.stats();
         let kv_capacity = stats.total_blocks * stats.block_size;
         let cost = match &config.drafter {
             Some(spec) => {
                 // Fail at start, not on the first request, and load a draft model's weights now.
-                build_proposer(spec, model.target()).with_context(|| format!("drafter {}", spec.label()))?;
+                build_proposer(spec, model.target(), Caller::default())
+                    .with_context(|| format!("drafter {}", spec.label()))?;
                 match &config.step_cost {
                     Some(c) => Some(c.clone()),
                     // Blocks up to a full batch of decode rows (the draft budget weighs the
@@ -113,6 +118,11 @@ impl Engine {
         Ok(rx)
     }
 
+    /// The suffix drafter's cache of recent requests, where the drafter has one.
+    pub fn suffix_cache(&self) -> Option<&Arc<SuffixCache>> {
+        self.config.suffix_cache.as_ref()
+    }
+
     /// The step-cost curve measured at start (with a drafter).
     pub fn step_cost(&self) -> Option<&StepCost> {
         self.cost.as_deref()
@@ -161,7 +171,11 @@ fn run(
         match cmd {
             Command::Submit(req, sink) => {
                 let proposer = match (&config.drafter, req.speculate) {
-                    (Some(spec), true) => match build_proposer(spec, model.target()) {
+                    (Some(spec), true) => match build_proposer(
+                        spec,
+                        model.target(),
+                        Caller { suffix_cache: config.suffix_cache.as_ref(), api_key: req.api_key.as_deref() },
+                    ) {
                         Ok(p) => Some(p),
                         Err(e) => {
                             // Counted as queued at submit: the engine's add would decrement it.

@@ -54,6 +54,9 @@ pub struct EngineRequest {
     /// The output must match this grammar (structured outputs); it masks every row the
     /// request samples or verifies from.
     pub constraint: Option<Constraint>,
+    /// The caller's API key, for drafters that share what they learn only within one
+    /// caller's requests (the suffix drafter's `api-key` scope).
+    pub api_key: Option<String>,
 }
 
 impl EngineRequest {
@@ -67,6 +70,7 @@ impl EngineRequest {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            api_key: None,
         }
     }
 }

@@ -146,13 +146,18 @@ async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bo
     }
 }
 
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(key) = state.config.api_key.as_deref() else { return Ok(()) };
-    let given = headers
+/// The key of `Authorization: Bearer KEY`, if sent.
+fn bearer_key(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
+        .map(str::trim)
+}
+
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = state.config.api_key.as_deref() else { return Ok(()) };
+    let given = bearer_key(headers);
     // Compare without an early exit, so timing does not tell how much of a guess was right.
     let ok = given.is_some_and(|g| {
         g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
@@ -230,9 +235,13 @@ async fn start(
         Vec::new()
     };
     let mut receivers = Vec::with_capacity(prepared.len() * req.n);
+    // The caller's key scopes what the suffix drafter shares between requests (even where
+    // the server checks no key, a router may send each user's own).
+    let api_key = bearer_key(headers).map(str::to_string);
     for (p, engine_req) in prepared.iter().enumerate() {
         for i in 0..req.n {
             let mut choice = engine_req.clone();
+            choice.api_key = api_key.clone();
             // Each choice samples on its own; with a seed, choice c is reproducible as seed + c.
             choice.params.seed = engine_req.params.seed.map(|s| s.wrapping_add((p * req.n + i) as u64));
             // A prompt's log-probs are the same for every choice of it: the first computes

@@ -11,7 +11,10 @@
 //!
 //! Before each step the engine asks which of the two will draft ([`Proposer::next_source`]:
 //! B exactly when A knows it has nothing, as lookup does), and its draft-length policy prices
-//! each drafter on its own acceptance and cost.
+//! each drafter on its own acceptance and cost. Where A has a draft, B is the alternative
+//! ([`Proposer::alternative_source`]): the planner compares the two drafters' expected gains
+//! and names the one that drafts ([`Proposer::select_source`]). The sources of A (a drafter
+//! may present several, as suffix decoding does by match length) come first, then B's.
 
 use super::proposer::{DraftCostShape, Proposer};
 use super::verify::Draft;
@@ -29,13 +32,15 @@ pub struct CombinedProposer<'a> {
     /// Drafts made by each so far (for callers that inspect the proposer afterwards).
     pub drafts_by_first: u64,
     pub drafts_by_then: u64,
+    /// The planner chose B for the next draft although A has one.
+    then_chosen: bool,
 }
 
 impl<'a> CombinedProposer<'a> {
     pub fn new(first: Box<dyn Proposer + 'a>, then: Box<dyn Proposer + 'a>) -> Self {
         let name = format!("{}+{}", first.name(), then.name());
         let taps = first.tap_layers().iter().chain(then.tap_layers()).copied().collect();
-        Self { first, then, name, taps, drafts_by_first: 0, drafts_by_then: 0 }
+        Self { first, then, name, taps, drafts_by_first: 0, drafts_by_then: 0, then_chosen: false }
     }
 }
 
@@ -54,20 +59,32 @@ impl Proposer for CombinedProposer<'_> {
     }
 
     fn sources(&self) -> usize {
-        2
+        self.first.sources() + self.then.sources()
     }
 
     fn source_cost_shape(&self, source: usize) -> DraftCostShape {
-        if source == 0 {
-            self.first.draft_cost_shape()
-        } else {
-            self.then.draft_cost_shape()
+        match source.checked_sub(self.first.sources()) {
+            None => self.first.source_cost_shape(source),
+            Some(s) => self.then.source_cost_shape(s),
         }
     }
 
     // Where A cannot tell without drafting, its drafts and B's count as A's.
     fn next_source(&mut self, tokens: &[u32]) -> usize {
-        usize::from(self.first.has_draft(tokens) == Some(false))
+        self.then_chosen = false;
+        if self.first.has_draft(tokens) == Some(false) {
+            self.first.sources() + self.then.next_source(tokens)
+        } else {
+            self.first.next_source(tokens)
+        }
+    }
+
+    fn alternative_source(&mut self, tokens: &[u32]) -> Option<usize> {
+        (self.first.has_draft(tokens) == Some(true)).then(|| self.first.sources() + self.then.next_source(tokens))
+    }
+
+    fn select_source(&mut self, source: usize) {
+        self.then_chosen = source >= self.first.sources();
     }
 
     fn has_draft(&mut self, tokens: &[u32]) -> Option<bool> {
@@ -99,6 +116,11 @@ impl Proposer for CombinedProposer<'_> {
     }
 
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
+        if std::mem::take(&mut self.then_chosen) && max_len > 0 {
+            let draft = self.then.propose(tokens, max_len)?;
+            self.drafts_by_then += u64::from(!draft.tokens.is_empty());
+            return Ok(draft);
+        }
         let draft = self.first.propose(tokens, max_len)?;
         if !draft.tokens.is_empty() || max_len == 0 {
             self.drafts_by_first += u64::from(!draft.tokens.is_empty());

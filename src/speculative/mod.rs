@@ -16,10 +16,11 @@ pub mod planner;
 pub mod policy;
 pub mod proposer;
 pub mod step_cost;
+pub mod suffix;
 pub mod verify;
 mod weight_cache;
 
-pub use factory::{build_proposer, DrafterSpec, Target};
+pub use factory::{build_proposer, Caller, DrafterSpec, Target};
 pub use metrics::SpecMetrics;
 pub use policy::{parse_draft_len, parse_draft_tree, AdaptiveState, DraftLen, DraftTree};
 pub use proposer::{DraftCostShape, Proposer};

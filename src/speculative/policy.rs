@@ -354,6 +354,15 @@ impl AdaptiveState {
         speedup_of_gains(&self.cost, &self.gains(self.alpha()), self.draft_cost(), self.verify_excess(), k)
     }
 
+    /// The best expected speed drafter `source` promises at its own acceptance and cost (1:
+    /// no better than plain decoding), to choose between drafters that could both draft.
+    pub fn source_speedup(&self, source: usize) -> f64 {
+        let Some(s) = self.sources.get(source) else { return 1.0 };
+        let rates = self.tree.then(|| s.rank_rates());
+        let gains = node_gains(s.alpha(), rates.as_ref(), self.max);
+        best_len_of_gains(&self.cost, &gains, s.draft_cost(), self.verify_excess()).1
+    }
+
     /// The k in 0..=max with the best expected speed (shortest on ties), or 0 when even that
     /// one promises less than [`tuning::MIN_GAIN`] over plain decoding.
     pub fn best_len(&self) -> usize {

@@ -50,6 +50,16 @@ pub trait Proposer: Send {
         0
     }
 
+    /// Another of [`Self::sources`] that could draft the next `propose` instead of
+    /// [`Self::next_source`]'s (`A+B` where A has a draft: B), for the planner to weigh.
+    fn alternative_source(&mut self, _tokens: &[u32]) -> Option<usize> {
+        None
+    }
+
+    /// The planner's choice between [`Self::next_source`] and [`Self::alternative_source`]
+    /// for the next `propose`.
+    fn select_source(&mut self, _source: usize) {}
+
     /// Whether `propose` after `tokens` would return a draft, where that is known without
     /// drafting (prompt lookup: whether the context has a match); None where it is not.
     fn has_draft(&mut self, _tokens: &[u32]) -> Option<bool> {
@@ -129,6 +139,12 @@ impl<P: Proposer + ?Sized> Proposer for &mut P {
     }
     fn has_draft(&mut self, tokens: &[u32]) -> Option<bool> {
         (**self).has_draft(tokens)
+    }
+    fn alternative_source(&mut self, tokens: &[u32]) -> Option<usize> {
+        (**self).alternative_source(tokens)
+    }
+    fn select_source(&mut self, source: usize) {
+        (**self).select_source(source)
     }
 
     fn set_trees(&mut self, on: bool) -> bool {

@@ -329,7 +329,7 @@ fn the_factory_builds_dflash_from_a_drafter_string() {
     let arg = format!("dflash:{},max=3,window=64", case.join("drafter").display());
     let spec = DrafterSpec::parse(&arg).unwrap();
     assert_eq!(spec.label(), arg);
-    let mut p = build_proposer(&spec, loaded.target()).unwrap();
+    let mut p = build_proposer(&spec, loaded.target(), specula::speculative::Caller::default()).unwrap();
     assert_eq!(p.name(), "dflash");
     let prompt = ids(&expected["prompt_ids"]);
     let max_new = expected["max_new_tokens"].as_u64().unwrap() as usize;
@@ -352,7 +352,7 @@ fn the_factory_builds_dflash_from_a_drafter_string() {
     }
     std::fs::write(tmp.path().join("target/tokenizer.json"), tok.to_string()).unwrap();
     let narrow = LoadedModel::load(&tmp.path().join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();
-    let err = build_proposer(&spec, narrow.target()).err().expect("hidden sizes differ");
+    let err = build_proposer(&spec, narrow.target(), specula::speculative::Caller::default()).err().expect("hidden sizes differ");
     assert!(format!("{err:#}").contains("hidden size mismatch"), "{err:#}");
     assert!(DrafterSpec::parse("dflash:").is_err());
 }

@@ -34,7 +34,7 @@ fn through_generate(
     k: usize,
 ) -> Outcome {
     let pool = loaded.model.new_kv_pool(4096);
-    let mut proposer = build_proposer(spec, loaded.target()).unwrap();
+    let mut proposer = build_proposer(spec, loaded.target(), specula::speculative::Caller::default()).unwrap();
     let opts =
         GenerateOptions { stop_ids: loaded.stop_ids(), draft_len: DraftLen::Fixed(k), ..GenerateOptions::default() };
     let target = EngineModel { model: &loaded.model, tokenizer: Some(&loaded.tokenizer) };
@@ -99,7 +99,7 @@ fn params(temperature: f32, max_tokens: usize) -> SamplingParams {
 }
 
 #[test]
-fn ngram_and_draft_model_run_the_same_loop_in_generate_and_the_server() {
+fn ngram_suffix_and_draft_model_run_the_same_loop_in_generate_and_the_server() {
     let loaded = Arc::new(LoadedModel::load(&common::smollm2_path(), None, &candle_core::Device::Cpu).unwrap());
     let prompt = loaded
         .encode_prompt("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n")
@@ -107,6 +107,9 @@ fn ngram_and_draft_model_run_the_same_loop_in_generate_and_the_server() {
     let ngram = DrafterSpec::parse("ngram").unwrap();
     assert_same(&loaded, &ngram, &prompt, params(0.0, 48), 4);
     assert_same(&loaded, &ngram, &prompt, params(0.8, 48), 4);
+    let suffix = DrafterSpec::parse("suffix").unwrap();
+    assert_same(&loaded, &suffix, &prompt, params(0.0, 48), 4);
+    assert_same(&loaded, &suffix, &prompt, params(0.8, 48), 4);
     // SmolLM2 drafting for itself (same vocabulary).
     let draft_model = DrafterSpec::DraftModel { model: common::smollm2_path().display().to_string() };
     assert_same(&loaded, &draft_model, &prompt, params(0.0, 32), 3);

@@ -21,6 +21,8 @@ use specula::model::{ForwardBatch, LogitsRows, Transformer, WeightFormat};
 use specula::sample::{self, SamplerRng, SamplingParams};
 use specula::speculative::draft_model::DraftModelProposer;
 use specula::speculative::ngram::NgramProposer;
+use specula::speculative::suffix::cache::{SuffixCache, SuffixCacheConfig, SuffixScope};
+use specula::speculative::suffix::{SuffixProposer, SuffixSettings};
 use specula::speculative::{build_proposer, Draft, DrafterSpec, Proposer};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -434,6 +436,10 @@ fn tiny_model_greedy_speculation_equals_plain_greedy() {
 
     // Real proposers over every prompt and length: n-gram (the tiny model loops, so it
     // matches), the target drafting for itself, and an unrelated model.
+    // Suffix decoding remembers every earlier run's text: other prompts' outputs are
+    // confident wrong drafts here.
+    let cache = Arc::new(SuffixCache::new(SuffixCacheConfig { scope: SuffixScope::Global, ..Default::default() }));
+    let mut suffix_accepted = 0;
     for prompt in &prompts {
         let plain = run(target, prompt, greedy(48), &[], None, GenerateOptions::default()).tokens;
         for k in 1..=16 {
@@ -445,6 +451,11 @@ fn tiny_model_greedy_speculation_equals_plain_greedy() {
                 let mut ngram = NgramProposer::new(1, 3).unwrap();
                 let gen = run(target, prompt, greedy(48), &[], Some(&mut ngram), opts(k));
                 assert_eq!(gen.tokens, plain, "ngram {shape}, k = {k}");
+                let settings = SuffixSettings { min_prob: 0.0, factor: 4.0, ..Default::default() };
+                let mut suffix = SuffixProposer::new(settings, Some((cache.clone(), 0)));
+                let gen = run(target, prompt, greedy(48), &[], Some(&mut suffix), opts(k));
+                assert_eq!(gen.tokens, plain, "suffix {shape}, k = {k}");
+                suffix_accepted += gen.metrics.accepted;
                 for (name, drafter) in [("self", target), ("perturbed", other)] {
                     let mut p = CheckedDraftModel(DraftModelProposer::new(drafter.clone(), 256, vec![]));
                     let gen = run(target, prompt, greedy(48), &[], Some(&mut p), opts(k));
@@ -457,6 +468,7 @@ fn tiny_model_greedy_speculation_equals_plain_greedy() {
             }
         }
     }
+    assert!(suffix_accepted > 0, "suffix decoding drafted nothing the target took");
 }
 
 /// Draft trees through the engine: the right token hidden among wrong siblings (with subtrees
@@ -601,21 +613,31 @@ fn smollm2_greedy_factory_and_shipped_proposers() {
     };
     let ngram = DrafterSpec::Ngram { max_ngram: 3 };
     let combined = shipped("ngram+dflash", "smollm2-135m-dflash");
+    let suffix_dflash = shipped("suffix+dflash", "smollm2-135m-dflash");
+    let cache = Arc::new(SuffixCache::new(SuffixCacheConfig::default()));
+    let caller = specula::speculative::Caller { suffix_cache: Some(&cache), api_key: None };
     let eagle3 = shipped("eagle3", "smollm2-135m-eagle3");
     for (i, prompt) in smollm2_prompts(m).iter().enumerate() {
         let plain = plain_greedy(&m.model, prompt, &stop, REAL_TOKENS);
-        let cases: [(&DrafterSpec, GenerateOptions); 4] = if i == 0 {
+        let cases: [(&DrafterSpec, GenerateOptions); 5] = if i == 0 {
             [
                 (&ngram, GenerateOptions::fixed_draft(5)),
                 (&draft_spec, GenerateOptions::fixed_draft(4)),
                 (&combined, GenerateOptions::fixed_draft(6)),
                 (&eagle3, GenerateOptions::fixed_draft(7)),
+                (&suffix_dflash, GenerateOptions::fixed_tree(6)),
             ]
         } else {
-            [(&ngram, adaptive()), (&draft_spec, adaptive()), (&combined, adaptive()), (&eagle3, adaptive())]
+            [
+                (&ngram, adaptive()),
+                (&draft_spec, adaptive()),
+                (&combined, adaptive()),
+                (&eagle3, adaptive()),
+                (&suffix_dflash, adaptive()),
+            ]
         };
         for (spec, opts) in cases {
-            let mut p = build_proposer(spec, m.target()).unwrap();
+            let mut p = build_proposer(spec, m.target(), caller).unwrap();
             let gen = run(&m.model, prompt, greedy(REAL_TOKENS), &stop, Some(p.as_mut()), opts);
             assert_eq!(gen.tokens, plain, "{spec:?}, prompt {i}");
             if matches!(spec, DrafterSpec::DraftModel { .. }) {
@@ -638,7 +660,7 @@ fn draft_model_with_another_vocabulary_is_refused() {
         return;
     };
     let spec = DrafterSpec::parse(&format!("draft-model:{}", qwen.display())).unwrap();
-    let err = build_proposer(&spec, smollm2().target()).err().expect("an incompatible drafter must be refused");
+    let err = build_proposer(&spec, smollm2().target(), specula::speculative::Caller::default()).err().expect("an incompatible drafter must be refused");
     let msg = format!("{err:#}");
     assert!(msg.contains("cannot draft for") && msg.contains("vocabulary sizes differ"), "{msg}");
     assert!(msg.contains("49152") && msg.contains("151"), "names both sizes: {msg}");
@@ -698,7 +720,7 @@ fn tiny_model_sampling_distribution_is_the_targets() {
 
     // The learned drafters and the draft models draft trees of two nodes; the last arms are
     // DFlash as a chain and random trees of six nodes.
-    let arms: [&str; 9] = [
+    let arms: [&str; 10] = [
         "plain",
         "self draft model",
         "perturbed draft model",
@@ -708,6 +730,7 @@ fn tiny_model_sampling_distribution_is_the_targets() {
         "ngram:1 then dflash drafter",
         "dflash chain",
         "random trees of six nodes",
+        "suffix trees from earlier samples",
     ];
     // A random EAGLE-3 drafter that reads the target's hidden states; its vocabulary is the
     // target's two likeliest first tokens, so it is right part of the time.
@@ -728,6 +751,7 @@ fn tiny_model_sampling_distribution_is_the_targets() {
     let dflash_dir = tempfile::tempdir().unwrap();
     common::write_dflash_drafter(dflash_dir.path(), hidden, target.config.n_layers, &[0, 1], 1, 4, Some(&vocab), 9);
     let dflash_settings = specula::speculative::dflash::DflashSettings::default();
+    let suffix_cache = Arc::new(SuffixCache::new(SuffixCacheConfig { scope: SuffixScope::Global, ..Default::default() }));
     for (arm_index, arm) in arms.iter().enumerate() {
         let mut counts: HashMap<Vec<u32>, usize> = HashMap::new();
         let mut metrics = specula::speculative::SpecMetrics::default();
@@ -748,6 +772,19 @@ fn tiny_model_sampling_distribution_is_the_targets() {
                 7 => Some(Box::new(
                     specula::speculative::dflash::build_proposer(dflash_dir.path(), &dflash_settings, target).unwrap(),
                 )),
+                // A shared cache of the prompt followed by random text: confident drafts,
+                // right or wrong by chance.
+                9 => {
+                    if i == 0 {
+                        for j in 0..40u64 {
+                            let mut text = prompt.clone();
+                            text.extend(tiny_prompt(seed ^ j, 6).iter().map(|t| t % 6));
+                            suffix_cache.insert(0, &text);
+                        }
+                    }
+                    let settings = SuffixSettings { min_prob: 0.0, factor: 4.0, ..Default::default() };
+                    Some(Box::new(SuffixProposer::new(settings, Some((suffix_cache.clone(), 0)))))
+                }
                 8 => {
                     let reference = tiny_prompt(seed, 8);
                     let inner = TestDrafter::new(Kind::Random, TINY_VOCAB, prompt.len(), &reference, &reference, seed);
@@ -769,7 +806,7 @@ fn tiny_model_sampling_distribution_is_the_targets() {
             let proposer = proposer.as_mut().map(|p| &mut **p as &mut dyn Proposer);
             let opts = match arm_index {
                 7 => GenerateOptions::fixed_draft(2),
-                8 => GenerateOptions::fixed_tree(6),
+                8 | 9 => GenerateOptions::fixed_tree(6),
                 _ => GenerateOptions::fixed_tree(2),
             };
             let gen = run(target, &prompt, params(seed), &[], proposer, opts);

@@ -169,7 +169,7 @@ fn constrained_greedy_output_is_the_same_with_every_drafter_and_matches_the_gram
             assert_eq!(plain.finish.openai(), "stop", "{spec:?}: the grammar should end the output: {:?}", plain.text);
         }
         for drafter in &specs {
-            let mut p = build_proposer(drafter, m.target()).unwrap();
+            let mut p = build_proposer(drafter, m.target(), specula::speculative::Caller::default()).unwrap();
             let out = run(&prompt, &spec, greedy(48), Some(p.as_mut()));
             assert_eq!(out.tokens, plain.tokens, "{} with {spec:?}", drafter.label());
             accepted += out.metrics.accepted;
@@ -202,7 +202,7 @@ fn sampled_outputs_match_the_grammar_with_and_without_speculation() {
             let params =
                 SamplingParams { temperature: 1.0, seed: Some(seed), max_tokens: Some(64), ..Default::default() };
             let plain = run(&prompt, &spec, params.clone(), None);
-            let mut ngram = build_proposer(&DrafterSpec::parse("ngram").unwrap(), m.target()).unwrap();
+            let mut ngram = build_proposer(&DrafterSpec::parse("ngram").unwrap(), m.target(), specula::speculative::Caller::default()).unwrap();
             let spec_out = run(&prompt, &spec, params, Some(ngram.as_mut()));
             assert_valid(&plain, &spec, matches);
             assert_valid(&spec_out, &spec, matches);

@@ -127,6 +127,15 @@ fn serve_loadtest_and_sigterm() {
 /// Starts `specula serve` on a free port with `args` and JSON logs; returns the process, its
 /// stderr and the address it announced (on stderr once the model is loaded).
 fn spawn_server(args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStderr>, String) {
+    let (server, stderr, addr, _) = spawn_server_logged(args);
+    (server, stderr, addr)
+}
+
+/// [`spawn_server`], also returning what the server wrote before it listened.
+fn spawn_server_logged(
+    args: &[&str],
+) -> (std::process::Child, BufReader<std::process::ChildStderr>, String, String) {
+    let mut early = String::new();
     let mut server = specula()
         .args(["serve", "--port", "0"])
         .args(args)
@@ -140,12 +149,71 @@ fn spawn_server(args: &[&str]) -> (std::process::Child, BufReader<std::process::
     let mut line = String::new();
     let addr = loop {
         line.clear();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "the server exited before listening");
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "the server exited before listening: {early}");
         if let Some(rest) = line.split("http://").nth(1) {
             break rest.split_whitespace().next().unwrap().to_string();
         }
+        early.push_str(&line);
     };
-    (server, stderr, addr)
+    (server, stderr, addr, early)
+}
+
+/// Sends SIGTERM and waits for a clean exit.
+fn terminate(server: &mut std::process::Child) {
+    assert!(Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap().success());
+    let start = Instant::now();
+    let code = loop {
+        if let Some(status) = server.try_wait().unwrap() {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(code.success(), "exit status {code:?}");
+}
+
+/// The suffix drafter's cache file: a damaged one is reported and the server starts with an
+/// empty cache and serves; a clean shutdown writes the cache; the next start reads it back.
+#[test]
+fn suffix_cache_file_is_validated_written_at_shutdown_and_read_back() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("suffix.cache");
+    std::fs::write(&file, b"SPSUFX01 but then nothing that adds up").unwrap();
+    let path = file.to_str().unwrap();
+    let args = ["--drafter", "suffix", "--suffix-cache-file", path, "--suffix-cache-mb", "8", "--kv-tokens", "2048"];
+    let (mut server, _stderr, addr, early) = spawn_server_logged(&args);
+    assert!(early.contains("not a usable suffix cache") && early.contains("empty suffix cache"), "{early}");
+    let suffix_cache = |addr: &str| -> Value {
+        let health: Value =
+            rt.block_on(http_client::request(addr, "GET", "/health", &[], b"")).unwrap().json().unwrap();
+        health["suffix_cache"].clone()
+    };
+    assert_eq!(suffix_cache(&addr)["requests"], 0);
+    for prompt in ["Count from one to twenty in words.", "List the days of the week."] {
+        let body = json!({"prompt": prompt, "max_tokens": 24});
+        let r = rt.block_on(http_client::post_json(&addr, "/v1/completions", &[], &body)).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // A finished request joins the cache when the engine lets go of it, just after the answer.
+    let start = Instant::now();
+    while suffix_cache(&addr)["requests"] != 2 {
+        assert!(start.elapsed() < Duration::from_secs(30), "{}", suffix_cache(&addr));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let held = suffix_cache(&addr);
+    assert!(held["bytes"].as_u64().unwrap() > 0 && held["max_bytes"] == 8 << 20, "{held}");
+    terminate(&mut server);
+    assert!(std::fs::read(&file).unwrap().starts_with(b"SPSUFX01"));
+    assert!(!file.with_extension("tmp").exists(), "the temporary file was renamed into place");
+
+    let (mut server, _stderr, addr, early) = spawn_server_logged(&args);
+    assert!(early.contains("suffix cache: 2 requests from"), "{early}");
+    assert_eq!(suffix_cache(&addr)["requests"], 2);
+    let metrics = rt.block_on(http_client::request(&addr, "GET", "/metrics", &[], b"")).unwrap().text();
+    assert!(metrics.contains("specula_suffix_cache_requests 2\n"), "{metrics}");
+    server.kill().unwrap();
+    server.wait().unwrap();
 }
 
 /// SIGKILL in the middle of streams, then a restart: the new server loads from the cache

@@ -96,4 +96,9 @@ pub struct EngineSnapshot {
     pub finished_requests: u64,
     pub failed_requests: u64,
     pub cancelled_requests: u64,
+    /// The suffix drafter's cache of recent requests (zero without one): bytes held,
+    /// requests held, and requests evicted to stay within its budget.
+    pub suffix_cache_bytes: usize,
+    pub suffix_cache_sequences: usize,
+    pub suffix_cache_evicted: u64,
 }

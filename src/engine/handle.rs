@@ -129,7 +129,13 @@ impl Engine {
     }
 
     pub fn snapshot(&self) -> EngineSnapshot {
-        self.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let mut s = self.snapshot.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(cache) = &self.config.suffix_cache {
+            let c = cache.read();
+            (s.suffix_cache_bytes, s.suffix_cache_sequences, s.suffix_cache_evicted) =
+                (c.bytes(), c.sequences(), c.evicted_sequences);
+        }
+        s
     }
 
     /// The engine thread is still running (it ends on `shutdown`, or if a step panicked).

@@ -145,6 +145,24 @@ impl ServerMetrics {
         );
         metric("specula_kv_block_size", "gauge", "Tokens per KV block.", e.kv_block_size.to_string());
         metric(
+            "specula_suffix_cache_bytes",
+            "gauge",
+            "Bytes held by the suffix drafter's cache of recent requests.",
+            e.suffix_cache_bytes.to_string(),
+        );
+        metric(
+            "specula_suffix_cache_requests",
+            "gauge",
+            "Requests held by the suffix drafter's cache.",
+            e.suffix_cache_sequences.to_string(),
+        );
+        metric(
+            "specula_suffix_cache_evicted_requests_total",
+            "counter",
+            "Requests evicted from the suffix drafter's cache to stay within its budget.",
+            e.suffix_cache_evicted.to_string(),
+        );
+        metric(
             "specula_generated_tokens_total",
             "counter",
             "Tokens generated for requests.",

@@ -71,7 +71,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         (false, true) => "engine_stopped",
         (false, false) => "ok",
     };
-    let body = json!({
+    let mut body = json!({
         "status": status,
         "model": state.config.model_id,
         "drafter": state.engine.config().drafter.as_ref().map(|d| d.label()),
@@ -86,6 +86,14 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             "block_size": s.kv_block_size,
         },
     });
+    if let Some(cache) = state.engine.suffix_cache() {
+        body["suffix_cache"] = json!({
+            "bytes": s.suffix_cache_bytes,
+            "max_bytes": cache.config().max_bytes,
+            "requests": s.suffix_cache_sequences,
+            "evicted_requests": s.suffix_cache_evicted,
+        });
+    }
     json_response(if status == "ok" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
 }
 

@@ -291,6 +291,30 @@ mod tests {
     }
 
     #[test]
+    fn requests_read_while_others_are_added_from_other_threads() {
+        let cache = std::sync::Arc::new(SuffixCache::new(config(256 << 10, SuffixScope::Global)));
+        let workers: Vec<_> = (0..4u32)
+            .map(|t| {
+                let cache = cache.clone();
+                std::thread::spawn(move || {
+                    let mut found = 0;
+                    for i in 0..300u32 {
+                        let seq: Vec<u32> = (0..30).map(|j| (t * 1000 + i * 3 + j) % 997).collect();
+                        let s = cache.read();
+                        found += s.root(0).and_then(|r| s.trie().find(r, &seq[..3])).is_some() as usize;
+                        drop(s);
+                        cache.insert(0, &seq);
+                    }
+                    found
+                })
+            })
+            .collect();
+        let found: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+        let s = cache.read();
+        assert!(found > 0 && s.bytes() <= 256 << 10 && s.evicted_sequences > 0, "{found} {}", s.bytes());
+    }
+
+    #[test]
     fn scopes_keep_callers_apart() {
         let cache = SuffixCache::new(config(1 << 20, SuffixScope::ApiKey));
         let (a, b) = (cache.scope_of(Some("key-a")).unwrap(), cache.scope_of(Some("key-b")).unwrap());

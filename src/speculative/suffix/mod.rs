@@ -15,6 +15,7 @@ pub mod trie;
 
 use super::proposer::Proposer;
 use super::verify::Draft;
+use super::MAX_DRAFT;
 use anyhow::{bail, Context, Result};
 use cache::SuffixCache;
 use candle_core::Tensor;
@@ -103,12 +104,13 @@ pub fn label(s: &SuffixSettings) -> String {
     }
 }
 
-/// The best speculation found for the current context.
+/// The best speculation found for the current context, at the largest budget: the planner
+/// asks about the match before it chooses a length, and a best-first draft cut to fewer nodes
+/// is the best-first draft of that size.
 #[derive(Debug, Clone, Default)]
 struct Speculation {
-    /// Tokens the context had when it was computed, and with which budget and shape.
+    /// Tokens the context had when it was computed, and the shape asked for.
     for_len: usize,
-    max_len: usize,
     tree: bool,
     match_len: usize,
     draft: Draft,
@@ -149,13 +151,13 @@ impl SuffixProposer {
         }
     }
 
-    /// The best-scoring speculation for `tokens` of up to `max_len` nodes, over every match
-    /// length in both trees.
-    fn speculate(&mut self, tokens: &[u32], max_len: usize) -> Speculation {
-        if let Some(s) = &self.last {
-            if s.for_len == tokens.len() && s.max_len == max_len && s.tree == self.trees {
-                return s.clone();
-            }
+    /// The best-scoring speculation for `tokens` of up to [`MAX_DRAFT`] nodes, over every
+    /// match length in both trees.
+    fn speculate(&mut self, tokens: &[u32]) -> &Speculation {
+        let max_len = MAX_DRAFT;
+        let fresh = self.last.as_ref().is_some_and(|s| s.for_len == tokens.len() && s.tree == self.trees);
+        if fresh {
+            return self.last.as_ref().unwrap();
         }
         self.sync(tokens);
         let mut best = (0.0f64, 0usize, Vec::new());
@@ -185,9 +187,7 @@ impl SuffixProposer {
         }
         let (_, match_len, c) = best;
         let draft = Draft::tree(c.iter().map(|c| c.token).collect(), c.iter().map(|c| c.parent_row).collect());
-        let s = Speculation { for_len: tokens.len(), max_len, tree: self.trees, match_len, draft };
-        self.last = Some(s.clone());
-        s
+        self.last.insert(Speculation { for_len: tokens.len(), tree: self.trees, match_len, draft })
     }
 }
 
@@ -201,7 +201,7 @@ impl Proposer for SuffixProposer {
     }
 
     fn next_source(&mut self, tokens: &[u32]) -> usize {
-        match self.speculate(tokens, super::MAX_DRAFT).match_len {
+        match self.speculate(tokens).match_len {
             m if m >= LONG_MATCH => 0,
             m if m >= MEDIUM_MATCH => 1,
             _ => 2,
@@ -209,7 +209,7 @@ impl Proposer for SuffixProposer {
     }
 
     fn has_draft(&mut self, tokens: &[u32]) -> Option<bool> {
-        Some(!self.speculate(tokens, super::MAX_DRAFT).draft.is_empty())
+        Some(!self.speculate(tokens).draft.is_empty())
     }
 
     fn set_trees(&mut self, on: bool) -> bool {
@@ -237,7 +237,9 @@ impl Proposer for SuffixProposer {
         if max_len == 0 {
             return Ok(Draft::default());
         }
-        Ok(self.speculate(tokens, max_len).draft)
+        let mut draft = self.speculate(tokens).draft.clone();
+        draft.truncate(max_len);
+        Ok(draft)
     }
 }
 

@@ -11,6 +11,7 @@ use specula::model::WeightFormat;
 use specula::sample::SamplingParams;
 use specula::speculative::{build_proposer, DraftLen, DrafterSpec, SpecMetrics, StepCost};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// What one path produced.
 #[derive(Debug, PartialEq)]
@@ -186,4 +187,46 @@ fn dflash_shares_prompt_prefixes_through_the_prefix_cache() {
         assert!(want.counts.2 > 0, "nothing drafted");
         assert_eq!((got.0, got.1), (want.tokens, want.counts), "prompt of {} tokens", prompt.len());
     }
+}
+
+/// Waiting requests whose cached prefixes would fill the pool: only the head of the queue
+/// pins its prefix, so the head fits and the running request is not starved of blocks, and
+/// every request finishes. (Were every waiting request to pin its own, the head could never
+/// fit, or each admitted head would be preempted to make room for the others' pins.)
+#[test]
+fn waiting_requests_pinning_cached_prefixes_do_not_stall_the_queue() {
+    let case = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash/fitted");
+    let loaded =
+        Arc::new(LoadedModel::load(&case.join("target"), Some(WeightFormat::F32), &candle_core::Device::Cpu).unwrap());
+    // 64 blocks of 16 tokens.
+    let config = EngineConfig { kv_tokens: 1024, prefix_caching: true, ..EngineConfig::default() };
+    let engine = Engine::start(loaded, config).unwrap();
+    let finish_all = |prompts: &[Vec<u32>]| {
+        let mut streams: Vec<_> =
+            prompts.iter().map(|p| engine.submit(EngineRequest::new(p.clone(), params(0.0, 2))).unwrap()).collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut done = vec![false; streams.len()];
+        while done.contains(&false) {
+            assert!(Instant::now() < deadline, "requests stalled: {:?}", engine.snapshot());
+            for (rx, done) in streams.iter_mut().zip(done.iter_mut()) {
+                match rx.try_recv() {
+                    Ok(EngineEvent::Done(_)) => *done = true,
+                    Ok(EngineEvent::Failed(e)) => panic!("{e}"),
+                    _ => {}
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // Four first turns of 12 blocks each: their prompts stay published, 48 blocks.
+    let first: Vec<Vec<u32>> = (0..4u32).map(|c| (0..192u32).map(|i| (i * 31 + c * 57 + 5) % 256).collect()).collect();
+    finish_all(&first);
+    // Their second turns, all at once: each attaches its 12 cached blocks and needs 19 more,
+    // and 16 are left.
+    let second: Vec<Vec<u32>> = first
+        .iter()
+        .enumerate()
+        .map(|(c, p)| [p.clone(), (0..300u32).map(|i| (i * 13 + c as u32 * 7 + 1) % 256).collect()].concat())
+        .collect();
+    finish_all(&second);
 }

@@ -172,6 +172,38 @@ fn terminate(server: &mut std::process::Child) {
     assert!(code.success(), "exit status {code:?}");
 }
 
+/// Many short requests through a small suffix cache: it stays within its budget by evicting
+/// whole old requests, and every request succeeds.
+#[test]
+fn suffix_cache_stays_within_its_budget_under_load() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let args = ["--drafter", "suffix", "--suffix-cache-mb", "1", "--suffix-scope", "global", "--kv-tokens", "4096"];
+    let (mut server, _stderr, addr) = spawn_server(&args);
+    let out = specula()
+        .args(["loadtest", "--url", &format!("http://{addr}"), "--clients", "4", "--requests", "160"])
+        .args(["--max-tokens", "12", "--temperature", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let reports: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reports[0]["requests_ok"], 160, "{reports}");
+    let start = Instant::now();
+    let cache = loop {
+        let health: Value =
+            rt.block_on(http_client::request(&addr, "GET", "/health", &[], b"")).unwrap().json().unwrap();
+        let cache = health["suffix_cache"].clone();
+        if health["running"] == 0 && cache["requests"].as_u64().unwrap() + cache["evicted_requests"].as_u64().unwrap() == 160 {
+            break cache;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "{health}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(cache["bytes"].as_u64().unwrap() <= 1 << 20, "{cache}");
+    assert!(cache["evicted_requests"].as_u64().unwrap() > 0, "{cache}");
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
+
 /// The suffix drafter's cache file: a damaged one is reported and the server starts with an
 /// empty cache and serves; a clean shutdown writes the cache; the next start reads it back.
 #[test]

@@ -451,7 +451,7 @@ fn tiny_model_greedy_speculation_equals_plain_greedy() {
                 let mut ngram = NgramProposer::new(1, 3).unwrap();
                 let gen = run(target, prompt, greedy(48), &[], Some(&mut ngram), opts(k));
                 assert_eq!(gen.tokens, plain, "ngram {shape}, k = {k}");
-                let settings = SuffixSettings { min_prob: 0.0, factor: 4.0, ..Default::default() };
+                let settings = SuffixSettings { min_prob: 0.0, min_match: 1, factor: 4.0, ..Default::default() };
                 let mut suffix = SuffixProposer::new(settings, Some((cache.clone(), 0)));
                 let gen = run(target, prompt, greedy(48), &[], Some(&mut suffix), opts(k));
                 assert_eq!(gen.tokens, plain, "suffix {shape}, k = {k}");

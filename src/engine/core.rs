@@ -639,12 +639,13 @@ impl<'a> EngineCore<'a> {
     /// admitted: the `n` choices of one request, or requests sent together with a shared
     /// system prompt, then reuse the blocks the first of them has prefilled since.
     fn attach_published_prefixes(&mut self) {
-        /// Requests at the head of the queue that look (each step; the lookup hashes the prompt).
-        const LOOKAHEAD: usize = 8;
         if !self.prefix_caching {
             return;
         }
-        for a in self.sched.waiting.iter_mut().take(LOOKAHEAD) {
+        // Only the head of the queue, the next to be admitted: blocks pinned by requests
+        // further back would be taken from the running ones, which then get preempted, and
+        // from the head, which then cannot fit; the pool could go round in circles.
+        for a in self.sched.waiting.iter_mut().take(1) {
             if a.admitted || !a.seq.cache.is_empty() || a.prompt_logprobs.is_some() {
                 continue;
             }

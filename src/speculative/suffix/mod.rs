@@ -32,11 +32,14 @@ const MEDIUM_MATCH: usize = 4;
 /// Sources the drafter presents to the planner: long, medium and short matches.
 pub const SOURCES: usize = 3;
 
-/// Drafting settings of `suffix[:depth=N][,factor=F][,min-prob=P][,prompts=on|off]`.
+/// Drafting settings of `suffix[:depth=N][,min-match=N][,factor=F][,min-prob=P][,prompts=on|off]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuffixSettings {
     /// Depth of the request's own tree (the shared one's is the cache's).
     pub depth: usize,
+    /// Shortest context match that drafts: what follows a single token is too seldom right
+    /// (as for prompt lookup) to pay for verifying it on a CPU.
+    pub min_match: usize,
     /// Nodes per matched token at most.
     pub factor: f64,
     /// Nodes whose path is estimated less likely than this are not drafted.
@@ -47,7 +50,7 @@ pub struct SuffixSettings {
 
 impl Default for SuffixSettings {
     fn default() -> Self {
-        Self { depth: DEFAULT_DEPTH, factor: 1.0, min_prob: 0.1, prompts: true }
+        Self { depth: DEFAULT_DEPTH, min_match: 2, factor: 1.0, min_prob: 0.1, prompts: true }
     }
 }
 
@@ -60,6 +63,10 @@ pub fn parse_settings(arg: &str) -> Result<SuffixSettings> {
         match key {
             "depth" => {
                 s.depth = value.parse().ok().filter(|d| (2..=64).contains(d)).with_context(|| format!("{}: depth in 2..=64", bad()))?
+            }
+            "min-match" => {
+                s.min_match =
+                    value.parse().ok().filter(|m| (1..=16).contains(m)).with_context(|| format!("{}: min-match in 1..=16", bad()))?
             }
             "factor" => {
                 s.factor =
@@ -76,7 +83,7 @@ pub fn parse_settings(arg: &str) -> Result<SuffixSettings> {
                     _ => bail!("{}: prompts=on or prompts=off", bad()),
                 }
             }
-            _ => bail!("unknown suffix option `{key}` (depth, factor, min-prob, prompts)"),
+            _ => bail!("unknown suffix option `{key}` (depth, min-match, factor, min-prob, prompts)"),
         }
     }
     Ok(s)
@@ -87,6 +94,9 @@ pub fn label(s: &SuffixSettings) -> String {
     let mut opts = Vec::new();
     if s.depth != d.depth {
         opts.push(format!("depth={}", s.depth));
+    }
+    if s.min_match != d.min_match {
+        opts.push(format!("min-match={}", s.min_match));
     }
     if s.factor != d.factor {
         opts.push(format!("factor={}", s.factor));
@@ -161,10 +171,14 @@ impl SuffixProposer {
         }
         self.sync(tokens);
         let mut best = (0.0f64, 0usize, Vec::new());
+        let min_match = self.settings.min_match;
         let mut consider = |trie: &SuffixTrie, root: u32, own: bool| {
             let longest = tokens.len().min(trie.max_depth() - 1);
             for m in 1..=longest {
                 let Some(node) = trie.find(root, &tokens[tokens.len() - m..]) else { break };
+                if m < min_match {
+                    continue;
+                }
                 // In the request's own tree the context's own occurrence has no continuation yet.
                 let seen = trie.count(node).saturating_sub(u32::from(own));
                 if seen == 0 {
@@ -320,10 +334,10 @@ mod tests {
     #[test]
     fn settings_parse_and_label() {
         assert_eq!(parse_settings("").unwrap(), SuffixSettings::default());
-        let s = parse_settings("depth=16,factor=2,min-prob=0.2,prompts=off").unwrap();
-        assert_eq!((s.depth, s.factor, s.min_prob, s.prompts), (16, 2.0, 0.2, false));
-        assert_eq!(label(&s), "suffix:depth=16,factor=2,min-prob=0.2,prompts=off");
-        for bad in ["depth=1", "depth=x", "factor=0", "min-prob=2", "prompts=maybe", "nope=1", "depth"] {
+        let s = parse_settings("depth=16,min-match=3,factor=2,min-prob=0.2,prompts=off").unwrap();
+        assert_eq!((s.depth, s.min_match, s.factor, s.min_prob, s.prompts), (16, 3, 2.0, 0.2, false));
+        assert_eq!(label(&s), "suffix:depth=16,min-match=3,factor=2,min-prob=0.2,prompts=off");
+        for bad in ["depth=1", "depth=x", "min-match=0", "factor=0", "min-prob=2", "prompts=maybe", "nope=1", "depth"] {
             assert!(parse_settings(bad).is_err(), "{bad}");
         }
     }

@@ -20,7 +20,7 @@ pub struct ServeArgs {
     /// lookup, with the repository's DFlash drafter for the model behind it where there is
     /// one), or `none`. The draft length adapts per request and to the load (down to none when
     /// the batch is compute-bound); a request can opt out with "speculate": false.
-    #[arg(long, default_value = "ngram")]
+    #[arg(long, default_value = "suffix")]
     drafter: String,
     /// Address to listen on (loopback by default; anything else exposes the server).
     #[arg(long, default_value = "127.0.0.1")]

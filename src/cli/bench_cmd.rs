@@ -46,7 +46,9 @@ pub struct BenchArgs {
     profile_m: Vec<usize>,
 
     // --- `--mode spec` ---
-    /// Drafter to compare with plain decoding: ngram[:N] or draft-model:KEY|PATH; repeatable.
+    /// Drafter to compare with plain decoding: ngram[:N], suffix[:OPTIONS], draft-model:KEY|PATH,
+    /// dflash:DIR, eagle3:DIR or two joined by `+`; repeatable. A suffix drafter remembers the
+    /// run's earlier prompts of the same model, as a server's would.
     #[arg(long)]
     drafter: Vec<String>,
     /// Draft length per step: a number or `auto` (adaptive); repeatable, each is its own mode.

@@ -53,7 +53,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Speculative decoding drafter: `ngram[:N]` (prompt lookup over the prompt and output,
-    /// n-grams of N tokens (default 3) down to 2), `draft-model:MODEL` (a smaller model with
+    /// n-grams of N tokens (default 3) down to 2), `suffix[:OPTIONS]` (suffix decoding over the
+    /// prompt and output; docs/speculative.md), `draft-model:MODEL` (a smaller model with
     /// the same tokenizer), `dflash:DIR` or `eagle3:DIR` (learned drafters that read the target's
     /// hidden states), two joined by `+` (`ngram+dflash:DIR`: the second drafts where the
     /// first finds nothing), or `auto` (prompt lookup, with the repository's DFlash drafter for

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The suffix cache's memory under a long stream of short requests: the server's resident
 # memory and the cache's own count, sampled every 10 s while `specula loadtest` sends REQUESTS.
-# usage: docs/benchmarks/suffix-decoding/memory.sh [REQUESTS] [CACHE_MB]
-# Results: docs/benchmarks/suffix-decoding/memory/{samples.csv,loadtest.json,cpu.txt}
+# usage: [DRAFTER=suffix] docs/benchmarks/suffix-decoding/memory.sh [REQUESTS] [CACHE_MB]
+# Results: docs/benchmarks/suffix-decoding/memory[-DRAFTER]/{samples.csv,loadtest.json,cpu.txt} (no
+# suffix for the suffix drafter; another drafter gives the baseline of the rest of the server)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 requests=${1:-100000} mb=${2:-16}
 cargo build --release -q
 bin=/tmp/bench-bin/specula; mkdir -p /tmp/bench-bin; cp target/release/specula "$bin"
-out=docs/benchmarks/suffix-decoding/memory; mkdir -p "$out"
+drafter=${DRAFTER:-suffix}
+out=docs/benchmarks/suffix-decoding/memory; [[ $drafter == suffix ]] || out=$out-$drafter; mkdir -p "$out"
 { grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512_vnni\|amx_int8\|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } > "$out/cpu.txt"
-"$bin" serve -m smollm2-135m --drafter suffix --suffix-cache-mb "$mb" --suffix-scope global --port 8301 2> "$out/server.log" &
+"$bin" serve -m smollm2-135m --drafter "$drafter" --suffix-cache-mb "$mb" --suffix-scope global --port 8301 2> "/tmp/memory-server-$drafter.log" &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 until curl -sf localhost:8301/health > /dev/null; do sleep 1; done
@@ -28,4 +30,6 @@ while kill -0 $load 2> /dev/null; do
   sleep 10
 done
 wait $load
+# The start of the server's log (one line per request follows).
+head -n 40 "/tmp/memory-server-$drafter.log" > "$out/server.log"
 tail -3 "$out/samples.csv"

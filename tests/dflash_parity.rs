@@ -352,7 +352,9 @@ fn the_factory_builds_dflash_from_a_drafter_string() {
     }
     std::fs::write(tmp.path().join("target/tokenizer.json"), tok.to_string()).unwrap();
     let narrow = LoadedModel::load(&tmp.path().join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();
-    let err = build_proposer(&spec, narrow.target(), specula::speculative::Caller::default()).err().expect("hidden sizes differ");
+    let err = build_proposer(&spec, narrow.target(), specula::speculative::Caller::default())
+        .err()
+        .expect("hidden sizes differ");
     assert!(format!("{err:#}").contains("hidden size mismatch"), "{err:#}");
     assert!(DrafterSpec::parse("dflash:").is_err());
 }

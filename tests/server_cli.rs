@@ -124,9 +124,7 @@ fn spawn_server(args: &[&str]) -> (std::process::Child, BufReader<std::process::
 }
 
 /// [`spawn_server`], also returning what the server wrote before it listened.
-fn spawn_server_logged(
-    args: &[&str],
-) -> (std::process::Child, BufReader<std::process::ChildStderr>, String, String) {
+fn spawn_server_logged(args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStderr>, String, String) {
     let mut early = String::new();
     let mut server = specula()
         .args(["serve", "--port", "0"])
@@ -189,7 +187,9 @@ fn suffix_cache_stays_within_its_budget_under_load() {
         let health: Value =
             rt.block_on(http_client::request(&addr, "GET", "/health", &[], b"")).unwrap().json().unwrap();
         let cache = health["suffix_cache"].clone();
-        if health["running"] == 0 && cache["requests"].as_u64().unwrap() + cache["evicted_requests"].as_u64().unwrap() == 160 {
+        if health["running"] == 0
+            && cache["requests"].as_u64().unwrap() + cache["evicted_requests"].as_u64().unwrap() == 160
+        {
             break cache;
         }
         assert!(start.elapsed() < Duration::from_secs(30), "{health}");

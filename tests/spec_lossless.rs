@@ -660,7 +660,9 @@ fn draft_model_with_another_vocabulary_is_refused() {
         return;
     };
     let spec = DrafterSpec::parse(&format!("draft-model:{}", qwen.display())).unwrap();
-    let err = build_proposer(&spec, smollm2().target(), specula::speculative::Caller::default()).err().expect("an incompatible drafter must be refused");
+    let err = build_proposer(&spec, smollm2().target(), specula::speculative::Caller::default())
+        .err()
+        .expect("an incompatible drafter must be refused");
     let msg = format!("{err:#}");
     assert!(msg.contains("cannot draft for") && msg.contains("vocabulary sizes differ"), "{msg}");
     assert!(msg.contains("49152") && msg.contains("151"), "names both sizes: {msg}");
@@ -751,7 +753,8 @@ fn tiny_model_sampling_distribution_is_the_targets() {
     let dflash_dir = tempfile::tempdir().unwrap();
     common::write_dflash_drafter(dflash_dir.path(), hidden, target.config.n_layers, &[0, 1], 1, 4, Some(&vocab), 9);
     let dflash_settings = specula::speculative::dflash::DflashSettings::default();
-    let suffix_cache = Arc::new(SuffixCache::new(SuffixCacheConfig { scope: SuffixScope::Global, ..Default::default() }));
+    let suffix_cache =
+        Arc::new(SuffixCache::new(SuffixCacheConfig { scope: SuffixScope::Global, ..Default::default() }));
     for (arm_index, arm) in arms.iter().enumerate() {
         let mut counts: HashMap<Vec<u32>, usize> = HashMap::new();
         let mut metrics = specula::speculative::SpecMetrics::default();

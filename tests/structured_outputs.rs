@@ -202,7 +202,12 @@ fn sampled_outputs_match_the_grammar_with_and_without_speculation() {
             let params =
                 SamplingParams { temperature: 1.0, seed: Some(seed), max_tokens: Some(64), ..Default::default() };
             let plain = run(&prompt, &spec, params.clone(), None);
-            let mut ngram = build_proposer(&DrafterSpec::parse("ngram").unwrap(), m.target(), specula::speculative::Caller::default()).unwrap();
+            let mut ngram = build_proposer(
+                &DrafterSpec::parse("ngram").unwrap(),
+                m.target(),
+                specula::speculative::Caller::default(),
+            )
+            .unwrap();
             let spec_out = run(&prompt, &spec, params, Some(ngram.as_mut()));
             assert_valid(&plain, &spec, matches);
             assert_valid(&spec_out, &spec, matches);

@@ -2,7 +2,7 @@ use super::ModelArgs;
 use crate::engine::{generate, EngineModel, GenerateOptions, Generation};
 use crate::sample::SamplingParams;
 use crate::speculative::{
-    build_proposer, parse_draft_len, Caller, parse_draft_tree, DraftLen, DraftTree, DrafterSpec, Proposer,
+    build_proposer, parse_draft_len, parse_draft_tree, Caller, DraftLen, DraftTree, DrafterSpec, Proposer,
 };
 use crate::speculative::{SpecMetrics, StepCost, StepCostSettings, MAX_DRAFT};
 use crate::tokenize::ChatMessage;

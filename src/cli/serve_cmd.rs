@@ -125,7 +125,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
             Some(path) if path.exists() => {
                 match SuffixCache::load(suffix_config.clone(), path, &suffix_identity, loaded.tokenizer.vocab_size()) {
                     Ok(cache) => {
-                        eprintln!("specula: suffix cache: {} requests from {}", cache.read().sequences(), path.display());
+                        eprintln!(
+                            "specula: suffix cache: {} requests from {}",
+                            cache.read().sequences(),
+                            path.display()
+                        );
                         cache
                     }
                     Err(e) => {

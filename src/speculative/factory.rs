@@ -186,9 +186,10 @@ pub fn build_proposer(spec: &DrafterSpec, target: Target<'_>, caller: Caller<'_>
         DrafterSpec::Eagle3 { path, settings } => {
             Ok(Box::new(super::eagle3::build_proposer(path, settings, target.model)?))
         }
-        DrafterSpec::Combined { first, then } => {
-            Ok(Box::new(CombinedProposer::new(build_proposer(first, target, caller)?, build_proposer(then, target, caller)?)))
-        }
+        DrafterSpec::Combined { first, then } => Ok(Box::new(CombinedProposer::new(
+            build_proposer(first, target, caller)?,
+            build_proposer(then, target, caller)?,
+        ))),
     }
 }
 

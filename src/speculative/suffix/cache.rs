@@ -206,8 +206,8 @@ impl SuffixCache {
     /// `vocab` tokens. Anything else is an error that says what is wrong; nothing is kept.
     pub fn load(config: SuffixCacheConfig, path: &Path, model: &str, vocab: usize) -> Result<Self> {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let sequences = parse(&bytes, model, vocab)
-            .with_context(|| format!("{} is not a usable suffix cache", path.display()))?;
+        let sequences =
+            parse(&bytes, model, vocab).with_context(|| format!("{} is not a usable suffix cache", path.display()))?;
         let cache = Self::new(config);
         for (scope, tokens) in sequences {
             cache.insert(scope, &tokens);

@@ -62,19 +62,32 @@ pub fn parse_settings(arg: &str) -> Result<SuffixSettings> {
         let bad = || format!("suffix option `{opt}`");
         match key {
             "depth" => {
-                s.depth = value.parse().ok().filter(|d| (2..=64).contains(d)).with_context(|| format!("{}: depth in 2..=64", bad()))?
+                s.depth = value
+                    .parse()
+                    .ok()
+                    .filter(|d| (2..=64).contains(d))
+                    .with_context(|| format!("{}: depth in 2..=64", bad()))?
             }
             "min-match" => {
-                s.min_match =
-                    value.parse().ok().filter(|m| (1..=16).contains(m)).with_context(|| format!("{}: min-match in 1..=16", bad()))?
+                s.min_match = value
+                    .parse()
+                    .ok()
+                    .filter(|m| (1..=16).contains(m))
+                    .with_context(|| format!("{}: min-match in 1..=16", bad()))?
             }
             "factor" => {
-                s.factor =
-                    value.parse().ok().filter(|f: &f64| (0.1..=16.0).contains(f)).with_context(|| format!("{}: factor in 0.1..=16", bad()))?
+                s.factor = value
+                    .parse()
+                    .ok()
+                    .filter(|f: &f64| (0.1..=16.0).contains(f))
+                    .with_context(|| format!("{}: factor in 0.1..=16", bad()))?
             }
             "min-prob" => {
-                s.min_prob =
-                    value.parse().ok().filter(|p: &f64| (0.0..=1.0).contains(p)).with_context(|| format!("{}: min-prob in 0..=1", bad()))?
+                s.min_prob = value
+                    .parse()
+                    .ok()
+                    .filter(|p: &f64| (0.0..=1.0).contains(p))
+                    .with_context(|| format!("{}: min-prob in 0..=1", bad()))?
             }
             "prompts" => {
                 s.prompts = match value {

@@ -227,31 +227,32 @@ impl SuffixTrie {
         // Candidates: (score, trie node, parent row, depth below the match).
         let mut frontier: Vec<(f64, u32, u32, usize)> = Vec::new();
         let room = self.max_depth.saturating_sub(depth);
-        let push_children = |frontier: &mut Vec<(f64, u32, u32, usize)>, from: u32, score: f64, row: u32, below: usize| {
-            if below >= room {
-                return;
-            }
-            let total = if from == node { seen } else { self.count(from) }.max(1) as f64;
-            if tree {
-                for c in self.children(from) {
+        let push_children =
+            |frontier: &mut Vec<(f64, u32, u32, usize)>, from: u32, score: f64, row: u32, below: usize| {
+                if below >= room {
+                    return;
+                }
+                let total = if from == node { seen } else { self.count(from) }.max(1) as f64;
+                if tree {
+                    for c in self.children(from) {
+                        let s = score * self.count(c) as f64 / total;
+                        if s >= min_score {
+                            frontier.push((s, c, row, below + 1));
+                        }
+                    }
+                } else if let Some(c) = self.children(from).max_by_key(|&c| (self.count(c), std::cmp::Reverse(c))) {
                     let s = score * self.count(c) as f64 / total;
                     if s >= min_score {
                         frontier.push((s, c, row, below + 1));
                     }
                 }
-            } else if let Some(c) = self.children(from).max_by_key(|&c| (self.count(c), std::cmp::Reverse(c))) {
-                let s = score * self.count(c) as f64 / total;
-                if s >= min_score {
-                    frontier.push((s, c, row, below + 1));
-                }
-            }
-        };
+            };
         push_children(&mut frontier, node, 1.0, 0, 0);
         while out.len() < max_nodes {
             // Frontiers are small (a few dozen): a scan beats a heap's bookkeeping.
-            let Some(best) = (0..frontier.len()).max_by(|&a, &b| {
-                frontier[a].0.total_cmp(&frontier[b].0).then(frontier[b].1.cmp(&frontier[a].1))
-            }) else {
+            let Some(best) = (0..frontier.len())
+                .max_by(|&a, &b| frontier[a].0.total_cmp(&frontier[b].0).then(frontier[b].1.cmp(&frontier[a].1)))
+            else {
                 break;
             };
             let (score, c, row, below) = frontier.swap_remove(best);

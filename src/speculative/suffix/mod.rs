@@ -160,12 +160,18 @@ impl SuffixProposer {
         Self { settings, local, local_root, seen: Vec::new(), prompt_len: 0, shared, trees: false, last: None }
     }
 
+    /// Forgets the request's own text.
+    fn reset(&mut self) {
+        self.local = SuffixTrie::new(self.settings.depth);
+        self.local_root = self.local.new_root();
+        self.seen.clear();
+        self.last = None;
+    }
+
     fn sync(&mut self, tokens: &[u32]) {
         let extends = tokens.len() >= self.seen.len() && tokens[..self.seen.len()] == self.seen[..];
         if !extends {
-            self.local = SuffixTrie::new(self.settings.depth);
-            self.local_root = self.local.new_root();
-            self.seen.clear();
+            self.reset();
         }
         let from = self.seen.len();
         if from < tokens.len() {
@@ -245,10 +251,7 @@ impl Proposer for SuffixProposer {
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<()> {
-        self.last = None;
-        self.seen.clear();
-        self.local = SuffixTrie::new(self.settings.depth);
-        self.local_root = self.local.new_root();
+        self.reset();
         self.sync(prompt);
         self.prompt_len = prompt.len();
         Ok(())

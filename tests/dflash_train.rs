@@ -18,10 +18,11 @@ use specula::sample::SamplingParams;
 use specula::speculative::dflash::{self, DflashConfig, DflashProposer, DflashSettings, TargetHead};
 use specula::speculative::Proposer;
 use specula::train::dflash::objective::{sequence_loss, FrozenTarget, ObjectiveSettings, SequenceInput};
-use specula::train::dflash::{
-    self as td, drafter_from_params, frozen_target, init_params, Features, TrainExample, TrainRun, TrainSettings,
-};
-use specula::train::features::{target_features, FeatureCache, FeatureKey};
+use specula::train::dflash::{self as td, drafter_from_params, frozen_target, init_params, TrainRun, TrainSettings};
+use specula::train::examples::TrainExample;
+use specula::train::features::{fill_feature_cache, target_features, FeatureCache, FeatureKey, Features};
+use specula::train::optim::AdamWSettings;
+use specula::train::progress::TrainReport;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -349,7 +350,12 @@ fn tiny_examples(target: &LoadedModel, n: usize, prompt_len: usize, new_tokens: 
             let mut tokens = prompt.clone();
             tokens.extend(&out);
             let loss_mask = (0..tokens.len()).map(|j| (j >= prompt_len) as u8).collect();
-            TrainExample { key: format!("tiny/{i}"), tokens, loss_mask }
+            TrainExample {
+                key: format!("tiny/{i}"),
+                prompt_hash: seed.wrapping_mul(1000) + i as u64,
+                tokens,
+                loss_mask,
+            }
         })
         .collect()
 }
@@ -379,12 +385,22 @@ fn tiny_settings(steps: usize) -> TrainSettings {
         steps: Some(steps),
         batch: 4,
         seed: 3,
-        adam: td::optim::AdamWSettings { lr: 3e-3, ..Default::default() },
+        adam: AdamWSettings { lr: 3e-3, ..Default::default() },
         val_examples: 4,
         checkpoint_every: 1000,
         mask_token: Some(255),
+        gamma: Some(4.0),
+        draft_vocab: None,
+        attention_bias: false,
         ..Default::default()
     }
+}
+
+/// The last `n` examples held out (the trainer's own split holds out one in 20 by key: too
+/// few for these small sets).
+fn holdout(mut examples: Vec<TrainExample>, n: usize) -> (Vec<TrainExample>, Vec<TrainExample>) {
+    let val = examples.split_off(examples.len() - n.min(examples.len() / 2));
+    (examples, val)
 }
 
 fn run_training(
@@ -394,8 +410,8 @@ fn run_training(
     out: &Path,
     resume: bool,
     stop_after: Option<usize>,
-) -> td::TrainReport {
-    let (train, val) = td::split_validation(examples.to_vec(), settings.val_examples);
+) -> TrainReport {
+    let (train, val) = holdout(examples.to_vec(), settings.val_examples);
     let layer_ids = settings.taps.clone().unwrap();
     let run = TrainRun {
         target: &target.model,
@@ -408,6 +424,8 @@ fn run_training(
         stop_after,
         export_dtype: DType::F32,
         log_every: 50,
+        data: vec!["tiny".into()],
+        feature_secs: 0.0,
     };
     let mut features = Features::Online { target: &target.model, layer_ids };
     run.run(&mut features, &mut ()).unwrap()
@@ -428,14 +446,19 @@ fn a_small_run_trains_a_drafter_that_reaches_tau_2() {
         layers: 2,
         batch: 16,
         val_examples: 0,
-        adam: td::optim::AdamWSettings { lr: 3e-3, weight_decay: 0.0, ..Default::default() },
+        adam: AdamWSettings { lr: 3e-3, weight_decay: 0.0, ..Default::default() },
         ..tiny_settings(400)
     };
-    let key =
-        FeatureKey { target: "fitted".into(), layer_ids: vec![1, 2], hidden: 64, max_tokens: settings.max_tokens };
+    let key = FeatureKey {
+        target: "fitted".into(),
+        target_sha256: String::new(),
+        layer_ids: vec![1, 2],
+        hidden: 64,
+        max_tokens: settings.max_tokens,
+    };
     let mut cache = FeatureCache::open(&out.path().join("features"), key.clone()).unwrap();
     let all: Vec<&TrainExample> = examples.iter().collect();
-    td::fill_feature_cache(&mut cache, &key, &target.model, &all, |_, _| {}).unwrap();
+    fill_feature_cache(&mut cache, &key, &target.model, &all, |_, _| {}).unwrap();
     assert_eq!(cache.len(), examples.len());
     let run = TrainRun {
         target: &target.model,
@@ -448,6 +471,8 @@ fn a_small_run_trains_a_drafter_that_reaches_tau_2() {
         stop_after: None,
         export_dtype: DType::F16,
         log_every: 100,
+        data: vec!["tiny".into()],
+        feature_secs: 0.0,
     };
     let report = run.run(&mut Features::Offline(cache), &mut ()).unwrap();
     assert_eq!(report.steps, 400);
@@ -469,6 +494,22 @@ fn a_small_run_trains_a_drafter_that_reaches_tau_2() {
     let tau = 1.0 + accepted as f64 / steps as f64;
     eprintln!("measured τ {tau:.2} over {steps} verify steps");
     assert!(tau > 2.0, "measured τ {tau}");
+
+    // The validation estimate simulates those verify steps on the answers: it counts the
+    // same steps as serving did.
+    let (config, params) = params_from_checkpoint(&drafter_dir);
+    let trained = drafter_from_params(&config, &params, &Device::Cpu).unwrap();
+    let frozen = frozen_target(&target.model, None).unwrap();
+    let (mut committed, mut sim_steps) = (0, 0);
+    for e in examples.iter().take(8) {
+        let f = target_features(&target.model, &config.target_layer_ids, &e.tokens, KvDtype::F16).unwrap();
+        let (c, n) = td::serving_walk(&trained, &frozen, e, &f, ObjectiveSettings::hard(8, 4.0)).unwrap();
+        committed += c;
+        sim_steps += n;
+    }
+    let estimate = committed as f64 / sim_steps as f64;
+    eprintln!("simulated τ {estimate:.3} over {sim_steps} steps, measured {tau:.3} over {steps}");
+    assert!((estimate - tau).abs() <= 0.05, "simulated τ {estimate} against measured {tau}");
 }
 
 /// Stopping after k steps and resuming gives exactly the weights of the uninterrupted run.
@@ -517,32 +558,36 @@ fn a_reduced_vocabulary_drafter_exports_loads_and_stays_lossless() {
     }
 }
 
-/// The validation split does not depend on the examples' order; the reduced vocabulary is
-/// the N most frequent response tokens, sorted.
+/// The held-out split is the fixed rule whatever the order; a validation pool replaces the
+/// held-out examples and keeps the same prompts out of training; the reduced vocabulary is the
+/// N most frequent response tokens, sorted.
 #[test]
 fn frequent_tokens_and_validation_split_are_deterministic() {
+    use specula::train::validation::{is_held_out, split};
     let target = tiny_target();
-    let examples = tiny_examples(&target, 10, 4, 8, 2);
+    let examples = tiny_examples(&target, 60, 4, 8, 2);
+    let held: Vec<String> = examples.iter().filter(|e| is_held_out(&e.key)).map(|e| e.key.clone()).collect();
+    assert!(!held.is_empty(), "60 keys hold none out");
     let mut shuffled = examples.clone();
     shuffled.reverse();
-    let (ta, va) = td::split_validation(examples.clone(), 3);
-    let (tb, vb) = td::split_validation(shuffled, 3);
-    assert_eq!(ta.iter().map(|e| &e.key).collect::<Vec<_>>(), tb.iter().map(|e| &e.key).collect::<Vec<_>>());
-    assert_eq!(va.iter().map(|e| &e.key).collect::<Vec<_>>(), vb.iter().map(|e| &e.key).collect::<Vec<_>>());
-    assert_eq!(va.len(), 3);
+    let a = split(examples.clone(), None, 100).unwrap();
+    let b = split(shuffled, None, 100).unwrap();
+    let keys = |v: &[TrainExample]| v.iter().map(|e| e.key.clone()).collect::<Vec<_>>();
+    assert_eq!(keys(&a.train), keys(&b.train));
+    assert_eq!(keys(&a.val), keys(&b.val));
+    assert_eq!(keys(&a.val), held);
     // Held out from another directory: the same prompts' training examples are left out.
     let mut pool = examples.clone();
     for e in &mut pool {
         e.tokens.push(7);
         e.loss_mask.push(1);
     }
-    let (tc, vc) = td::split_validation_from(examples.clone(), pool.clone(), 3).unwrap();
-    let val_keys: Vec<String> = va.iter().map(|e| format!("val:{}", e.key)).collect();
-    assert_eq!(vc.iter().map(|e| e.key.clone()).collect::<Vec<_>>(), val_keys);
-    assert!(vc.iter().all(|v| pool.iter().any(|p| p.tokens == v.tokens)), "validation rows come from the pool");
-    assert_eq!(tc.iter().map(|e| &e.key).collect::<Vec<_>>(), ta.iter().map(|e| &e.key).collect::<Vec<_>>());
-    assert!(td::split_validation_from(va.clone(), pool, 3).is_err(), "nothing left to train on");
-    let top = td::frequent_tokens(&examples, 256, 5);
+    let c = split(examples.clone(), Some(pool.clone()), 100).unwrap();
+    let val_keys: Vec<String> = held.iter().map(|k| format!("val:{k}")).collect();
+    assert_eq!(keys(&c.val), val_keys);
+    assert!(c.val.iter().all(|v| pool.iter().any(|p| p.tokens == v.tokens)), "validation rows come from the pool");
+    assert_eq!(keys(&c.train), keys(&a.train));
+    let top = specula::train::vocab::frequent_tokens(&examples, 256, 5);
     assert_eq!(top.len(), 5);
     assert!(top.windows(2).all(|w| w[0] < w[1]));
 }
@@ -559,7 +604,7 @@ fn write_export_fixture() {
     let dir = fixture("dflash-export");
     let out = tempfile::tempdir().unwrap();
     let settings = TrainSettings { layers: 2, ..tiny_settings(40) };
-    let (train, val) = td::split_validation(examples, 4);
+    let (train, val) = holdout(examples, 4);
     let run = TrainRun {
         target: &target.model,
         tokenizer: &target.tokenizer,
@@ -571,6 +616,8 @@ fn write_export_fixture() {
         stop_after: None,
         export_dtype: DType::F16,
         log_every: 50,
+        data: vec!["tiny".into()],
+        feature_secs: 0.0,
     };
     run.run(&mut Features::Online { target: &target.model, layer_ids: vec![1, 2] }, &mut ()).unwrap();
     std::fs::create_dir_all(dir.join("drafter")).unwrap();
@@ -626,7 +673,8 @@ fn a_run_starts_from_an_exported_drafter() {
     let second = tempfile::tempdir().unwrap();
     let settings = TrainSettings {
         init_from: Some(first.path().join("drafter")),
-        adam: td::optim::AdamWSettings { lr: 1e-12, weight_decay: 0.0, ..Default::default() },
+        keep_draft_vocab: true,
+        adam: AdamWSettings { lr: 1e-12, weight_decay: 0.0, ..Default::default() },
         ..tiny_settings(1)
     };
     run_training(&target, &examples, settings.clone(), second.path(), false, None);
@@ -647,12 +695,119 @@ fn a_run_starts_from_an_exported_drafter() {
     // The same weights train on another block size; the export records the new one.
     let third = tempfile::tempdir().unwrap();
     let settings = TrainSettings { block: 4, ..settings };
-    run_training(&target, &examples, settings, third.path(), false, None);
+    run_training(&target, &examples, settings.clone(), third.path(), false, None);
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(third.path().join("drafter/config.json")).unwrap()).unwrap();
     assert_eq!(config["block_size"], 4);
     let c = candle_core::safetensors::load(third.path().join("drafter/model.safetensors"), &Device::Cpu).unwrap();
     assert_eq!(c.len(), a.len());
+
+    // A new vocabulary, re-picked from the run's data: every weight carries over (the output
+    // rows are the target's), only `d2t` changes.
+    let fourth = tempfile::tempdir().unwrap();
+    let settings = TrainSettings { keep_draft_vocab: false, draft_vocab: Some(50), block: 8, ..settings };
+    run_training(&target, &examples, settings, fourth.path(), false, None);
+    let d = candle_core::safetensors::load(fourth.path().join("drafter/model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(d["d2t"].dims(), [50]);
+    assert_eq!(
+        d["d2t"].to_vec1::<i64>().unwrap(),
+        specula::train::vocab::frequent_tokens(&holdout(examples.clone(), 4).0, 256, 50)
+            .iter()
+            .map(|&t| t as i64)
+            .collect::<Vec<_>>()
+    );
+    for (name, t) in a.iter().filter(|(n, _)| *n != "d2t") {
+        let diff = (t.to_dtype(DType::F32).unwrap() - d[name].to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff <= 1e-6, "{name} moved by {diff}");
+    }
+    // Its record counts the steps of both runs and the held-out rule.
+    let record = specula::train::validation::TrainingRecord::read(&fourth.path().join("drafter")).unwrap().unwrap();
+    assert_eq!(record.steps, 5 + 1);
+    assert_eq!(record.runs.len(), 2);
+    // A drafter trained under another held-out rule is refused: its training may have read
+    // today's validation examples.
+    let mut other = record.clone();
+    other.validation_rule = "first 32 by hash".into();
+    other.write(&fourth.path().join("drafter")).unwrap();
+    let err = TrainRun {
+        target: &target.model,
+        tokenizer: &target.tokenizer,
+        train: examples.clone(),
+        val: Vec::new(),
+        settings: TrainSettings { init_from: Some(fourth.path().join("drafter")), ..tiny_settings(1) },
+        out: tempfile::tempdir().unwrap().path().to_path_buf(),
+        resume: false,
+        stop_after: None,
+        export_dtype: DType::F32,
+        log_every: 1,
+        data: vec![],
+        feature_secs: 0.0,
+    }
+    .run(&mut Features::Online { target: &target.model, layer_ids: vec![1, 2] }, &mut ())
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("held-out rule"), "{err:#}");
+}
+
+/// `--resume` with more steps extends a run: the same moments and no second warm-up, the
+/// learning rate decaying on from where it was; a shape change is refused by name.
+#[test]
+fn an_extended_run_keeps_its_moments_and_its_place_in_the_schedule() {
+    use specula::train::optim::LrSchedule;
+    let target = tiny_target();
+    let examples = tiny_examples(&target, 16, 8, 24, 5);
+    let out = tempfile::tempdir().unwrap();
+    let settings = TrainSettings { checkpoint_every: 3, warmup: 0.25, ..tiny_settings(8) };
+    run_training(&target, &examples, settings.clone(), out.path(), false, Some(6));
+    let longer = TrainSettings { steps: Some(20), ..settings.clone() };
+    let report = run_training(&target, &examples, longer.clone(), out.path(), true, None);
+    assert_eq!((report.steps, report.total_steps), (20, 20));
+    let ckpt: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("checkpoint/state.json")).unwrap()).unwrap();
+    let schedule: LrSchedule = serde_json::from_value(ckpt["schedule"].clone()).unwrap();
+    let first = LrSchedule::new(3e-3, 8, 2);
+    assert_eq!(schedule, first.extend(6, 20));
+    let lrs: Vec<(usize, f64)> = std::fs::read_to_string(out.path().join("train-log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap() as usize, v["lr"].as_f64().unwrap())
+        })
+        .collect();
+    // Steps 1–6 on the first schedule, then a decay that starts at step 6's rate.
+    for (step, lr) in &lrs {
+        let want = if *step <= 6 { first.lr(step - 1) } else { schedule.lr(step - 1) };
+        assert!((lr - want).abs() < 1e-15, "step {step}: lr {lr}, want {want}");
+    }
+    assert!(lrs.iter().any(|(s, _)| *s > 6));
+    // The moments came back: the optimiser's update count continues.
+    let tensors =
+        candle_core::safetensors::load(out.path().join("checkpoint/state.safetensors"), &Device::Cpu).unwrap();
+    assert!(tensors.keys().any(|k| k.starts_with("adam.m.")));
+    let err = TrainRun {
+        target: &target.model,
+        tokenizer: &target.tokenizer,
+        train: holdout(examples.clone(), 4).0,
+        val: holdout(examples.clone(), 4).1,
+        settings: TrainSettings { layers: 2, steps: Some(30), ..longer },
+        out: out.path().to_path_buf(),
+        resume: true,
+        stop_after: None,
+        export_dtype: DType::F32,
+        log_every: 1,
+        data: vec![],
+        feature_secs: 0.0,
+    }
+    .run(&mut Features::Online { target: &target.model, layer_ids: vec![1, 2] }, &mut ())
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("(layers)"), "{err:#}");
 }
 
 /// `--init-from-target`: drafter layer i starts with target layer i's weights.

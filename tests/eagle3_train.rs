@@ -16,10 +16,14 @@ use specula::model::{Transformer, WeightFormat};
 use specula::sample::SamplingParams;
 use specula::speculative::eagle3::{self, Eagle3Drafter, Eagle3Settings};
 use specula::speculative::Proposer;
-use specula::train::dflash::{self as td, Features, TrainExample};
+use specula::train::checkpoint::CheckpointMeta;
 use specula::train::eagle3::objective::{scored, sequence_loss, SequenceInput};
 use specula::train::eagle3::{self as te, Eagle3Run, Eagle3TrainSettings};
+use specula::train::examples::TrainExample;
 use specula::train::features::target_features;
+use specula::train::features::Features;
+use specula::train::optim::AdamWSettings;
+use specula::train::progress::TrainReport;
 use std::path::{Path, PathBuf};
 
 fn fixture(path: &str) -> PathBuf {
@@ -56,7 +60,12 @@ fn examples(target: &LoadedModel, n: usize, prompt_len: usize, new_tokens: usize
             let mut tokens = prompt.clone();
             tokens.extend(greedy_run(&target.model, &prompt, new_tokens, None, 0).tokens);
             let loss_mask = (0..tokens.len()).map(|j| (j >= prompt_len) as u8).collect();
-            TrainExample { key: format!("tiny/{i}"), tokens, loss_mask }
+            TrainExample {
+                key: format!("tiny/{i}"),
+                prompt_hash: seed.wrapping_mul(1000) + i as u64,
+                tokens,
+                loss_mask,
+            }
         })
         .collect()
 }
@@ -68,7 +77,7 @@ fn settings(steps: usize) -> Eagle3TrainSettings {
         steps: Some(steps),
         batch: 4,
         seed: 3,
-        adam: td::optim::AdamWSettings { lr: 3e-3, ..Default::default() },
+        adam: AdamWSettings { lr: 3e-3, ..Default::default() },
         val_examples: 4,
         checkpoint_every: 1000,
         ..Default::default()
@@ -82,9 +91,12 @@ fn run(
     out: &Path,
     resume: bool,
     stop: Option<usize>,
-) -> anyhow::Result<td::TrainReport> {
+) -> anyhow::Result<TrainReport> {
     let layer_ids = s.feature_layers(&target.model);
-    let (train, val) = td::split_validation(data.to_vec(), s.val_examples);
+    // The last examples held out (the trainer's own split holds out one in 20 by key: too few
+    // for these small sets).
+    let mut train = data.to_vec();
+    let val = train.split_off(data.len() - s.val_examples.min(data.len() / 2));
     let run = Eagle3Run {
         target: &target.model,
         train,
@@ -95,6 +107,8 @@ fn run(
         stop_after: stop,
         export_dtype: DType::F32,
         log_every: 50,
+        data: vec!["tiny".into()],
+        feature_secs: 0.0,
     };
     run.run(&mut Features::Online { target: &target.model, layer_ids }, &mut ())
 }
@@ -242,7 +256,8 @@ fn a_run_starts_from_an_exported_drafter() {
     let second = tempfile::tempdir().unwrap();
     let s = Eagle3TrainSettings {
         init_from: Some(first.path().join("drafter")),
-        adam: td::optim::AdamWSettings { lr: 1e-12, weight_decay: 0.0, ..Default::default() },
+        keep_draft_vocab: true,
+        adam: AdamWSettings { lr: 1e-12, weight_decay: 0.0, ..Default::default() },
         val_examples: 0,
         ..settings(1)
     };
@@ -258,6 +273,37 @@ fn a_run_starts_from_an_exported_drafter() {
     assert_eq!(pa.len(), pb.len());
     for ((name, x), (other, y)) in pa.iter().zip(&pb) {
         assert_eq!(name, other);
+        let diff =
+            (x.as_tensor() - y.as_tensor()).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff <= 1e-6, "{name} moved by {diff}");
+    }
+    // A new vocabulary re-picked from the data: the LM-head rows of tokens both hold carry
+    // over, new tokens start as the target's LM-head rows; every other weight is unchanged.
+    let fourth = tempfile::tempdir().unwrap();
+    let s4 = Eagle3TrainSettings { keep_draft_vocab: false, draft_vocab: Some(70), ..s.clone() };
+    run(&target, &data, s4, fourth.path(), false, None).unwrap();
+    let (_, va, pa) = te::load_params(&first.path().join("drafter"), &Device::Cpu).unwrap();
+    let (c4, vd, pd) = te::load_params(&fourth.path().join("drafter"), &Device::Cpu).unwrap();
+    assert_eq!((vd.len(), c4.draft_vocab), (70, 70));
+    let head_rows = |p: &[(String, candle_core::Var)]| {
+        p.iter().find(|(n, _)| n == "lm_head.weight").unwrap().1.as_tensor().to_vec2::<f32>().unwrap()
+    };
+    let (old_rows, new_rows) = (head_rows(&pa), head_rows(&pd));
+    let target_head = target.model.lm_head_weights().unwrap().dequantize(&Device::Cpu).unwrap();
+    let mut carried = 0;
+    for (i, t) in vd.iter().enumerate() {
+        let want = match va.iter().position(|x| x == t) {
+            Some(r) => {
+                carried += 1;
+                old_rows[r].clone()
+            }
+            None => target_head.get(*t as usize).unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+        };
+        let worst = want.iter().zip(&new_rows[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-6, "row of token {t} off by {worst}");
+    }
+    assert!(carried > 0 && carried < 70, "{carried} rows carried over");
+    for ((name, x), (_, y)) in pa.iter().zip(&pd).filter(|((n, _), _)| n != "lm_head.weight") {
         let diff =
             (x.as_tensor() - y.as_tensor()).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(diff <= 1e-6, "{name} moved by {diff}");
@@ -284,14 +330,15 @@ fn export_loads_and_scores_like_the_trained_weights() {
     assert_eq!(loaded.config.ffn, 24);
     assert_eq!(loaded.config.draft_vocab, loaded.draft_vocab().len());
     assert!(loaded.draft_vocab().len() <= 50);
-    let meta: te::CheckpointMeta =
+    let meta: CheckpointMeta<Eagle3TrainSettings> =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("checkpoint/state.json")).unwrap()).unwrap();
-    assert_eq!(loaded.draft_vocab(), meta.draft_vocab.as_slice());
+    let draft_vocab = meta.draft_vocab.clone().unwrap();
+    assert_eq!(loaded.draft_vocab(), draft_vocab.as_slice());
     let tensors =
         candle_core::safetensors::load(out.path().join("checkpoint/state.safetensors"), &Device::Cpu).unwrap();
     let trained = Eagle3Drafter::from_tensors(
         loaded.config.clone(),
-        meta.draft_vocab.clone(),
+        draft_vocab,
         |name, _| Ok(tensors[name].clone()),
         &Device::Cpu,
     )
@@ -392,6 +439,8 @@ fn write_export_fixture() {
         stop_after: None,
         export_dtype: DType::F16,
         log_every: 50,
+        data: vec!["tiny".into()],
+        feature_secs: 0.0,
     };
     run.run(&mut Features::Online { target: &target.model, layer_ids }, &mut ()).unwrap();
     let dir = fixture("eagle3-export");

@@ -2,7 +2,10 @@
 //! and `train eagle3` train a drafter on it.
 
 use crate::train::data::{self, DataSettings, GenSettings, PromptSource};
-use anyhow::Result;
+use crate::train::examples::TrainExample;
+use crate::train::features::{FeatureCache, FeatureKey, Features};
+use crate::train::progress::{LogLine, StepProgress, TrainObserver, TrainReport};
+use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -26,22 +29,88 @@ enum TrainCommand {
     Eagle3(Box<Eagle3Args>),
 }
 
+/// What both trainers take.
 #[derive(clap::Args)]
-pub struct Eagle3Args {
+pub struct RunArgs {
     /// Target model: key or path (the one the data was made with).
     #[arg(long)]
     target: String,
-    /// Training data directories (from `specula train data`), comma-separated.
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Training data directories (from `specula train data`), comma-separated. With --quick
+    /// and none given, a small one is made first in OUT/data.
+    #[arg(long, value_delimiter = ',')]
     data: Vec<PathBuf>,
     /// Take the held-out examples from these directories instead (the same prompts' examples
     /// in --data are then left out of training): to validate drafters trained on other answers
     /// (`train data --responses dataset`) on the target's own.
     #[arg(long, value_delimiter = ',')]
     val_data: Vec<PathBuf>,
-    /// Output directory: OUT/drafter (the exported drafter), OUT/checkpoint, OUT/train-log.jsonl.
+    /// Output directory: OUT/drafter (the exported drafter and its training.json),
+    /// OUT/checkpoint, OUT/train-log.jsonl.
     #[arg(long)]
     out: PathBuf,
+    /// Optimiser steps (default: --epochs over the training split). With --resume, more
+    /// steps than the checkpoint's run extend it.
+    #[arg(long)]
+    steps: Option<usize>,
+    #[arg(long, default_value_t = 1.0)]
+    epochs: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Examples are cut to this many tokens.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+    /// Held-out examples validated on, at most (the held-out split itself is fixed: one
+    /// example in 20, by a hash of its set/id).
+    #[arg(long, default_value_t = 64)]
+    val_examples: usize,
+    /// Checkpoint, validate and export every N steps.
+    #[arg(long, default_value_t = 200)]
+    checkpoint_every: usize,
+    /// Log training metrics every N steps.
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
+    /// Draft vocabulary: N (the N most frequent response tokens of this run's data), `full`
+    /// (the target's), or `keep` (with --init-from: the drafter's own).
+    #[arg(long, default_value = "16384")]
+    draft_vocab: String,
+    /// Target features: `offline` (computed once, cached in f16 and shared by every run on the
+    /// same data, target and taps) or `online` (recomputed at every use).
+    #[arg(long, default_value = "offline")]
+    features: String,
+    /// Where offline features are cached (default: a folder under the specula cache named by
+    /// the data, the target's SHA-256, the taps and --max-tokens).
+    #[arg(long)]
+    features_dir: Option<PathBuf>,
+    /// Continue from OUT/checkpoint with its moments and schedule: exactly, or extended by
+    /// more --steps or more --data (then the learning rate decays on from where it is).
+    #[arg(long)]
+    resume: bool,
+    /// Start from an exported drafter directory's weights (its shape and taps) with a new
+    /// schedule instead of a fresh initialisation.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Stop after this many steps in this run (the schedule still spans every step).
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// A short run for trying the pipeline end to end: 60 steps, checkpoints every 30, and
+    /// with no --data, 96 ShareGPT answers made first (a few minutes for a small target).
+    #[arg(long)]
+    quick: bool,
+    /// Exported weight type: f32, f16 or bf16.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Target weight format in memory (default: measured best).
+    #[arg(long)]
+    weights: Option<String>,
+    /// Where the target and the drafter run: cpu, cuda, cuda:N, metal (GPU builds only).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(clap::Args)]
+pub struct Eagle3Args {
+    #[command(flatten)]
+    run: RunArgs,
     /// Unrolled training-time-test steps (step j weighs 0.8^j).
     #[arg(long, default_value_t = 7)]
     ttt_steps: usize,
@@ -49,14 +118,11 @@ pub struct Eagle3Args {
     /// (default: 1, N/2 − 1, N − 4).
     #[arg(long, value_delimiter = ',')]
     taps: Option<Vec<usize>>,
-    /// Draft vocabulary: the N most frequent response tokens (default: the target's).
-    #[arg(long)]
-    draft_vocab: Option<usize>,
     /// MLP width (default: the target's).
     #[arg(long)]
     ffn: Option<usize>,
     /// Peak learning rate (AdamW, β 0.9/0.999).
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-3)]
     lr: f64,
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f64,
@@ -66,68 +132,15 @@ pub struct Eagle3Args {
     /// Gradient clipping (global norm).
     #[arg(long, default_value_t = 0.5)]
     clip: f64,
-    /// Optimiser steps (default: --epochs over the training split).
-    #[arg(long)]
-    steps: Option<usize>,
-    #[arg(long, default_value_t = 1.0)]
-    epochs: f64,
     /// Sequences per step.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 2)]
     batch: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Examples are cut to this many tokens.
-    #[arg(long, default_value_t = 1024)]
-    max_tokens: usize,
-    /// Examples held out for validation.
-    #[arg(long, default_value_t = 32)]
-    val_examples: usize,
-    /// Checkpoint, validate and export every N steps.
-    #[arg(long, default_value_t = 200)]
-    checkpoint_every: usize,
-    /// Log training metrics every N steps.
-    #[arg(long, default_value_t = 10)]
-    log_every: usize,
-    /// Target features: `online` (recomputed each use) or `offline` (cached once in f16).
-    #[arg(long, default_value = "offline")]
-    features: String,
-    /// Where offline features are cached (default: OUT/features).
-    #[arg(long)]
-    features_dir: Option<PathBuf>,
-    /// Continue from OUT/checkpoint (same settings and data).
-    #[arg(long)]
-    resume: bool,
-    /// Start from an exported drafter directory's weights (its shape, taps and draft
-    /// vocabulary) with a new schedule instead of a fresh initialisation.
-    #[arg(long)]
-    init_from: Option<PathBuf>,
-    /// Stop after this many steps in this run (the schedule still spans every step).
-    #[arg(long)]
-    stop_after: Option<usize>,
-    /// Exported weight type: f32, f16 or bf16.
-    #[arg(long, default_value = "f16")]
-    dtype: String,
-    /// Target weight format in memory (default: measured best).
-    #[arg(long)]
-    weights: Option<String>,
 }
 
 #[derive(clap::Args)]
 pub struct DflashArgs {
-    /// Target model: key or path (the one the data was made with).
-    #[arg(long)]
-    target: String,
-    /// Training data directories (from `specula train data`), comma-separated.
-    #[arg(long, value_delimiter = ',', required = true)]
-    data: Vec<PathBuf>,
-    /// Take the held-out examples from these directories instead (the same prompts' examples
-    /// in --data are then left out of training): to validate drafters trained on other answers
-    /// (`train data --responses dataset`) on the target's own.
-    #[arg(long, value_delimiter = ',')]
-    val_data: Vec<PathBuf>,
-    /// Output directory: OUT/drafter (the exported drafter), OUT/checkpoint, OUT/train-log.jsonl.
-    #[arg(long)]
-    out: PathBuf,
+    #[command(flatten)]
+    run: RunArgs,
     /// Drafter decoder layers.
     #[arg(long, default_value_t = 2)]
     layers: usize,
@@ -143,8 +156,8 @@ pub struct DflashArgs {
     /// MLP width (default: the target's).
     #[arg(long)]
     ffn: Option<usize>,
-    /// Block size B (the anchor + B − 1 masks).
-    #[arg(long, default_value_t = 16)]
+    /// Block size B (the anchor + B − 1 masks): 8 is what serving drafts at 7 tokens per step.
+    #[arg(long, default_value_t = 8)]
     block: usize,
     /// Tapped target layers, comma-separated 0-based ids (default: --n-taps spread from the
     /// second layer to the third-from-last).
@@ -153,13 +166,13 @@ pub struct DflashArgs {
     #[arg(long, default_value_t = 5)]
     n_taps: usize,
     /// Anchors per sequence and step.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 48)]
     anchors: usize,
-    /// Loss decay γ (default: 7 for B = 16, 5 for 10, 4 for 8).
-    #[arg(long)]
-    gamma: Option<f64>,
+    /// Loss decay γ: block offset k weighs exp(−(k−1)/γ).
+    #[arg(long, default_value_t = 2.0)]
+    gamma: f64,
     /// Peak learning rate (AdamW).
-    #[arg(long, default_value_t = 6e-4)]
+    #[arg(long, default_value_t = 1e-3)]
     lr: f64,
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f64,
@@ -169,70 +182,33 @@ pub struct DflashArgs {
     /// Gradient clipping (global norm).
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
-    /// Optimiser steps (default: --epochs over the training split).
-    #[arg(long)]
-    steps: Option<usize>,
-    #[arg(long, default_value_t = 1.0)]
-    epochs: f64,
     /// Sequences per step.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 2)]
     batch: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Examples are cut to this many tokens.
-    #[arg(long, default_value_t = 1024)]
-    max_tokens: usize,
-    /// Reduced drafter vocabulary: the N most frequent response tokens (default: the target's).
-    #[arg(long)]
-    draft_vocab: Option<usize>,
     /// MASK token id (default: an unused control token of the target).
     #[arg(long)]
     mask_token: Option<u32>,
-    /// Examples held out for validation.
-    #[arg(long, default_value_t = 32)]
-    val_examples: usize,
-    /// Checkpoint, validate and export every N steps.
-    #[arg(long, default_value_t = 200)]
-    checkpoint_every: usize,
-    /// Log training metrics every N steps.
-    #[arg(long, default_value_t = 10)]
-    log_every: usize,
-    /// Target features: `online` (recomputed each use) or `offline` (cached once in f16).
-    #[arg(long, default_value = "offline")]
-    features: String,
-    /// Where offline features are cached (default: OUT/features).
-    #[arg(long)]
-    features_dir: Option<PathBuf>,
+    /// Drafted tokens per verify step in the validation estimate of τ (the `max` the drafter
+    /// will be served with).
+    #[arg(long, default_value_t = 7)]
+    serving_draft_len: usize,
     /// Initialise drafter layer i from target layer i (same head and MLP shapes) instead of
     /// random weights.
     #[arg(long)]
     init_from_target: bool,
-    /// Give the drafter attention biases, the q/k ones starting as relative-position heads
-    /// (head h looks 1 + h/2 positions back): it learns where the anchor's token is in far
-    /// fewer steps.
-    #[arg(long)]
+    /// Attention biases whose q/k parts start as relative-position heads (head h looks
+    /// 1 + h/2 positions back): the drafter learns where the anchor's token is in far fewer
+    /// steps. On by default; kept as a flag so older commands still read.
+    #[arg(long, overrides_with = "no_attention_bias")]
     attention_bias: bool,
+    /// A drafter without attention biases (the z-lab shape).
+    #[arg(long)]
+    no_attention_bias: bool,
     /// Distil: score each block row by soft cross-entropy against the target's distribution
     /// over the drafter's vocabulary instead of its greedy token (the features then include
     /// the target's last layer).
     #[arg(long)]
     distill: bool,
-    /// Continue from OUT/checkpoint (same settings and data).
-    #[arg(long)]
-    resume: bool,
-    /// Start from an exported drafter directory's weights (its shape, MASK and vocabulary)
-    /// instead of a fresh initialisation; --block may differ from its block size.
-    #[arg(long)]
-    init_from: Option<PathBuf>,
-    /// Stop after this many steps in this run (the schedule still spans every step).
-    #[arg(long)]
-    stop_after: Option<usize>,
-    /// Exported weight type: f32, f16 or bf16.
-    #[arg(long, default_value = "f16")]
-    dtype: String,
-    /// Target weight format in memory (default: measured best).
-    #[arg(long)]
-    weights: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -291,6 +267,9 @@ pub struct DataArgs {
     /// Weight format in memory: native, q8_0, q4_0, f16, f32 (default: measured best).
     #[arg(long)]
     weights: Option<String>,
+    /// Where the target runs: cpu, cuda, cuda:N, metal (GPU builds only).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 pub fn run(args: TrainArgs) -> Result<()> {
@@ -298,6 +277,85 @@ pub fn run(args: TrainArgs) -> Result<()> {
         TrainCommand::Data(a) => run_data(a),
         TrainCommand::Dflash(a) => run_dflash(*a),
         TrainCommand::Eagle3(a) => run_eagle3(*a),
+    }
+}
+
+/// `--draft-vocab N|full|keep` as (size, keep the drafter's).
+fn parse_draft_vocab(text: &str) -> Result<(Option<usize>, bool)> {
+    Ok(match text {
+        "full" => (None, false),
+        "keep" => (None, true),
+        n => match n.parse::<usize>() {
+            Ok(0) | Err(_) => bail!("--draft-vocab {n}: expected a positive number, `full` or `keep`"),
+            Ok(n) => (Some(n), false),
+        },
+    })
+}
+
+/// `--device cpu|cuda|cuda:N|metal|metal:N`.
+pub fn parse_device(text: &str) -> Result<candle_core::Device> {
+    let (kind, ordinal) = match text.split_once(':') {
+        Some((k, n)) => (k, n.parse::<usize>().with_context(|| format!("--device {text}: bad ordinal"))?),
+        None => (text, 0),
+    };
+    Ok(match kind {
+        "cpu" => candle_core::Device::Cpu,
+        "cuda" => candle_core::Device::new_cuda(ordinal)
+            .with_context(|| format!("--device {text}: this build has no CUDA device (build with --features cuda)"))?,
+        "metal" => candle_core::Device::new_metal(ordinal)
+            .with_context(|| format!("--device {text}: this build has no Metal device"))?,
+        other => bail!("--device {other}: expected cpu, cuda[:N] or metal[:N]"),
+    })
+}
+
+/// What `--quick` changes, and the small data set it makes when no --data is given.
+const QUICK_STEPS: usize = 60;
+
+impl RunArgs {
+    /// Applies `--quick`: a short schedule, and data made first when none is given.
+    fn prepare(&mut self, target: &crate::engine::LoadedModel) -> Result<()> {
+        if self.quick {
+            self.steps.get_or_insert(QUICK_STEPS);
+            self.checkpoint_every = self.checkpoint_every.min(30);
+            self.log_every = self.log_every.min(5);
+            if self.data.is_empty() {
+                let dir = self.out.join("data");
+                eprintln!(
+                    "--quick: making a small data set in {} (96 ShareGPT prompts, 128 tokens each)",
+                    dir.display()
+                );
+                let settings = DataSettings {
+                    sources: vec![PromptSource::Set("sharegpt".into())],
+                    skip: 0,
+                    limit: Some(96),
+                    gen: GenSettings {
+                        max_new_tokens: 128,
+                        temperature: 0.0,
+                        seed: 0,
+                        chat_template_kwargs: Default::default(),
+                        responses: data::ResponseSource::Target,
+                    },
+                    out: dir.clone(),
+                    batch: 16,
+                    shard_size: 1000,
+                    kv_tokens: 16384,
+                    max_prompt_tokens: Some(256),
+                };
+                make_data(target, &settings)?;
+                self.data = vec![dir];
+            }
+        }
+        if self.data.is_empty() {
+            bail!("--data: give the training data directories (from `specula train data`), or --quick");
+        }
+        Ok(())
+    }
+
+    fn data_names(&self) -> Vec<String> {
+        self.data
+            .iter()
+            .map(|d| d.file_name().map_or_else(|| d.display().to_string(), |n| n.to_string_lossy().into_owned()))
+            .collect()
     }
 }
 
@@ -332,12 +390,16 @@ fn run_data(args: DataArgs) -> Result<()> {
     for s in &settings.sources {
         data::check_training_set(s.key())?;
     }
-    let path = crate::fetch::resolve_model(&args.target, true)?;
-    let weights = args.weights.as_deref().map(crate::model::WeightFormat::parse).transpose()?;
-    let target = crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)?;
-    eprintln!("target {} ({} tokens in the vocabulary)", path.display(), target.tokenizer.vocab_size());
+    let target = load_target(&args.target, args.weights.as_deref(), &parse_device(&args.device)?)?;
+    eprintln!("target {} ({} tokens in the vocabulary)", target.path.display(), target.tokenizer.vocab_size());
+    make_data(&target, &settings)
+}
+
+/// Runs `train data` with `settings`, printing progress to stderr and the summary to stdout.
+fn make_data(target: &crate::engine::LoadedModel, settings: &DataSettings) -> Result<()> {
+    settings.validate()?;
     let mut last_print = Instant::now();
-    let summary = data::generate_data(&target, &settings, &mut |p| {
+    let summary = data::generate_data(target, settings, &mut |p| {
         if p.done == p.total || last_print.elapsed().as_secs_f64() >= 2.0 {
             last_print = Instant::now();
             eprintln!("{}/{} examples, {:.1} tokens/s, {:.0}s", p.done, p.total, p.tokens_per_sec, p.secs);
@@ -350,7 +412,11 @@ fn run_data(args: DataArgs) -> Result<()> {
         eprintln!(
             "skipped {} prompt(s) too long for the context, the KV cache or --max-prompt-tokens{}",
             summary.skipped.len(),
-            if args.responses == "dataset" { ", or without an answer of their own" } else { "" }
+            if settings.gen.responses == data::ResponseSource::Dataset {
+                ", or without an answer of their own"
+            } else {
+                ""
+            }
         );
     }
     println!(
@@ -363,13 +429,15 @@ fn run_data(args: DataArgs) -> Result<()> {
         summary.run.tokens_per_sec,
         summary.run.batch,
         summary.meta.examples,
-        args.out.display()
+        settings.out.display()
     );
     Ok(())
 }
 
-fn run_dflash(args: DflashArgs) -> Result<()> {
-    use crate::train::dflash::{self as td, TrainRun, TrainSettings};
+fn run_dflash(mut args: DflashArgs) -> Result<()> {
+    use crate::train::dflash::{TrainRun, TrainSettings};
+    let (draft_vocab, keep_draft_vocab) = parse_draft_vocab(&args.run.draft_vocab)?;
+    let quick = args.run.quick;
     let settings = TrainSettings {
         layers: args.layers,
         heads: args.heads,
@@ -379,95 +447,164 @@ fn run_dflash(args: DflashArgs) -> Result<()> {
         block: args.block,
         taps: args.taps.clone(),
         n_taps: args.n_taps,
-        anchors: args.anchors,
-        gamma: args.gamma,
-        adam: td::optim::AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
+        anchors: if quick { args.anchors.min(32) } else { args.anchors },
+        gamma: Some(args.gamma),
+        adam: crate::train::optim::AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
         warmup: args.warmup,
         clip: args.clip,
-        steps: args.steps,
-        epochs: args.epochs,
+        steps: args.run.steps,
+        epochs: args.run.epochs,
         batch: args.batch,
-        seed: args.seed,
-        max_tokens: args.max_tokens,
-        draft_vocab: args.draft_vocab,
+        seed: args.run.seed,
+        max_tokens: args.run.max_tokens,
+        draft_vocab,
+        keep_draft_vocab,
         mask_token: args.mask_token,
-        val_examples: args.val_examples,
-        checkpoint_every: args.checkpoint_every,
-        init_from: args.init_from.clone(),
+        val_examples: args.run.val_examples,
+        checkpoint_every: args.run.checkpoint_every,
+        init_from: args.run.init_from.clone(),
         init_from_target: args.init_from_target,
-        attention_bias: args.attention_bias,
+        attention_bias: !args.no_attention_bias,
         distill: args.distill,
+        serving_draft_len: args.serving_draft_len,
     };
     settings.validate()?;
-    let export_dtype = export_dtype(&args.dtype)?;
-    let target = load_target(&args.target, args.weights.as_deref())?;
-    let (train, val) = split_examples(&target, &args.data, &args.val_data, settings.max_tokens, settings.val_examples)?;
-    eprintln!("{} training examples, {} held out", train.len(), val.len());
-    let run = TrainRun {
-        target: &target.model,
-        tokenizer: &target.tokenizer,
-        train,
-        val,
-        settings,
-        out: args.out.clone(),
-        resume: args.resume,
-        stop_after: args.stop_after,
-        export_dtype,
-        log_every: args.log_every,
-    };
+    if keep_draft_vocab && settings.init_from.is_none() {
+        bail!("--draft-vocab keep needs --init-from (the drafter whose vocabulary to keep)");
+    }
+    let export_dtype = export_dtype(&args.run.dtype)?;
+    let target = load_target(&args.run.target, args.run.weights.as_deref(), &parse_device(&args.run.device)?)?;
+    args.run.prepare(&target)?;
+    let mut settings = settings;
+    settings.steps = args.run.steps;
+    settings.checkpoint_every = args.run.checkpoint_every;
+    let (train, val) = split_examples(&target, &args.run, settings.max_tokens)?;
     // The tapped layers, before the drafter exists: from the settings or the drafter started from.
-    let taps = match (&run.settings.taps, &run.settings.init_from) {
+    let taps = match (&settings.taps, &settings.init_from) {
         (Some(t), _) => t.clone(),
         // A drafter trained further keeps its own taps.
         (None, Some(dir)) => {
             crate::speculative::dflash::DflashConfig::from_file(&dir.join("config.json"))?.target_layer_ids
         }
         (None, None) => {
-            crate::speculative::dflash::default_target_layer_ids(target.model.config.n_layers, run.settings.n_taps)
+            crate::speculative::dflash::default_target_layer_ids(target.model.config.n_layers, settings.n_taps)
         }
     };
-    let layer_ids = run.settings.feature_layers(&taps, target.model.config.n_layers);
-    let all: Vec<&td::TrainExample> = run.train.iter().chain(&run.val).collect();
-    let mut features = open_features(
-        &args.features,
-        args.features_dir.as_deref(),
-        &args.out,
-        &target,
-        layer_ids,
-        run.settings.max_tokens,
-        &all,
-    )?;
-    run.settings.validate()?;
+    let layer_ids = settings.feature_layers(&taps, target.model.config.n_layers);
     let mut observer = ProgressObserver::new();
+    let all: Vec<&TrainExample> = train.iter().chain(&val).collect();
+    let (mut features, feature_secs) =
+        open_features(&args.run, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
+    let run = TrainRun {
+        target: &target.model,
+        tokenizer: &target.tokenizer,
+        train,
+        val,
+        settings,
+        out: args.run.out.clone(),
+        resume: args.run.resume,
+        stop_after: args.run.stop_after,
+        export_dtype,
+        log_every: args.run.log_every,
+        data: args.run.data_names(),
+        feature_secs,
+    };
     let report = run.run(&mut features, &mut observer)?;
-    observer.bar.finish_and_clear();
+    observer.finish();
     print_report(&report, "scored block rows");
     Ok(())
 }
 
+fn run_eagle3(mut args: Eagle3Args) -> Result<()> {
+    use crate::train::eagle3::{Eagle3Run, Eagle3TrainSettings};
+    let (draft_vocab, keep_draft_vocab) = parse_draft_vocab(&args.run.draft_vocab)?;
+    let mut settings = Eagle3TrainSettings {
+        ttt_steps: args.ttt_steps,
+        taps: args.taps.clone(),
+        draft_vocab,
+        keep_draft_vocab,
+        ffn: args.ffn,
+        adam: crate::train::optim::AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
+        warmup: args.warmup,
+        clip: args.clip,
+        steps: args.run.steps,
+        epochs: args.run.epochs,
+        batch: args.batch,
+        seed: args.run.seed,
+        max_tokens: args.run.max_tokens,
+        val_examples: args.run.val_examples,
+        checkpoint_every: args.run.checkpoint_every,
+        init_from: args.run.init_from.clone(),
+    };
+    settings.validate()?;
+    if keep_draft_vocab && settings.init_from.is_none() {
+        bail!("--draft-vocab keep needs --init-from (the drafter whose vocabulary to keep)");
+    }
+    let dtype = export_dtype(&args.run.dtype)?;
+    let target = load_target(&args.run.target, args.run.weights.as_deref(), &parse_device(&args.run.device)?)?;
+    args.run.prepare(&target)?;
+    settings.steps = args.run.steps;
+    settings.checkpoint_every = args.run.checkpoint_every;
+    if let Some(dir) = &settings.init_from {
+        // A drafter trained further keeps its own taps (the feature cache must hold them); a
+        // shape it does not have is refused here, before features are computed.
+        let c = crate::speculative::eagle3::Eagle3Config::from_file(&dir.join("config.json"))?;
+        if settings.taps.is_none() {
+            settings.taps = c.aux_layer_ids.clone();
+        }
+        settings.check_init_from(dir, &c, target.model.config.n_layers)?;
+    }
+    let (train, val) = split_examples(&target, &args.run, settings.max_tokens)?;
+    let layer_ids = settings.feature_layers(&target.model);
+    let mut observer = ProgressObserver::new();
+    let all: Vec<&TrainExample> = train.iter().chain(&val).collect();
+    let (mut features, feature_secs) =
+        open_features(&args.run, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
+    let run = Eagle3Run {
+        target: &target.model,
+        train,
+        val,
+        settings,
+        out: args.run.out.clone(),
+        resume: args.run.resume,
+        stop_after: args.run.stop_after,
+        export_dtype: dtype,
+        log_every: args.run.log_every,
+        data: args.run.data_names(),
+        feature_secs,
+    };
+    let report = run.run(&mut features, &mut observer)?;
+    observer.finish();
+    print_report(&report, "scored rows");
+    Ok(())
+}
+
 /// The one-line summary of a finished (or stopped) training run.
-fn print_report(report: &crate::train::dflash::TrainReport, rows: &str) {
+fn print_report(report: &TrainReport, rows: &str) {
     let val = report.final_val.as_ref();
     println!(
-        "{} of {} steps ({} train / {} validation examples) in {:.0}s, {:.0} {rows}/s, peak memory {:.0} MB; validation loss {}, τ ≈ {}; drafter in {}",
+        "{} of {} steps ({} train / {} validation examples) in {:.0}s ({:.2} h of training in all), {:.0} {rows}/s, \
+         peak memory {:.0} MB; validation loss {}, τ {} (greedy verify steps simulated at {} drafted tokens); drafter in {}",
         report.steps,
         report.total_steps,
         report.train_examples,
         report.val_examples,
         report.secs,
+        report.total_secs / 3600.0,
         report.rows_per_sec,
         report.peak_rss_mb.unwrap_or(f64::NAN),
         val.map_or("-".into(), |v| format!("{:.4}", v.loss)),
-        val.map_or("-".into(), |v| format!("{:.2}", v.tau)),
+        val.and_then(|v| v.serving_tau).map_or("-".into(), |t| format!("{t:.2}")),
+        val.and_then(|v| v.serving_draft_len).map_or("-".into(), |k| k.to_string()),
         report.drafter_dir.display()
     );
 }
 
 /// The target model a trainer runs against.
-fn load_target(key: &str, weights: Option<&str>) -> Result<crate::engine::LoadedModel> {
+fn load_target(key: &str, weights: Option<&str>, device: &candle_core::Device) -> Result<crate::engine::LoadedModel> {
     let path = crate::fetch::resolve_model(key, true)?;
     let weights = weights.map(crate::model::WeightFormat::parse).transpose()?;
-    crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)
+    crate::engine::LoadedModel::load(&path, weights, device)
 }
 
 /// The examples of every data directory, after checking each was made with `target` and holds
@@ -476,8 +613,7 @@ fn load_examples(
     target: &crate::engine::LoadedModel,
     dirs: &[PathBuf],
     max_tokens: usize,
-) -> Result<Vec<crate::train::dflash::TrainExample>> {
-    use anyhow::{bail, Context};
+) -> Result<Vec<TrainExample>> {
     let id = data::TargetId::of(target);
     let mut examples = Vec::new();
     for dir in dirs {
@@ -491,64 +627,93 @@ fn load_examples(
         }
         // Refuses a directory holding any evaluation prompt.
         data::check_no_eval_prompts(dir)?;
-        examples.extend(crate::train::dflash::load_examples(dir, max_tokens)?);
+        examples.extend(crate::train::examples::load_examples(dir, max_tokens)?);
     }
     Ok(examples)
 }
 
-/// Training and validation examples: a split of `data` by [`crate::train::dflash::split_validation`],
-/// or, with `val_data`, that split of `val_data`'s examples held out and every example of `data`
-/// for the same prompts left out of training.
+/// Training and validation examples by the fixed held-out split
+/// ([`crate::train::validation::split`]); with --val-data, the held-out examples come from
+/// those directories.
 fn split_examples(
     target: &crate::engine::LoadedModel,
-    data: &[PathBuf],
-    val_data: &[PathBuf],
+    run: &RunArgs,
     max_tokens: usize,
-    val_examples: usize,
-) -> Result<(Vec<crate::train::dflash::TrainExample>, Vec<crate::train::dflash::TrainExample>)> {
-    use crate::train::dflash::{split_validation, split_validation_from};
-    let examples = load_examples(target, data, max_tokens)?;
-    if val_data.is_empty() {
-        return Ok(split_validation(examples, val_examples));
+) -> Result<(Vec<TrainExample>, Vec<TrainExample>)> {
+    let examples = load_examples(target, &run.data, max_tokens)?;
+    let pool = if run.val_data.is_empty() { None } else { Some(load_examples(target, &run.val_data, max_tokens)?) };
+    let split = crate::train::validation::split(examples, pool, run.val_examples)?;
+    eprintln!(
+        "{} training examples, {} held out and validated on{}{}",
+        split.train.len(),
+        split.val.len(),
+        if split.held_out_unused > 0 {
+            format!(" ({} more held out, over --val-examples)", split.held_out_unused)
+        } else {
+            String::new()
+        },
+        if split.same_prompt_dropped > 0 {
+            format!("; {} left out of training for sharing a held-out prompt", split.same_prompt_dropped)
+        } else {
+            String::new()
+        }
+    );
+    if split.val.is_empty() {
+        eprintln!("warning: no example of this data is held out (one in 20 is): the run has no validation");
     }
-    split_validation_from(examples, load_examples(target, val_data, max_tokens)?, val_examples)
+    Ok((split.train, split.val))
 }
 
 /// Target features of `layer_ids` for the examples: recomputed on use (`online`), or cached
-/// once in f16 (`offline`, in `dir` or OUT/features), the disk size printed first.
+/// once in f16 (`offline`), the disk size printed first. Returns them and the seconds spent
+/// caching.
 fn open_features<'a>(
-    mode: &str,
-    dir: Option<&std::path::Path>,
-    out: &std::path::Path,
+    run: &RunArgs,
     target: &'a crate::engine::LoadedModel,
     layer_ids: Vec<usize>,
     max_tokens: usize,
-    examples: &[&crate::train::dflash::TrainExample],
-) -> Result<crate::train::dflash::Features<'a>> {
-    use crate::train::dflash::{self as td, Features};
-    Ok(match mode {
-        "online" => Features::Online { target: &target.model, layer_ids },
+    examples: &[&TrainExample],
+    observer: &mut ProgressObserver,
+) -> Result<(Features<'a>, f64)> {
+    Ok(match run.features.as_str() {
+        "online" => (Features::Online { target: &target.model, layer_ids }, 0.0),
         "offline" => {
-            let dir = dir.map(|d| d.to_path_buf()).unwrap_or_else(|| out.join("features"));
-            let key = crate::train::features::FeatureKey {
+            let t0 = Instant::now();
+            let key = FeatureKey {
                 target: data::TargetId::of(target).file_name.clone(),
+                target_sha256: crate::train::features::model_sha256(&target.path)?,
                 layer_ids: layer_ids.clone(),
                 hidden: target.model.config.hidden,
                 max_tokens,
             };
-            let mut cache = crate::train::features::FeatureCache::open(&dir, key.clone())?;
-            let t0 = Instant::now();
-            let mut last = Instant::now();
-            td::fill_feature_cache(&mut cache, &key, &target.model, examples, |done, total| {
-                if done == total || last.elapsed().as_secs_f64() >= 5.0 {
-                    last = Instant::now();
-                    eprintln!("features {done}/{total} examples, {:.0}s", t0.elapsed().as_secs_f64());
-                }
+            let dir = match &run.features_dir {
+                Some(d) => d.clone(),
+                None => default_features_dir(&key, &run.data, &run.val_data)?,
+            };
+            eprintln!("feature cache: {}", dir.display());
+            let mut cache = FeatureCache::open(&dir, key.clone())?;
+            crate::train::features::fill_feature_cache(&mut cache, &key, &target.model, examples, |done, total| {
+                observer.prepare("examples' target features", done, total)
             })?;
-            Features::Offline(cache)
+            (Features::Offline(cache), t0.elapsed().as_secs_f64())
         }
-        other => anyhow::bail!("--features {other}: expected online or offline"),
+        other => bail!("--features {other}: expected online or offline"),
     })
+}
+
+/// The shared cache folder of features for these data directories and this key: every run on
+/// the same data, target, taps and length reads the same file.
+fn default_features_dir(key: &FeatureKey, data: &[PathBuf], val_data: &[PathBuf]) -> Result<PathBuf> {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(serde_json::to_vec(key)?);
+    for d in data.iter().chain([PathBuf::from("--val-data")].iter()).chain(val_data) {
+        let canonical = d.canonicalize().unwrap_or_else(|_| d.clone());
+        h.update(canonical.to_string_lossy().as_bytes());
+        h.update([0]);
+    }
+    let name: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    Ok(crate::fetch::specula_home().join("features").join(name))
 }
 
 fn export_dtype(name: &str) -> Result<candle_core::DType> {
@@ -556,106 +721,103 @@ fn export_dtype(name: &str) -> Result<candle_core::DType> {
         "f32" => candle_core::DType::F32,
         "f16" => candle_core::DType::F16,
         "bf16" => candle_core::DType::BF16,
-        other => anyhow::bail!("--dtype {other}: expected f32, f16 or bf16"),
+        other => bail!("--dtype {other}: expected f32, f16 or bf16"),
     })
 }
 
-fn run_eagle3(args: Eagle3Args) -> Result<()> {
-    use crate::train::dflash::{self as td, optim::AdamWSettings};
-    use crate::train::eagle3::{Eagle3Run, Eagle3TrainSettings};
-    let mut settings = Eagle3TrainSettings {
-        ttt_steps: args.ttt_steps,
-        taps: args.taps.clone(),
-        draft_vocab: args.draft_vocab,
-        ffn: args.ffn,
-        adam: AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
-        warmup: args.warmup,
-        clip: args.clip,
-        steps: args.steps,
-        epochs: args.epochs,
-        batch: args.batch,
-        seed: args.seed,
-        max_tokens: args.max_tokens,
-        val_examples: args.val_examples,
-        checkpoint_every: args.checkpoint_every,
-        init_from: args.init_from.clone(),
-    };
-    settings.validate()?;
-    let dtype = export_dtype(&args.dtype)?;
-    let target = load_target(&args.target, args.weights.as_deref())?;
-    if let Some(dir) = &args.init_from {
-        // A drafter trained further keeps its own taps (the feature cache must hold them); a
-        // shape it does not have is refused here, before features are computed.
-        let c = crate::speculative::eagle3::Eagle3Config::from_file(&dir.join("config.json"))?;
-        if settings.taps.is_none() {
-            settings.taps = c.aux_layer_ids.clone();
-        }
-        settings.check_init_from(dir, &c, target.model.config.n_layers)?;
-    }
-    let (train, val) = split_examples(&target, &args.data, &args.val_data, settings.max_tokens, settings.val_examples)?;
-    eprintln!("{} training examples, {} held out", train.len(), val.len());
-    let layer_ids = settings.feature_layers(&target.model);
-    let run = Eagle3Run {
-        target: &target.model,
-        train,
-        val,
-        settings,
-        out: args.out.clone(),
-        resume: args.resume,
-        stop_after: args.stop_after,
-        export_dtype: dtype,
-        log_every: args.log_every,
-    };
-    let all: Vec<&td::TrainExample> = run.train.iter().chain(&run.val).collect();
-    let mut features = open_features(
-        &args.features,
-        args.features_dir.as_deref(),
-        &args.out,
-        &target,
-        layer_ids,
-        run.settings.max_tokens,
-        &all,
-    )?;
-    let mut observer = ProgressObserver::new();
-    let report = run.run(&mut features, &mut observer)?;
-    observer.bar.finish_and_clear();
-    print_report(&report, "scored rows");
-    Ok(())
-}
-
+/// Progress: a bar on a terminal, else a plain line every [`PLAIN_EVERY_SECS`].
 struct ProgressObserver {
     bar: indicatif::ProgressBar,
+    last_plain: Option<Instant>,
+    started: Instant,
 }
+
+const PLAIN_EVERY_SECS: f64 = 15.0;
 
 impl ProgressObserver {
     fn new() -> Self {
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed}<{eta} {msg}")
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} {elapsed}<{eta}")
                 .expect("valid template"),
         );
-        Self { bar }
+        Self { bar, last_plain: None, started: Instant::now() }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+
+    /// Prints a plain line when there is no terminal and the last one is old enough.
+    fn plain(&mut self, force: bool, text: impl FnOnce() -> String) {
+        if !self.bar.is_hidden() {
+            return;
+        }
+        if force || self.last_plain.is_none_or(|t| t.elapsed().as_secs_f64() >= PLAIN_EVERY_SECS) {
+            self.last_plain = Some(Instant::now());
+            eprintln!("{}", text());
+        }
     }
 }
 
-impl crate::train::dflash::TrainObserver for ProgressObserver {
-    fn step(&mut self, step: usize, total: usize, loss: f64, tau: f64) {
+fn eta(done: usize, total: usize, secs: f64) -> String {
+    if done == 0 {
+        return "?".into();
+    }
+    let left = secs / done as f64 * total.saturating_sub(done) as f64;
+    format!("{}m{:02}s", (left / 60.0) as u64, (left % 60.0) as u64)
+}
+
+impl TrainObserver for ProgressObserver {
+    fn prepare(&mut self, what: &str, done: usize, total: usize) {
+        if done == 0 {
+            self.started = Instant::now();
+        }
         self.bar.set_length(total as u64);
-        self.bar.set_position(step as u64);
-        self.bar.set_message(format!("loss {loss:.3} τ≈{tau:.2}"));
+        self.bar.set_position(done as u64);
+        self.bar.set_message(what.to_string());
+        let secs = self.started.elapsed().as_secs_f64();
+        self.plain(done == total, || format!("{what}: {done}/{total}, {:.0}s, ETA {}", secs, eta(done, total, secs)));
     }
 
-    fn log(&mut self, line: &crate::train::dflash::LogLine) {
+    fn step(&mut self, p: StepProgress) {
+        if self.bar.length() != Some(p.total as u64) || p.step <= 1 {
+            self.started = Instant::now();
+        }
+        let tau = p.tau.map_or("-".into(), |t| format!("{t:.2}"));
+        self.bar.set_length(p.total as u64);
+        self.bar.set_position(p.step as u64);
+        self.bar.set_message(format!("steps, loss {:.3}, {:.0} rows/s, τ {tau}", p.loss, p.rows_per_sec));
+        let secs = self.started.elapsed().as_secs_f64();
+        self.plain(p.step == p.total, || {
+            format!(
+                "step {}/{} loss {:.3} {:.0} rows/s τ {tau} ETA {}",
+                p.step,
+                p.total,
+                p.loss,
+                p.rows_per_sec,
+                eta(p.step, p.total, secs)
+            )
+        });
+    }
+
+    fn log(&mut self, line: &LogLine) {
         let acc: Vec<String> =
             line.train.accuracy.iter().take(4).map(|a| a.map_or("-".into(), |a| format!("{:.2}", a))).collect();
-        let val = line.val.as_ref().map_or(String::new(), |v| format!(" | val loss {:.3} τ≈{:.2}", v.loss, v.tau));
+        let val = line.val.as_ref().map_or(String::new(), |v| {
+            format!(
+                " | val loss {:.3}, τ {} (anchor estimate {:.2})",
+                v.loss,
+                v.serving_tau.map_or("-".into(), |t| format!("{t:.2}")),
+                v.tau
+            )
+        });
         let text = format!(
-            "step {} lr {:.2e} loss {:.3} acc@1..4 [{}] τ≈{:.2} |g| {:.2} {:.0} rows/s{}",
+            "step {} lr {:.2e} loss {:.3} acc@1..4 [{}] |g| {:.2} {:.0} rows/s{}",
             line.step,
             line.lr,
             line.train.loss,
             acc.join(" "),
-            line.train.tau,
             line.grad_norm,
             line.rows_per_sec,
             val

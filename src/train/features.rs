@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 /// Runs the target over `tokens` (one prefill, no logits, its K/V cache in `kv`: f16 is what
 /// serving uses) and returns the features of every row, `[tokens, layer_ids.len() · hidden]` f32.
@@ -40,8 +41,12 @@ pub fn target_features(target: &Transformer, layer_ids: &[usize], tokens: &[u32]
 /// What a feature file was made for; a cache made for anything else is refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FeatureKey {
-    /// The target's file name and dimensions (as in the data directory's `meta.json`).
+    /// The target's file name (as in the data directory's `meta.json`).
     pub target: String,
+    /// SHA-256 of the target's weights ([`model_sha256`]): another file of the same name is
+    /// another model.
+    #[serde(default)]
+    pub target_sha256: String,
     pub layer_ids: Vec<usize>,
     pub hidden: usize,
     /// Examples are cut to at most this many tokens before their features are taken.
@@ -159,4 +164,82 @@ impl FeatureCache {
         let values: Vec<half::f16> = bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]])).collect();
         Ok(Tensor::from_vec(values, (e.rows, self.width), device)?.to_dtype(DType::F32)?)
     }
+}
+
+/// Where a trainer's features come from.
+pub enum Features<'a> {
+    Online { target: &'a Transformer, layer_ids: Vec<usize> },
+    Offline(FeatureCache),
+}
+
+impl Features<'_> {
+    pub fn get(&mut self, e: &super::examples::TrainExample, device: &Device) -> Result<Tensor> {
+        match self {
+            Features::Online { target, layer_ids } => target_features(target, layer_ids, &e.tokens, KvDtype::F16),
+            Features::Offline(cache) => cache.read(&e.key, device),
+        }
+    }
+}
+
+/// Fills an offline cache with the features of every example not yet in it, printing the disk
+/// size first. `progress(done, total)` is called as it goes. Returns the seconds spent.
+pub fn fill_feature_cache(
+    cache: &mut FeatureCache,
+    key: &FeatureKey,
+    target: &Transformer,
+    examples: &[&super::examples::TrainExample],
+    mut progress: impl FnMut(usize, usize),
+) -> Result<f64> {
+    let t0 = Instant::now();
+    let todo: Vec<&&super::examples::TrainExample> = examples.iter().filter(|e| !cache.contains(&e.key)).collect();
+    let tokens: u64 = examples.iter().map(|e| e.tokens.len() as u64).sum();
+    eprintln!(
+        "target features: {} tokens of {} examples take {:.2} GB on disk as f16 ({} to compute)",
+        tokens,
+        examples.len(),
+        FeatureCache::bytes_for(tokens, key) as f64 / 1e9,
+        todo.len()
+    );
+    let mut last_flush = Instant::now();
+    progress(0, todo.len());
+    for (i, e) in todo.iter().enumerate() {
+        let f = target_features(target, &key.layer_ids, &e.tokens, KvDtype::F16)?;
+        cache.append(&e.key, &f)?;
+        if last_flush.elapsed().as_secs() >= 30 {
+            cache.flush_index()?;
+            last_flush = Instant::now();
+        }
+        progress(i + 1, todo.len());
+    }
+    cache.flush_index()?;
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// SHA-256 (hex) of a model: its file, or every file of a model directory in name order.
+pub fn model_sha256(path: &Path) -> Result<String> {
+    use sha2::Digest;
+    let mut files = if path.is_dir() {
+        let mut f: Vec<PathBuf> = std::fs::read_dir(path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file())
+            .collect();
+        f.sort();
+        f
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for f in files.drain(..) {
+        let mut file = File::open(&f).with_context(|| format!("opening {}", f.display()))?;
+        loop {
+            let n = file.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+        }
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }

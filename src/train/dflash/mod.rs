@@ -12,11 +12,14 @@
 //! run resumed from a checkpoint at step `s` continues exactly as the uninterrupted run.
 
 pub mod objective;
-pub mod optim;
 
-use super::data::{read_examples, Example};
-use super::features::{target_features, FeatureCache, FeatureKey};
-use crate::kv::KvDtype;
+use super::checkpoint::{self, CheckpointMeta};
+use super::examples::{batch_indices, standard_normal, step_rng, TrainExample};
+use super::features::Features;
+use super::optim::{AdamW, AdamWSettings, LrSchedule};
+use super::progress::{append_log, peak_rss_mb, LogLine, Metrics, StepProgress, Tally, TrainObserver, TrainReport};
+use super::validation::{simulate_verify_steps, RecordedRun, TrainingRecord};
+use super::vocab::{frequent_tokens, Coverage};
 use crate::model::Transformer;
 use crate::speculative::dflash::{default_target_layer_ids, expected_tensors, DflashConfig, DflashDrafter, TargetHead};
 use crate::speculative::nn::RopeTable;
@@ -24,23 +27,13 @@ use crate::tokenize::{TokenKind, Tokenizer};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use objective::{scored_rows, sequence_loss, FrozenTarget, ObjectiveSettings, SequenceInput};
-use optim::{scheduled_lr, AdamW, AdamWSettings};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-
-/// Where target features come from during training.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum FeatureMode {
-    /// The target runs over every example each time it is used.
-    Online,
-    /// Computed once into an f16 cache in this directory, read back every epoch.
-    Offline(PathBuf),
-}
 
 /// Everything `specula train dflash` can set. Shape fields left `None` take the target's.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -60,7 +53,7 @@ pub struct TrainSettings {
     pub n_taps: usize,
     /// Anchors drawn per sequence and step.
     pub anchors: usize,
-    /// Loss decay γ; None: 7 for B = 16, 5 for 10, 4 for 8, otherwise 0.44·B.
+    /// Loss decay γ; None: 2 (measured: see docs/training.md, "Why this recipe").
     pub gamma: Option<f64>,
     pub adam: AdamWSettings,
     /// Fraction of the steps spent warming the learning rate up.
@@ -75,8 +68,14 @@ pub struct TrainSettings {
     pub seed: u64,
     /// Examples are cut to this many tokens.
     pub max_tokens: usize,
-    /// Reduced drafter vocabulary: the N most frequent response tokens. None: the target's.
+    /// Reduced drafter vocabulary: the N most frequent response tokens of the run's data,
+    /// picked at the start of every run (with `init_from`: only when given; else the
+    /// drafter's own is kept). None, or N at least the target's vocabulary: the target's.
     pub draft_vocab: Option<usize>,
+    /// With `init_from`: keep the drafter's own vocabulary instead (its coverage of the data is
+    /// printed, with a warning when re-picking would cover more).
+    #[serde(default)]
+    pub keep_draft_vocab: bool,
     /// MASK token id; None: picked from the target's unused control tokens.
     pub mask_token: Option<u32>,
     /// Examples held out for validation (chosen by a hash of their set/id).
@@ -101,9 +100,21 @@ pub struct TrainSettings {
     /// target's last layer too ([`TrainSettings::feature_layers`]).
     #[serde(default)]
     pub distill: bool,
+    /// Drafted tokens per verify step in the serving-shaped validation estimate (the `max` a
+    /// drafter is served with).
+    #[serde(default = "default_serving_draft_len")]
+    pub serving_draft_len: usize,
+}
+
+fn default_serving_draft_len() -> usize {
+    7
 }
 
 impl Default for TrainSettings {
+    /// The recipe the shipped drafters were trained with (docs/training.md, "Why this
+    /// recipe"): two layers of the target's shape with relative-position heads, blocks of 8
+    /// (what serving drafts at 7 tokens per step), γ 2, 2 sequences × 48 anchors per step,
+    /// learning rate 1e-3, and a 16,384-token draft vocabulary.
     fn default() -> Self {
         Self {
             layers: 2,
@@ -111,27 +122,29 @@ impl Default for TrainSettings {
             kv_heads: None,
             head_dim: None,
             ffn: None,
-            block: 16,
+            block: 8,
             taps: None,
             n_taps: 5,
-            anchors: 64,
+            anchors: 48,
             gamma: None,
-            adam: AdamWSettings::default(),
+            adam: AdamWSettings { lr: 1e-3, ..AdamWSettings::default() },
             warmup: 0.04,
             clip: 1.0,
             steps: None,
             epochs: 1.0,
-            batch: 8,
+            batch: 2,
             seed: 0,
             max_tokens: 1024,
-            draft_vocab: None,
+            draft_vocab: Some(16384),
+            keep_draft_vocab: false,
             mask_token: None,
-            val_examples: 32,
+            val_examples: 64,
             checkpoint_every: 200,
             init_from_target: false,
             init_from: None,
-            attention_bias: false,
+            attention_bias: true,
             distill: false,
+            serving_draft_len: 7,
         }
     }
 }
@@ -148,12 +161,7 @@ impl TrainSettings {
     }
 
     pub fn gamma(&self) -> f64 {
-        self.gamma.unwrap_or(match self.block {
-            16 => 7.0,
-            10 => 5.0,
-            8 => 4.0,
-            b => 0.44 * b as f64,
-        })
+        self.gamma.unwrap_or(2.0)
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -187,86 +195,11 @@ impl TrainSettings {
         if self.draft_vocab == Some(0) {
             bail!("--draft-vocab must be at least 1");
         }
+        if !(1..=64).contains(&self.serving_draft_len) {
+            bail!("--serving-draft-len must be 1..=64");
+        }
         Ok(())
     }
-}
-
-/// One training example as the trainer uses it.
-#[derive(Debug, Clone)]
-pub struct TrainExample {
-    /// `set/id`.
-    pub key: String,
-    pub tokens: Vec<u32>,
-    pub loss_mask: Vec<u8>,
-}
-
-impl TrainExample {
-    pub fn from_example(e: &Example, max_tokens: usize) -> Self {
-        let n = e.tokens.len().min(max_tokens);
-        Self {
-            key: format!("{}/{}", e.set, e.id),
-            tokens: e.tokens[..n].to_vec(),
-            loss_mask: e.loss_mask[..n].to_vec(),
-        }
-    }
-
-    /// Positions that can anchor a block: response tokens with at least one token after them.
-    fn anchor_candidates(&self) -> Vec<usize> {
-        (0..self.tokens.len().saturating_sub(1)).filter(|&p| self.loss_mask[p] == 1).collect()
-    }
-}
-
-/// Reads a `specula train data` directory into examples (cut to `max_tokens`).
-pub fn load_examples(dir: &Path, max_tokens: usize) -> Result<Vec<TrainExample>> {
-    let scan = read_examples(dir, false)?;
-    let examples: Vec<TrainExample> = scan
-        .examples
-        .iter()
-        .map(|e| TrainExample::from_example(e, max_tokens))
-        .filter(|e| !e.anchor_candidates().is_empty())
-        .collect();
-    if examples.is_empty() {
-        bail!("{} holds no example with a response to learn from", dir.display());
-    }
-    Ok(examples)
-}
-
-/// Splits examples into (train, validation) by a hash of their key: the same split whatever
-/// the order of the shards.
-pub fn split_validation(mut examples: Vec<TrainExample>, val: usize) -> (Vec<TrainExample>, Vec<TrainExample>) {
-    let val = val.min(examples.len() / 2);
-    let hash = |k: &str| {
-        use sha2::Digest;
-        let d = sha2::Sha256::digest(k.as_bytes());
-        u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
-    };
-    examples.sort_by_key(|e| (hash(&e.key), e.key.clone()));
-    let train = examples.split_off(val);
-    let (mut train, mut val) = (train, examples);
-    train.sort_by(|a, b| a.key.cmp(&b.key));
-    val.sort_by(|a, b| a.key.cmp(&b.key));
-    (train, val)
-}
-
-/// [`split_validation`] of `val_pool` (examples made apart, such as the target's answers when
-/// training on a data set's own) held out, and every example of `examples` for one of the same
-/// prompts left out of training. The held-out keys get a `val:` prefix so that an offline
-/// feature cache never mixes them with a training example of the same prompt.
-pub fn split_validation_from(
-    examples: Vec<TrainExample>,
-    val_pool: Vec<TrainExample>,
-    val: usize,
-) -> Result<(Vec<TrainExample>, Vec<TrainExample>)> {
-    let (_, mut held) = split_validation(val_pool, val);
-    let keys: std::collections::HashSet<&str> = held.iter().map(|e| e.key.as_str()).collect();
-    let train: Vec<TrainExample> = examples.into_iter().filter(|e| !keys.contains(e.key.as_str())).collect();
-    if train.is_empty() {
-        bail!("the validation data holds every prompt of the training data: nothing left to train on");
-    }
-    for e in &mut held {
-        e.key = format!("val:{}", e.key);
-    }
-    Ok((train, held))
 }
 
 /// The MASK token: the highest-numbered control/unused token of the target's tokenizer that
@@ -288,23 +221,6 @@ pub fn pick_mask_token(tokenizer: &Tokenizer, vocab: usize, examples: &[TrainExa
     special
         .or_else(|| (0..vocab as u32).rev().find(unseen))
         .context("every token of the vocabulary occurs in the data: give --mask-token")
-}
-
-/// The `n` most frequent response tokens (ties: lower id first), sorted by id.
-pub fn frequent_tokens(examples: &[TrainExample], vocab: usize, n: usize) -> Vec<u32> {
-    let mut counts = vec![0u64; vocab];
-    for e in examples {
-        for (&t, &m) in e.tokens.iter().zip(&e.loss_mask) {
-            if m == 1 && (t as usize) < vocab {
-                counts[t as usize] += 1;
-            }
-        }
-    }
-    let mut ids: Vec<u32> = (0..vocab as u32).collect();
-    ids.sort_by_key(|&id| (std::cmp::Reverse(counts[id as usize]), id));
-    ids.truncate(n.min(vocab));
-    ids.sort_unstable();
-    ids
 }
 
 /// The drafter's shape for `target` under `settings`.
@@ -358,13 +274,6 @@ pub fn init_params(config: &DflashConfig, seed: u64, device: &Device) -> Result<
         params.push((name, Var::from_tensor(&Tensor::from_vec(values, shape.as_slice(), device)?)?));
     }
     Ok(params)
-}
-
-pub(crate) fn standard_normal(rng: &mut StdRng) -> f32 {
-    // Box–Muller: two uniforms in (0, 1].
-    let u1: f64 = 1.0 - rng.random::<f64>();
-    let u2: f64 = rng.random::<f64>();
-    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
 }
 
 /// Copies target layer i into drafter layer i (see [`TrainSettings::init_from_target`]). GGUF
@@ -459,7 +368,7 @@ pub fn init_relative_position_heads(config: &DflashConfig, params: &[(String, Va
     for h in 0..config.n_kv_heads {
         k[h * d..h * d + pairs].fill(BIAS);
     }
-    let device = params.first().map_or(Device::Cpu, |(_, v)| v.device().clone());
+    let device = params.first().context("a drafter without parameters")?.1.device().clone();
     let q = Tensor::from_vec(q, config.n_heads * d, &device)?;
     let k = Tensor::from_vec(k, config.n_kv_heads * d, &device)?;
     let norm = Tensor::full(NORM, d, &device)?;
@@ -501,173 +410,6 @@ pub fn frozen_target(target: &Transformer, draft_vocab: Option<&[u32]>) -> Resul
     Ok(FrozenTarget { head: TargetHead::of(target), lm_head: lm_head.to_dtype(DType::F32)?, target_to_draft })
 }
 
-/// Where the features of an example come from.
-pub enum Features<'a> {
-    Online { target: &'a Transformer, layer_ids: Vec<usize> },
-    Offline(FeatureCache),
-}
-
-impl Features<'_> {
-    pub fn get(&mut self, e: &TrainExample, device: &Device) -> Result<Tensor> {
-        match self {
-            Features::Online { target, layer_ids } => target_features(target, layer_ids, &e.tokens, KvDtype::F16),
-            Features::Offline(cache) => cache.read(&e.key, device),
-        }
-    }
-}
-
-/// Fills an offline cache with the features of every example not yet in it, printing the disk
-/// size first. `progress(done, total)` is called as it goes.
-pub fn fill_feature_cache(
-    cache: &mut FeatureCache,
-    key: &FeatureKey,
-    target: &Transformer,
-    examples: &[&TrainExample],
-    mut progress: impl FnMut(usize, usize),
-) -> Result<()> {
-    let todo: Vec<&&TrainExample> = examples.iter().filter(|e| !cache.contains(&e.key)).collect();
-    let tokens: u64 = examples.iter().map(|e| e.tokens.len() as u64).sum();
-    eprintln!(
-        "target features: {} tokens of {} examples take {:.2} GB on disk as f16 ({} to compute)",
-        tokens,
-        examples.len(),
-        FeatureCache::bytes_for(tokens, key) as f64 / 1e9,
-        todo.len()
-    );
-    let mut last_flush = Instant::now();
-    for (i, e) in todo.iter().enumerate() {
-        let f = target_features(target, &key.layer_ids, &e.tokens, KvDtype::F16)?;
-        cache.append(&e.key, &f)?;
-        if last_flush.elapsed().as_secs() >= 30 {
-            cache.flush_index()?;
-            last_flush = Instant::now();
-        }
-        progress(i + 1, todo.len());
-    }
-    cache.flush_index()
-}
-
-/// Aggregated metrics of some sequences.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Metrics {
-    pub loss: f64,
-    /// Per block offset k = 1..B−1: fraction of scored rows whose argmax is the label.
-    pub accuracy: Vec<Option<f64>>,
-    /// Estimated acceptance length: 1 + mean leading hits per block.
-    pub tau: f64,
-    pub blocks: usize,
-    pub scored_rows: usize,
-}
-
-#[derive(Default)]
-struct Tally {
-    weighted_ce: f64,
-    weight: f64,
-    scored: Vec<usize>,
-    hits: Vec<usize>,
-    accepted: usize,
-    blocks: usize,
-}
-
-impl Tally {
-    fn add(&mut self, l: &objective::SequenceLoss) {
-        if self.scored.is_empty() {
-            self.scored = vec![0; l.scored.len()];
-            self.hits = vec![0; l.hits.len()];
-        }
-        self.weighted_ce += l.weighted_hard_ce;
-        self.weight += l.weight_sum;
-        for k in 0..l.scored.len() {
-            self.scored[k] += l.scored[k];
-            self.hits[k] += l.hits[k];
-        }
-        self.accepted += l.accepted.iter().sum::<usize>();
-        self.blocks += l.accepted.len();
-    }
-
-    fn metrics(&self) -> Metrics {
-        Metrics {
-            loss: if self.weight > 0.0 { self.weighted_ce / self.weight } else { 0.0 },
-            accuracy: self.scored.iter().zip(&self.hits).map(|(&s, &h)| (s > 0).then(|| h as f64 / s as f64)).collect(),
-            tau: 1.0 + self.accepted as f64 / self.blocks.max(1) as f64,
-            blocks: self.blocks,
-            scored_rows: self.scored.iter().sum(),
-        }
-    }
-}
-
-/// Anchors for one sequence at one step: up to `n` distinct candidates, sorted.
-fn draw_anchors(e: &TrainExample, n: usize, rng: &mut StdRng) -> Vec<usize> {
-    let mut c = e.anchor_candidates();
-    c.shuffle(rng);
-    c.truncate(n);
-    c.sort_unstable();
-    c
-}
-
-pub(crate) fn step_rng(seed: u64, stream: u64, index: u64) -> StdRng {
-    StdRng::seed_from_u64(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03))
-}
-
-/// The state a checkpoint holds besides tensors.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CheckpointMeta {
-    pub step: usize,
-    pub total_steps: usize,
-    pub settings: TrainSettings,
-    pub config: serde_json::Value,
-    pub draft_vocab: Option<Vec<u32>>,
-    pub data_examples: usize,
-    /// Training time so far (seconds, all runs).
-    pub train_secs: f64,
-    pub history: Vec<LogLine>,
-}
-
-/// One line of `train-log.jsonl`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LogLine {
-    pub step: usize,
-    pub lr: f64,
-    pub grad_norm: f64,
-    pub train: Metrics,
-    pub val: Option<Metrics>,
-    /// Scored block rows per second over the steps since the previous line.
-    pub rows_per_sec: f64,
-    pub tokens_per_sec: f64,
-    pub peak_rss_mb: Option<f64>,
-}
-
-/// What a finished (or stopped) run reports.
-#[derive(Debug, Clone)]
-pub struct TrainReport {
-    pub steps: usize,
-    pub total_steps: usize,
-    pub train_examples: usize,
-    pub val_examples: usize,
-    pub last: Option<LogLine>,
-    pub final_val: Option<Metrics>,
-    pub drafter_dir: PathBuf,
-    pub secs: f64,
-    pub rows_per_sec: f64,
-    pub peak_rss_mb: Option<f64>,
-}
-
-/// Peak resident memory of this process (Linux), in MB.
-pub fn peak_rss_mb() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
-}
-
-/// How the trainer reports progress.
-pub trait TrainObserver {
-    fn step(&mut self, _step: usize, _total: usize, _loss: f64, _tau: f64) {}
-    fn log(&mut self, _line: &LogLine) {}
-}
-
-impl TrainObserver for () {}
-
 /// A training run: examples, target, output directory.
 pub struct TrainRun<'a> {
     pub target: &'a Transformer,
@@ -676,17 +418,56 @@ pub struct TrainRun<'a> {
     pub val: Vec<TrainExample>,
     pub settings: TrainSettings,
     pub out: PathBuf,
+    /// Continue from `OUT/checkpoint`: exactly, or extended to more steps or more data.
     pub resume: bool,
     /// Stop after this many steps in this process (the schedule still spans all steps);
     /// None: run to the end.
     pub stop_after: Option<usize>,
     /// Export dtype of the drafter's weights.
     pub export_dtype: DType,
-    /// Log (and validate) every this many steps.
+    /// Log every this many steps.
     pub log_every: usize,
+    /// The data directories, by name (recorded with the drafter).
+    pub data: Vec<String>,
+    /// Seconds spent caching target features for this run (recorded with the drafter).
+    pub feature_secs: f64,
 }
 
 const CHECKPOINT: &str = "checkpoint";
+
+/// Settings an extended run (`--resume` with more steps or data) may change.
+const EXTENDABLE: &[&str] = &["steps", "epochs", "checkpoint_every", "val_examples"];
+
+/// Where a run starts: a fresh drafter, an exported one, or a checkpoint.
+struct Start {
+    config: DflashConfig,
+    draft_vocab: Option<Vec<u32>>,
+    params: Vec<(String, Var)>,
+    step: usize,
+    history: Vec<LogLine>,
+    secs_before: f64,
+    moments: Option<HashMap<String, Tensor>>,
+    schedule: LrSchedule,
+    /// The record of the drafter started from (`--init-from`, or the one this directory's
+    /// run started from when resuming), and this directory's feature seconds so far.
+    base_record: Option<TrainingRecord>,
+    own_feature_secs: f64,
+}
+
+/// The state the loop carries between steps.
+struct Live {
+    config: DflashConfig,
+    draft_vocab: Option<Vec<u32>>,
+    drafter: DflashDrafter,
+    frozen: FrozenTarget,
+    opt: AdamW,
+    schedule: LrSchedule,
+    history: Vec<LogLine>,
+    base_record: Option<TrainingRecord>,
+    own_feature_secs: f64,
+    secs_before: f64,
+    objective: ObjectiveSettings,
+}
 
 impl TrainRun<'_> {
     pub fn total_steps(&self) -> usize {
@@ -706,290 +487,472 @@ impl TrainRun<'_> {
         if self.train.is_empty() {
             bail!("no training examples");
         }
-        let device = self.target.device().clone();
-        let total = self.total_steps();
         std::fs::create_dir_all(&self.out).with_context(|| format!("cannot create {}", self.out.display()))?;
-        let ckpt_dir = self.out.join(CHECKPOINT);
-
-        // Shape, vocabulary and MASK: from the checkpoint when resuming, else from the data.
-        let (config, draft_vocab, params, start, mut history, secs_before, moments) = if self.resume {
-            let meta: CheckpointMeta = serde_json::from_str(
-                &std::fs::read_to_string(ckpt_dir.join("state.json"))
-                    .with_context(|| format!("--resume: no checkpoint in {}", ckpt_dir.display()))?,
-            )?;
-            if serde_json::to_value(&meta.settings)? != serde_json::to_value(s)? {
-                bail!("--resume with other settings than the checkpoint's: {:?}", meta.settings);
-            }
-            if meta.data_examples != self.train.len() + self.val.len() {
-                bail!(
-                    "--resume: the checkpoint saw {} examples, the data has {}",
-                    meta.data_examples,
-                    self.train.len() + self.val.len()
-                );
-            }
-            let config = DflashConfig::from_json(&meta.config)?;
-            let tensors = candle_core::safetensors::load(ckpt_dir.join("state.safetensors"), &device)?;
-            let mut params = Vec::new();
-            let mut names: Vec<String> = expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
-            names.sort();
-            for name in names {
-                let t = tensors.get(&name).with_context(|| format!("checkpoint has no `{name}`"))?;
-                params.push((name, Var::from_tensor(t)?));
-            }
-            (config, meta.draft_vocab, params, meta.step, meta.history, meta.train_secs, Some(tensors))
-        } else if let Some(dir) = &s.init_from {
-            let drafter = DflashDrafter::load(dir, &device)?;
-            let mut config = drafter.config.clone();
-            config.check_target(&self.target.config).with_context(|| format!("--init-from {}", dir.display()))?;
-            if config.block_size != s.block {
-                // The weights do not depend on the block size: the same drafter trains (and
-                // drafts) on blocks of any length.
-                eprintln!(
-                    "--init-from {}: block size {} becomes --block {}",
-                    dir.display(),
-                    config.block_size,
-                    s.block
-                );
-                config.block_size = s.block;
-            }
-            let vocab = drafter.draft_vocab().map(|v| v.to_vec());
-            let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &device)?;
-            let mut names: Vec<String> = expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
-            names.sort();
-            let mut params = Vec::new();
-            for name in names {
-                let t = tensors.get(&name).with_context(|| format!("--init-from: no `{name}`"))?;
-                params.push((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?));
-            }
-            (config, vocab, params, 0, Vec::new(), 0.0, None)
-        } else {
-            let mut all: Vec<TrainExample> = self.train.clone();
-            all.extend(self.val.iter().cloned());
-            let mask = match s.mask_token {
-                Some(m) => m,
-                None => pick_mask_token(self.tokenizer, self.target.config.vocab, &all)?,
-            };
-            let config = drafter_config(self.target, s, mask)?;
-            let vocab = s.draft_vocab.map(|n| frequent_tokens(&self.train, self.target.config.vocab, n));
-            let mut config = config;
-            if let Some(v) = &vocab {
-                config.draft_vocab_size = Some(v.len());
-            }
-            let params = init_params(&config, s.seed, &device)?;
-            if s.init_from_target {
-                init_from_target_layers(&config, &params, self.target)?;
-            }
-            if config.attention_bias {
-                init_relative_position_heads(&config, &params)?;
-            }
-            (config, vocab, params, 0, Vec::new(), 0.0, None)
-        };
-        let mut drafter = drafter_from_params(&config, &params, &device)?;
-        drafter.set_draft_vocab(draft_vocab.clone())?;
-        let frozen = frozen_target(self.target, draft_vocab.as_deref())?;
-        let mut opt = AdamW::new(params, s.adam)?;
-        if let Some(t) = &moments {
-            opt.load_state(t, start)?;
-        }
-        let objective = ObjectiveSettings { block: s.block, gamma: s.gamma(), distill: s.distill };
-        let warmup = ((s.warmup * total as f64).ceil() as usize).max(1);
-        let end = self.stop_after.map_or(total, |n| (start + n).min(total));
+        let start = self.start()?;
+        let begin = start.step;
+        let mut live = self.go_live(start)?;
+        let total = live.schedule.total;
+        let end = self.stop_after.map_or(total, |n| (begin + n).min(total));
         let t0 = Instant::now();
-        let (mut rows_since, mut tokens_since, mut since) = (0usize, 0usize, Instant::now());
-        let (mut rows_all, mut last) = (0usize, None);
+        let mut window = Window::new();
+        let (mut rows_all, mut last, mut last_tau) = (0usize, None, None);
         let mut tally = Tally::default();
-        for step in start..end {
-            let lr = scheduled_lr(s.adam.lr, step, total, warmup);
-            let batch = self.batch_indices(step);
-            let mut rng = step_rng(s.seed, 1, step as u64);
-            let anchors: Vec<Vec<usize>> =
-                batch.iter().map(|&i| draw_anchors(&self.train[i], s.anchors, &mut rng)).collect();
-            // The batch's total weight first, so each sequence's backward is already scaled.
-            let weight: f64 = batch
-                .iter()
-                .zip(&anchors)
-                .map(|(&i, a)| {
-                    let e = &self.train[i];
-                    scored_rows(&e.tokens, &e.loss_mask, a, s.block, objective.gamma, &frozen)
-                        .iter()
-                        .map(|r| r.weight as f64)
-                        .sum::<f64>()
-                })
-                .sum();
-            let mut grads: Vec<Option<Tensor>> = vec![None; opt.params().len()];
-            for (&i, a) in batch.iter().zip(&anchors) {
-                let e = &self.train[i];
-                let f = features.get(e, &device)?;
-                let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: a };
-                let l = sequence_loss(&drafter, &frozen, &input, objective)?;
-                tally.add(&l);
-                rows_since += l.scored.iter().sum::<usize>();
-                rows_all += l.scored.iter().sum::<usize>();
-                tokens_since += e.tokens.len();
-                if weight > 0.0 && l.weight_sum > 0.0 {
-                    accumulate_grads(&mut grads, &(l.weighted_ce / weight)?.backward()?, opt.params())?;
-                }
-            }
-            let grads = finish_grads(grads, opt.params())?;
-            let grad_norm = opt.step(&grads, lr, s.clip)?;
-            let m = tally.metrics();
-            observer.step(step + 1, total, m.loss, m.tau);
-
+        for step in begin..end {
+            let lr = live.schedule.lr(step);
+            let (grad_norm, rows, tokens) = self.train_step(&mut live, features, step, lr, &mut tally)?;
+            window.add(rows, tokens);
+            rows_all += rows;
             let done = step + 1;
-            let log_now = done % self.log_every.max(1) == 0 || done == end;
+            observer.step(StepProgress {
+                step: done,
+                total,
+                loss: tally.metrics().loss,
+                rows_per_sec: window.rows_per_sec(),
+                tau: last_tau,
+            });
             let ckpt_now = done % s.checkpoint_every == 0 || done == end;
-            if log_now || ckpt_now {
-                let secs = since.elapsed().as_secs_f64().max(1e-9);
-                let val = if ckpt_now || done == end {
-                    Some(self.validate(&drafter, &frozen, features, objective)?)
-                } else {
-                    None
-                };
+            if done % self.log_every.max(1) == 0 || ckpt_now {
+                let val = if ckpt_now { Some(self.validate(&live, features)?) } else { None };
+                last_tau = val.as_ref().map(|v| v.serving_tau.unwrap_or(v.tau)).or(last_tau);
                 let line = LogLine {
                     step: done,
                     lr,
                     grad_norm,
                     train: std::mem::take(&mut tally).metrics(),
                     val,
-                    rows_per_sec: rows_since as f64 / secs,
-                    tokens_per_sec: tokens_since as f64 / secs,
+                    rows_per_sec: window.rows_per_sec(),
+                    tokens_per_sec: window.tokens_per_sec(),
                     peak_rss_mb: peak_rss_mb(),
                 };
                 observer.log(&line);
                 append_log(&self.out, &line)?;
-                history.push(line.clone());
+                live.history.push(line.clone());
                 last = Some(line);
-                (rows_since, tokens_since, since) = (0, 0, Instant::now());
+                window = Window::new();
             }
             if ckpt_now {
-                let meta = CheckpointMeta {
-                    step: done,
-                    total_steps: total,
-                    settings: s.clone(),
-                    config: config.to_json(self.target.config.vocab, self.target.config.context_len)?,
-                    draft_vocab: draft_vocab.clone(),
-                    data_examples: self.train.len() + self.val.len(),
-                    train_secs: secs_before + t0.elapsed().as_secs_f64(),
-                    history: history.clone(),
-                };
-                save_checkpoint(&ckpt_dir, &opt, &meta)?;
-                export(
-                    &self.out.join("drafter"),
-                    &config,
-                    opt.params(),
-                    draft_vocab.as_deref(),
-                    self.target.config.vocab,
-                    self.target.config.context_len,
-                    self.export_dtype,
-                )?;
+                self.save(&live, done, live.secs_before + t0.elapsed().as_secs_f64())?;
             }
         }
         let secs = t0.elapsed().as_secs_f64();
-        let final_val = last.as_ref().and_then(|l| l.val.clone());
         Ok(TrainReport {
             steps: end,
             total_steps: total,
             train_examples: self.train.len(),
             val_examples: self.val.len(),
+            final_val: last.as_ref().and_then(|l| l.val.clone()),
             last,
-            final_val,
             drafter_dir: self.out.join("drafter"),
             secs,
+            total_secs: live.secs_before + secs,
             rows_per_sec: rows_all as f64 / secs.max(1e-9),
             peak_rss_mb: peak_rss_mb(),
         })
     }
 
-    fn batch_indices(&self, step: usize) -> Vec<usize> {
-        batch_indices(self.train.len(), self.settings.batch, self.settings.seed, step)
+    /// Shape, vocabulary, weights and schedule: from the checkpoint when resuming, from an
+    /// exported drafter with `--init-from`, else fresh from the data.
+    fn start(&self) -> Result<Start> {
+        if self.resume {
+            self.start_from_checkpoint()
+        } else if let Some(dir) = &self.settings.init_from {
+            self.start_from_drafter(dir)
+        } else {
+            self.start_fresh()
+        }
     }
 
-    /// Metrics on the validation examples with fixed anchors (the same every time).
-    fn validate(
+    fn fresh_schedule(&self) -> LrSchedule {
+        let total = self.total_steps();
+        LrSchedule::new(self.settings.adam.lr, total, (self.settings.warmup * total as f64).ceil() as usize)
+    }
+
+    fn start_from_checkpoint(&self) -> Result<Start> {
+        let s = &self.settings;
+        let device = self.target.device().clone();
+        let ckpt = checkpoint::load::<TrainSettings>(&self.out.join(CHECKPOINT), &device)?;
+        let meta = &ckpt.meta;
+        let differ = checkpoint::differing_settings(&meta.settings, s, EXTENDABLE)?;
+        if !differ.is_empty() {
+            bail!(
+                "--resume with other settings than the checkpoint's ({}): only {} may change when a run is extended",
+                differ.join(", "),
+                EXTENDABLE.join(", ")
+            );
+        }
+        let total = self.total_steps();
+        let examples = self.train.len() + self.val.len();
+        let old = meta.schedule.unwrap_or_else(|| {
+            LrSchedule::new(
+                meta.settings.adam.lr,
+                meta.total_steps,
+                (meta.settings.warmup * meta.total_steps as f64).ceil() as usize,
+            )
+        });
+        let schedule = if total == meta.total_steps && examples == meta.data_examples {
+            old
+        } else {
+            if meta.step >= total {
+                bail!("--resume: the checkpoint is at step {} of {}, the run would end at step {total}: give more --steps", meta.step, meta.total_steps);
+            }
+            eprintln!(
+                "extending the run from step {} ({} steps, {} examples) to {total} steps on {examples} examples: \
+                 the same moments, the learning rate decaying from {:.2e} without a new warm-up",
+                meta.step,
+                meta.total_steps,
+                meta.data_examples,
+                old.lr(meta.step)
+            );
+            old.extend(meta.step, total)
+        };
+        let (base_record, own_feature_secs) = TrainingRecord::without_last_run(&self.out.join("drafter"))?;
+        let config = DflashConfig::from_json(&meta.config)?;
+        let names = expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
+        let params = ckpt.params(names)?;
+        if let Some(v) = &meta.draft_vocab {
+            eprintln!(
+                "draft vocabulary: {} tokens (the checkpoint's) cover {}",
+                v.len(),
+                self.coverage(Some(v)).describe()
+            );
+        }
+        Ok(Start {
+            config,
+            draft_vocab: meta.draft_vocab.clone(),
+            params,
+            step: meta.step,
+            history: meta.history.clone(),
+            secs_before: meta.train_secs,
+            base_record,
+            own_feature_secs,
+            moments: Some(ckpt.tensors),
+            schedule,
+        })
+    }
+
+    fn start_from_drafter(&self, dir: &Path) -> Result<Start> {
+        let s = &self.settings;
+        let device = self.target.device().clone();
+        let (record, warning) = TrainingRecord::check_init_from(dir)?;
+        if let Some(w) = warning {
+            eprintln!("warning: {w}");
+        }
+        let drafter = DflashDrafter::load(dir, &device)?;
+        let mut config = drafter.config.clone();
+        config.check_target(&self.target.config).with_context(|| format!("--init-from {}", dir.display()))?;
+        if config.block_size != s.block {
+            // The weights do not depend on the block size: the same drafter trains (and
+            // drafts) on blocks of any length.
+            eprintln!("--init-from {}: block size {} becomes --block {}", dir.display(), config.block_size, s.block);
+            config.block_size = s.block;
+        }
+        // The drafter's weights do not depend on its vocabulary either (its output rows are
+        // the target's LM-head rows), so a new one carries every weight over.
+        let theirs = drafter.draft_vocab().map(|v| v.to_vec());
+        let vocab = match (s.keep_draft_vocab, s.draft_vocab) {
+            (false, None) => None,
+            (false, Some(n)) if n >= self.target.config.vocab => None,
+            (false, Some(n)) => {
+                let picked = self.pick_vocab(n);
+                eprintln!(
+                    "draft vocabulary re-picked from this run's data: {} tokens cover {} (the drafter's {} covered {})",
+                    picked.len(),
+                    self.coverage(Some(&picked)).describe(),
+                    theirs.as_ref().map_or(self.target.config.vocab, |v| v.len()),
+                    self.coverage(theirs.as_deref()).describe()
+                );
+                Some(picked)
+            }
+            (true, _) => {
+                let kept = self.coverage(theirs.as_deref());
+                eprintln!(
+                    "draft vocabulary: the drafter's own ({} tokens) covers {}",
+                    theirs.as_ref().map_or(0, |v| v.len()),
+                    kept.describe()
+                );
+                if let Some(v) = &theirs {
+                    let repicked = self.coverage(Some(&self.pick_vocab(v.len())));
+                    if repicked.total() > kept.total() + 0.005 {
+                        eprintln!(
+                            "warning: re-picked from this run's data, {} tokens would cover {}: give --draft-vocab {} instead of keep",
+                            v.len(),
+                            repicked.describe(),
+                            v.len()
+                        );
+                    }
+                }
+                theirs
+            }
+        };
+        config.draft_vocab_size = vocab.as_ref().map(|v| v.len());
+        let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &device)?;
+        let mut names: Vec<String> = expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
+        names.sort();
+        let mut params = Vec::new();
+        for name in names {
+            let t = tensors.get(&name).with_context(|| format!("--init-from: no `{name}`"))?;
+            params.push((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?));
+        }
+        let secs_before = record.as_ref().map_or(0.0, |r| r.train_secs);
+        Ok(Start {
+            config,
+            draft_vocab: vocab,
+            params,
+            step: 0,
+            history: Vec::new(),
+            secs_before,
+            moments: None,
+            schedule: self.fresh_schedule(),
+            base_record: record,
+            own_feature_secs: 0.0,
+        })
+    }
+
+    fn start_fresh(&self) -> Result<Start> {
+        let s = &self.settings;
+        let device = self.target.device().clone();
+        let mut all: Vec<TrainExample> = self.train.clone();
+        all.extend(self.val.iter().cloned());
+        let mask = match s.mask_token {
+            Some(m) => m,
+            None => pick_mask_token(self.tokenizer, self.target.config.vocab, &all)?,
+        };
+        let mut config = drafter_config(self.target, s, mask)?;
+        let vocab = s.draft_vocab.filter(|&n| n < self.target.config.vocab).map(|n| self.pick_vocab(n));
+        config.draft_vocab_size = vocab.as_ref().map(|v| v.len());
+        if let Some(v) = &vocab {
+            eprintln!("draft vocabulary: {} tokens cover {}", v.len(), self.coverage(Some(v)).describe());
+        }
+        let params = init_params(&config, s.seed, &device)?;
+        if s.init_from_target {
+            init_from_target_layers(&config, &params, self.target)?;
+        }
+        if config.attention_bias {
+            init_relative_position_heads(&config, &params)?;
+        }
+        Ok(Start {
+            config,
+            draft_vocab: vocab,
+            params,
+            step: 0,
+            history: Vec::new(),
+            secs_before: 0.0,
+            moments: None,
+            schedule: self.fresh_schedule(),
+            base_record: None,
+            own_feature_secs: 0.0,
+        })
+    }
+
+    /// The `n` most frequent response tokens of the training examples.
+    fn pick_vocab(&self, n: usize) -> Vec<u32> {
+        frequent_tokens(&self.train, self.target.config.vocab, n)
+    }
+
+    /// How much of the training and validation answers `vocab` covers.
+    fn coverage(&self, vocab: Option<&[u32]>) -> Coverage {
+        let mut all = self.train.clone();
+        all.extend(self.val.iter().cloned());
+        Coverage::of(&all, vocab, self.target.config.vocab)
+    }
+
+    fn go_live(&self, start: Start) -> Result<Live> {
+        let s = &self.settings;
+        let device = self.target.device().clone();
+        let mut drafter = drafter_from_params(&start.config, &start.params, &device)?;
+        drafter.set_draft_vocab(start.draft_vocab.clone())?;
+        let frozen = frozen_target(self.target, start.draft_vocab.as_deref())?;
+        let mut opt = AdamW::new(start.params, s.adam)?;
+        if let Some(t) = &start.moments {
+            opt.load_state(t, start.step)?;
+        }
+        Ok(Live {
+            config: start.config,
+            draft_vocab: start.draft_vocab,
+            drafter,
+            frozen,
+            opt,
+            schedule: start.schedule,
+            history: start.history,
+            base_record: start.base_record,
+            own_feature_secs: start.own_feature_secs + self.feature_secs,
+            secs_before: start.secs_before,
+            objective: ObjectiveSettings { block: s.block, gamma: s.gamma(), distill: s.distill },
+        })
+    }
+
+    /// One optimiser step; returns the gradient norm, the scored rows and the tokens read.
+    fn train_step(
         &self,
-        drafter: &DflashDrafter,
-        frozen: &FrozenTarget,
+        live: &mut Live,
         features: &mut Features,
-        objective: ObjectiveSettings,
-    ) -> Result<Metrics> {
+        step: usize,
+        lr: f64,
+        tally: &mut Tally,
+    ) -> Result<(f64, usize, usize)> {
+        let s = &self.settings;
+        let device = self.target.device().clone();
+        let batch = batch_indices(self.train.len(), s.batch, s.seed, step);
+        let mut rng = step_rng(s.seed, 1, step as u64);
+        let anchors: Vec<Vec<usize>> =
+            batch.iter().map(|&i| draw_anchors(&self.train[i], s.anchors, &mut rng)).collect();
+        // The batch's total weight first, so each sequence's backward is already scaled.
+        let weight: f64 = batch
+            .iter()
+            .zip(&anchors)
+            .map(|(&i, a)| {
+                let e = &self.train[i];
+                scored_rows(&e.tokens, &e.loss_mask, a, s.block, live.objective.gamma, &live.frozen)
+                    .iter()
+                    .map(|r| r.weight as f64)
+                    .sum::<f64>()
+            })
+            .sum();
+        let mut grads: Vec<Option<Tensor>> = vec![None; live.opt.params().len()];
+        let (mut rows, mut tokens) = (0, 0);
+        for (&i, a) in batch.iter().zip(&anchors) {
+            let e = &self.train[i];
+            let f = features.get(e, &device)?;
+            let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: a };
+            let l = sequence_loss(&live.drafter, &live.frozen, &input, live.objective)?;
+            tally.add(l.weighted_hard_ce, l.weight_sum, &l.scored, &l.hits, &l.accepted);
+            rows += l.scored.iter().sum::<usize>();
+            tokens += e.tokens.len();
+            if weight > 0.0 && l.weight_sum > 0.0 {
+                super::optim::accumulate_grads(&mut grads, &(l.weighted_ce / weight)?.backward()?, live.opt.params())?;
+            }
+        }
+        let grads = super::optim::finish_grads(grads, live.opt.params())?;
+        Ok((live.opt.step(&grads, lr, s.clip)?, rows, tokens))
+    }
+
+    /// Metrics on the held-out examples: the objective at fixed anchors (the same every time),
+    /// and τ from greedy verify steps simulated at `serving_draft_len` tokens per step.
+    fn validate(&self, live: &Live, features: &mut Features) -> Result<Metrics> {
         let mut tally = Tally::default();
+        let k = self.settings.serving_draft_len;
+        let walk = ObjectiveSettings { block: k + 1, ..live.objective };
+        let (mut committed, mut steps) = (0usize, 0usize);
         for (i, e) in self.val.iter().enumerate() {
             let mut rng = step_rng(self.settings.seed, 3, i as u64);
             let anchors = draw_anchors(e, self.settings.anchors, &mut rng);
-            let f = features.get(e, drafter.device())?;
+            let f = features.get(e, live.drafter.device())?;
             let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: &anchors };
-            let l = sequence_loss(drafter, frozen, &input, objective)?;
-            tally.add(&l);
+            let l = sequence_loss(&live.drafter, &live.frozen, &input, live.objective)?;
+            tally.add(l.weighted_hard_ce, l.weight_sum, &l.scored, &l.hits, &l.accepted);
+            let (c, n) = serving_walk(&live.drafter, &live.frozen, e, &f, walk)?;
+            committed += c;
+            steps += n;
         }
-        Ok(tally.metrics())
+        let mut m = tally.metrics();
+        if steps > 0 {
+            m.serving_tau = Some(committed as f64 / steps as f64);
+            m.serving_draft_len = Some(k);
+        }
+        Ok(m)
+    }
+
+    /// Writes the checkpoint, the exported drafter and its training record.
+    fn save(&self, live: &Live, done: usize, train_secs: f64) -> Result<()> {
+        let meta = CheckpointMeta {
+            step: done,
+            total_steps: live.schedule.total,
+            settings: self.settings.clone(),
+            config: live.config.to_json(self.target.config.vocab, self.target.config.context_len)?,
+            draft_vocab: live.draft_vocab.clone(),
+            data_examples: self.train.len() + self.val.len(),
+            train_secs,
+            history: live.history.clone(),
+            schedule: Some(live.schedule),
+            data: self.data.clone(),
+        };
+        checkpoint::save(&self.out.join(CHECKPOINT), &live.opt, &meta)?;
+        let dir = self.out.join("drafter");
+        export(
+            &dir,
+            &live.config,
+            live.opt.params(),
+            live.draft_vocab.as_deref(),
+            self.target.config.vocab,
+            self.target.config.context_len,
+            self.export_dtype,
+        )?;
+        self.record(live, done, train_secs).write(&dir)
+    }
+
+    /// The drafter's training record: the one it was started from, plus this run.
+    fn record(&self, live: &Live, done: usize, train_secs: f64) -> TrainingRecord {
+        let mut r = live.base_record.clone().unwrap_or_else(TrainingRecord::empty);
+        r.steps += done;
+        r.train_secs = train_secs;
+        r.feature_secs += live.own_feature_secs;
+        r.runs.push(RecordedRun {
+            data: self.data.clone(),
+            train_examples: self.train.len(),
+            steps: done,
+            feature_secs: live.own_feature_secs,
+        });
+        r
     }
 }
 
-/// Example indices of step `step` (of `n` examples, `b` per step): consecutive slices of
-/// per-epoch shuffles.
-pub(crate) fn batch_indices(n: usize, b: usize, seed: u64, step: usize) -> Vec<usize> {
-    // A step spans at most a few epochs' shuffles; each is made once.
-    let mut shuffled: Option<(usize, Vec<usize>)> = None;
-    (step * b..(step + 1) * b)
-        .map(|global| {
-            let (epoch, at) = (global / n, global % n);
-            if shuffled.as_ref().is_none_or(|(e, _)| *e != epoch) {
-                let mut order: Vec<usize> = (0..n).collect();
-                order.shuffle(&mut step_rng(seed, 2, epoch as u64));
-                shuffled = Some((epoch, order));
-            }
-            shuffled.as_ref().expect("set above").1[at]
-        })
-        .collect()
+/// Rows and tokens since the last log line, for the rates shown.
+struct Window {
+    since: Instant,
+    rows: usize,
+    tokens: usize,
 }
 
-pub(crate) fn append_log(out: &Path, line: &LogLine) -> Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out.join("train-log.jsonl"))?;
-    writeln!(f, "{}", serde_json::to_string(line)?)?;
-    Ok(())
+impl Window {
+    fn new() -> Self {
+        Self { since: Instant::now(), rows: 0, tokens: 0 }
+    }
+
+    fn add(&mut self, rows: usize, tokens: usize) {
+        self.rows += rows;
+        self.tokens += tokens;
+    }
+
+    fn rows_per_sec(&self) -> f64 {
+        self.rows as f64 / self.since.elapsed().as_secs_f64().max(1e-9)
+    }
+
+    fn tokens_per_sec(&self) -> f64 {
+        self.tokens as f64 / self.since.elapsed().as_secs_f64().max(1e-9)
+    }
 }
 
-/// Adds one sequence's gradients into the step's per-parameter sums.
-pub(crate) fn accumulate_grads(
-    sums: &mut [Option<Tensor>],
-    g: &candle_core::backprop::GradStore,
-    params: &[(String, Var)],
-) -> Result<()> {
-    for (slot, (_, p)) in sums.iter_mut().zip(params) {
-        if let Some(gp) = g.get(p.as_tensor()) {
-            *slot = Some(match slot.take() {
-                Some(acc) => (acc + gp)?,
-                None => gp.clone(),
-            });
+/// Greedy serving simulated over one held-out answer (see [`simulate_verify_steps`]): the
+/// drafter's blocks from every response position, in chunks, give the leading hits at each
+/// anchor. Returns (committed tokens, verify steps).
+pub fn serving_walk(
+    drafter: &DflashDrafter,
+    frozen: &FrozenTarget,
+    e: &TrainExample,
+    features: &Tensor,
+    walk: ObjectiveSettings,
+) -> Result<(usize, usize)> {
+    const CHUNK: usize = 128;
+    let Some(first) = e.first_response() else { return Ok((0, 0)) };
+    let anchors = e.anchor_candidates();
+    let mut accepted = vec![0usize; e.tokens.len()];
+    for chunk in anchors.chunks(CHUNK) {
+        let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features, anchors: chunk };
+        let l = sequence_loss(drafter, frozen, &input, ObjectiveSettings { distill: false, ..walk })?;
+        for (&p, &a) in chunk.iter().zip(&l.accepted) {
+            accepted[p] = a;
         }
     }
-    Ok(())
+    Ok(simulate_verify_steps(first, e.tokens.len(), |p| accepted[p]))
 }
 
-/// The step's gradients, zero for parameters no sequence reached.
-pub(crate) fn finish_grads(sums: Vec<Option<Tensor>>, params: &[(String, Var)]) -> Result<Vec<Tensor>> {
-    Ok(sums
-        .into_iter()
-        .zip(params)
-        .map(|(g, (_, p))| g.map_or_else(|| p.zeros_like(), Ok))
-        .collect::<candle_core::Result<_>>()?)
-}
-
-/// Writes the optimiser's parameters and moments and `meta` (the trainer's own record).
-pub(crate) fn save_checkpoint<M: Serialize>(dir: &Path, opt: &AdamW, meta: &M) -> Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let mut tensors = opt.state();
-    for (name, p) in opt.params() {
-        tensors.insert(name.clone(), p.as_tensor().clone());
-    }
-    // Written to temporary names and renamed: a run killed mid-write keeps the previous one.
-    let (st_tmp, json_tmp) = (dir.join("state.safetensors.tmp"), dir.join("state.json.tmp"));
-    candle_core::safetensors::save(&tensors, &st_tmp)?;
-    std::fs::write(&json_tmp, serde_json::to_string_pretty(meta)?)?;
-    std::fs::rename(&st_tmp, dir.join("state.safetensors"))?;
-    std::fs::rename(&json_tmp, dir.join("state.json"))?;
-    Ok(())
+/// Anchors for one sequence at one step: up to `n` distinct candidates, sorted.
+fn draw_anchors(e: &TrainExample, n: usize, rng: &mut StdRng) -> Vec<usize> {
+    let mut c = e.anchor_candidates();
+    c.shuffle(rng);
+    c.truncate(n);
+    c.sort_unstable();
+    c
 }
 
 /// Writes a drafter in the z-lab layout: `config.json` and `model.safetensors` (weights in
@@ -1011,7 +974,8 @@ pub fn export(
     if let Some(ids) = draft_vocab {
         let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
         let n = ids.len();
-        tensors.insert("d2t".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+        let device = params.first().context("a drafter without parameters")?.1.device();
+        tensors.insert("d2t".into(), Tensor::from_vec(ids, n, device)?);
     }
     let mut json = config.to_json(target_vocab, max_positions)?;
     json["torch_dtype"] = match dtype {
@@ -1022,13 +986,7 @@ pub fn export(
     .into();
     let tmp = dir.join("model.safetensors.tmp");
     candle_core::safetensors::save(&tensors, &tmp)?;
-    // The writer creates owner-only files; an exported drafter is meant to be shared.
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
-    }
-    std::fs::rename(&tmp, dir.join("model.safetensors"))?;
+    checkpoint::publish(&tmp, &dir.join("model.safetensors"))?;
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&json)? + "\n")?;
     Ok(())
 }

@@ -91,6 +91,30 @@ pub fn scored_rows(
     out
 }
 
+/// Per block offset k (index k−1): rows inside the answer whose label is outside the drafter's
+/// vocabulary.
+fn unreachable_rows(
+    tokens: &[u32],
+    loss_mask: &[u8],
+    anchors: &[usize],
+    block: usize,
+    frozen: &FrozenTarget,
+) -> Vec<usize> {
+    let mut out = vec![0usize; block - 1];
+    if frozen.target_to_draft.is_none() {
+        return out;
+    }
+    for &p in anchors {
+        for k in 1..block {
+            let pos = p + k;
+            if pos < tokens.len() && loss_mask.get(pos) == Some(&1) && frozen.draft_id(tokens[pos]).is_none() {
+                out[k - 1] += 1;
+            }
+        }
+    }
+    out
+}
+
 /// The loss terms of one sequence.
 pub struct SequenceLoss {
     /// `Σ w·CE` over the sequence's scored rows (a scalar with a gradient): the objective.
@@ -99,7 +123,8 @@ pub struct SequenceLoss {
     /// distilling.
     pub weighted_hard_ce: f64,
     pub weight_sum: f64,
-    /// Per block offset k (index k−1): scored rows, and rows whose argmax is the label.
+    /// Per block offset k (index k−1): rows scored for accuracy (including those whose label
+    /// is outside the drafter's vocabulary: always misses), and rows whose argmax is the label.
     pub scored: Vec<usize>,
     pub hits: Vec<usize>,
     /// Per anchor: how many of its drafts would be accepted greedily (leading hits).
@@ -187,7 +212,9 @@ pub fn sequence_loss(
     let packing = Packing { blocks: anchors.len(), context_mask: Some(&mask) };
     let hidden = drafter.forward_block(&embeddings, &positions, &context, &ctx_positions, packing)?;
 
-    let mut scored = vec![0usize; block - 1];
+    // Rows whose label the drafter cannot produce (outside its vocabulary) are not in the
+    // loss but are misses: they count in the accuracy denominators.
+    let mut scored = unreachable_rows(tokens, input.loss_mask, anchors, block, frozen);
     let mut hits = vec![0usize; block - 1];
     let mut accepted = vec![0usize; anchors.len()];
     if rows.is_empty() {

@@ -5,11 +5,13 @@
 
 pub mod objective;
 
-use super::dflash::optim::{scheduled_lr, AdamW, AdamWSettings};
-use super::dflash::{
-    accumulate_grads, append_log, batch_indices, finish_grads, frequent_tokens, peak_rss_mb, save_checkpoint,
-    standard_normal, step_rng, Features, LogLine, Metrics, TrainExample, TrainObserver, TrainReport,
-};
+use super::checkpoint::{self, CheckpointMeta};
+use super::examples::{batch_indices, standard_normal, step_rng, TrainExample};
+use super::features::Features;
+use super::optim::{accumulate_grads, finish_grads, AdamW, AdamWSettings, LrSchedule};
+use super::progress::{append_log, peak_rss_mb, LogLine, Metrics, StepProgress, Tally, TrainObserver, TrainReport};
+use super::validation::{simulate_verify_steps, RecordedRun, TrainingRecord};
+use super::vocab::{frequent_tokens, shared_rows, Coverage};
 use crate::model::Transformer;
 use crate::speculative::dflash::{model::select_rows, TargetHead};
 use crate::speculative::eagle3::{model, Eagle3Config, Eagle3Drafter};
@@ -28,8 +30,14 @@ pub struct Eagle3TrainSettings {
     pub ttt_steps: usize,
     /// The three fused target layers (default: SpecForge's `[1, N/2 − 1, N − 4]`).
     pub taps: Option<Vec<usize>>,
-    /// Draft vocabulary: the N most frequent response tokens (default: the target's).
+    /// Draft vocabulary: the N most frequent response tokens of the run's data, picked at the
+    /// start of every run (default: the target's). With `init_from`, the rows of tokens the
+    /// drafter's vocabulary shares are carried over and new ones start as the target's LM-head
+    /// rows.
     pub draft_vocab: Option<usize>,
+    /// With `init_from`: keep the drafter's own vocabulary instead.
+    #[serde(default)]
+    pub keep_draft_vocab: bool,
     /// MLP width (default: the target's). A narrower MLP keeps the drafter of a larger target
     /// small enough to train and ship on a CPU.
     #[serde(default)]
@@ -56,6 +64,7 @@ impl Default for Eagle3TrainSettings {
             ttt_steps: 7,
             taps: None,
             draft_vocab: None,
+            keep_draft_vocab: false,
             ffn: None,
             adam: AdamWSettings { lr: 1e-4, ..Default::default() },
             warmup: 0.04,
@@ -100,12 +109,10 @@ impl Eagle3TrainSettings {
     /// Refuses to train the drafter `config` from `dir` further with another shape or other
     /// taps than its own: a setting that would be dropped is an error.
     pub fn check_init_from(&self, dir: &Path, config: &Eagle3Config, n_layers: usize) -> Result<()> {
-        if self.draft_vocab.is_some_and(|n| n != config.draft_vocab) || self.ffn.is_some_and(|f| f != config.ffn) {
+        if self.ffn.is_some_and(|f| f != config.ffn) {
             bail!(
-                "--init-from {}: the drafter's draft vocabulary has {} tokens and its MLP is {} wide; \
-                 leave out --draft-vocab and --ffn or give those",
+                "--init-from {}: the drafter's MLP is {} wide; leave out --ffn or give that",
                 dir.display(),
-                config.draft_vocab,
                 config.ffn
             );
         }
@@ -277,19 +284,6 @@ pub fn export(
     Ok(())
 }
 
-/// The state a checkpoint holds besides tensors.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CheckpointMeta {
-    pub step: usize,
-    pub total_steps: usize,
-    pub settings: Eagle3TrainSettings,
-    pub config: serde_json::Value,
-    pub draft_vocab: Vec<u32>,
-    pub data_examples: usize,
-    pub train_secs: f64,
-    pub history: Vec<LogLine>,
-}
-
 /// A training run.
 pub struct Eagle3Run<'a> {
     pub target: &'a Transformer,
@@ -297,51 +291,36 @@ pub struct Eagle3Run<'a> {
     pub val: Vec<TrainExample>,
     pub settings: Eagle3TrainSettings,
     pub out: PathBuf,
+    /// Continue from `OUT/checkpoint`: exactly, or extended to more steps or more data.
     pub resume: bool,
     /// Stop after this many steps in this process (the schedule still spans all steps).
     pub stop_after: Option<usize>,
     pub export_dtype: DType,
     pub log_every: usize,
-}
-
-#[derive(Default)]
-struct Tally {
-    ce: f64,
-    terms: usize,
-    scored: Vec<usize>,
-    hits: Vec<usize>,
-    accepted: usize,
-    chains: usize,
-}
-
-impl Tally {
-    fn add(&mut self, l: &objective::SequenceLoss) {
-        if self.scored.is_empty() {
-            self.scored = vec![0; l.scored.len()];
-            self.hits = vec![0; l.hits.len()];
-        }
-        self.ce += l.ce_sum;
-        self.terms += l.ce_terms;
-        for j in 0..l.scored.len() {
-            self.scored[j] += l.scored[j];
-            self.hits[j] += l.hits[j];
-        }
-        self.accepted += l.accepted.iter().sum::<usize>();
-        self.chains += l.accepted.len();
-    }
-
-    fn metrics(&self) -> Metrics {
-        Metrics {
-            loss: self.ce / self.terms.max(1) as f64,
-            accuracy: self.scored.iter().zip(&self.hits).map(|(&s, &h)| (s > 0).then(|| h as f64 / s as f64)).collect(),
-            tau: 1.0 + self.accepted as f64 / self.chains.max(1) as f64,
-            blocks: self.chains,
-            scored_rows: self.scored.iter().sum(),
-        }
-    }
+    /// The data directories, by name (recorded with the drafter).
+    pub data: Vec<String>,
+    /// Seconds spent caching target features for this run.
+    pub feature_secs: f64,
 }
 
 const CHECKPOINT: &str = "checkpoint";
+
+/// Settings an extended run may change.
+const EXTENDABLE: &[&str] = &["steps", "epochs", "checkpoint_every", "val_examples"];
+
+/// Where a run starts: a fresh drafter, an exported one, or a checkpoint.
+struct Start {
+    config: Eagle3Config,
+    draft_vocab: Vec<u32>,
+    params: NamedVars,
+    step: usize,
+    history: Vec<LogLine>,
+    secs_before: f64,
+    moments: Option<HashMap<String, Tensor>>,
+    schedule: LrSchedule,
+    base_record: Option<TrainingRecord>,
+    own_feature_secs: f64,
+}
 
 impl Eagle3Run<'_> {
     pub fn total_steps(&self) -> usize {
@@ -356,99 +335,44 @@ impl Eagle3Run<'_> {
             bail!("no training examples");
         }
         let device = self.target.device().clone();
-        let total = self.total_steps();
         std::fs::create_dir_all(&self.out).with_context(|| format!("cannot create {}", self.out.display()))?;
-        let ckpt = self.out.join(CHECKPOINT);
-        let (config, draft_vocab, params, start, mut history, secs_before, moments) = if self.resume {
-            let meta: CheckpointMeta = serde_json::from_str(
-                &std::fs::read_to_string(ckpt.join("state.json"))
-                    .with_context(|| format!("--resume: no checkpoint in {}", ckpt.display()))?,
-            )?;
-            if meta.settings != *s {
-                bail!("--resume with other settings than the checkpoint's: {:?}", meta.settings);
-            }
-            if meta.data_examples != self.train.len() + self.val.len() {
-                bail!(
-                    "--resume: the checkpoint saw {} examples, the data has {}",
-                    meta.data_examples,
-                    self.train.len() + self.val.len()
-                );
-            }
-            let config = Eagle3Config::from_json(&meta.config)?;
-            let tensors = candle_core::safetensors::load(ckpt.join("state.safetensors"), &device)?;
-            let mut names: Vec<String> = model::expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
-            names.sort();
-            let params = names
-                .into_iter()
-                .map(|n| {
-                    let t = tensors.get(&n).with_context(|| format!("checkpoint has no `{n}`"))?;
-                    Ok((n, Var::from_tensor(t)?))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            (config, meta.draft_vocab, params, meta.step, meta.history, meta.train_secs, Some(tensors))
-        } else if let Some(dir) = &s.init_from {
-            let (config, vocab, params) = load_params(dir, &device)?;
-            s.check_init_from(dir, &config, self.target.config.n_layers)?;
-            (config, vocab, params, 0, Vec::new(), 0.0, None)
-        } else {
-            let n = s.draft_vocab.unwrap_or(self.target.config.vocab).min(self.target.config.vocab);
-            let vocab = frequent_tokens(&self.train, self.target.config.vocab, n);
-            let config = drafter_config(self.target, s, vocab.len());
-            let params = init_params(&config, s.seed, &device)?;
-            (config, vocab, params, 0, Vec::new(), 0.0, None)
-        };
-        config.check_target(&self.target.config)?;
+        let start = self.start()?;
+        start.config.check_target(&self.target.config)?;
+        let (config, draft_vocab, schedule, begin) = (start.config, start.draft_vocab, start.schedule, start.step);
+        let (mut history, secs_before) = (start.history, start.secs_before);
         let frozen = frozen_target(self.target, &draft_vocab)?;
-        let mut opt = AdamW::new(params, s.adam)?;
-        if let Some(t) = &moments {
-            opt.load_state(t, start)?;
+        let mut opt = AdamW::new(start.params, s.adam)?;
+        if let Some(t) = &start.moments {
+            opt.load_state(t, begin)?;
         }
-        let warmup = ((s.warmup * total as f64).ceil() as usize).max(1);
-        let end = self.stop_after.map_or(total, |n| (start + n).min(total));
+        let own_feature_secs = start.own_feature_secs + self.feature_secs;
+        let total = schedule.total;
+        let end = self.stop_after.map_or(total, |n| (begin + n).min(total));
         let t0 = Instant::now();
         let (mut rows_since, mut tokens_since, mut since) = (0usize, 0usize, Instant::now());
-        let (mut rows_all, mut last) = (0usize, None);
+        let (mut rows_all, mut last, mut last_tau) = (0usize, None, None);
         let mut tally = Tally::default();
-        for step in start..end {
-            let lr = scheduled_lr(s.adam.lr, step, total, warmup);
-            let batch = batch_indices(self.train.len(), s.batch, s.seed, step);
-            // Each step's loss is a mean over its scored rows in the batch.
-            let mut norms = vec![0.0f64; s.ttt_steps];
-            for &i in &batch {
-                let e = &self.train[i];
-                for (j, v) in scored(&e.tokens, &e.loss_mask, &frozen, s.ttt_steps).iter().enumerate() {
-                    norms[j] += v.iter().filter(|&&x| x).count() as f64;
-                }
-            }
-            let drafter = drafter_from_params(&config, opt.params(), &draft_vocab, &device)?;
-            let mut grads: Vec<Option<Tensor>> = vec![None; opt.params().len()];
-            for &i in &batch {
-                let e = &self.train[i];
-                let f = features.get(e, &device)?;
-                let l = sequence_loss(
-                    &drafter,
-                    &frozen,
-                    &SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f },
-                    &norms,
-                )?;
-                tally.add(&l);
-                rows_since += l.ce_terms;
-                rows_all += l.ce_terms;
-                tokens_since += e.tokens.len();
-                if l.ce_terms > 0 {
-                    accumulate_grads(&mut grads, &l.weighted_ce.backward()?, opt.params())?;
-                }
-            }
-            let grads = finish_grads(grads, opt.params())?;
-            let grad_norm = opt.step(&grads, lr, s.clip)?;
-            let m = tally.metrics();
-            observer.step(step + 1, total, m.loss, m.tau);
+        for step in begin..end {
+            let lr = schedule.lr(step);
+            let (grad_norm, rows, tokens) =
+                self.train_step(step, lr, &config, &draft_vocab, &frozen, &mut opt, features, &mut tally, &device)?;
+            rows_since += rows;
+            rows_all += rows;
+            tokens_since += tokens;
             let done = step + 1;
+            let secs = since.elapsed().as_secs_f64().max(1e-9);
+            observer.step(StepProgress {
+                step: done,
+                total,
+                loss: tally.metrics().loss,
+                rows_per_sec: rows_since as f64 / secs,
+                tau: last_tau,
+            });
             let ckpt_now = done % s.checkpoint_every == 0 || done == end;
             if done % self.log_every.max(1) == 0 || ckpt_now {
-                let secs = since.elapsed().as_secs_f64().max(1e-9);
                 let val =
                     if ckpt_now { Some(self.validate(&config, &opt, &draft_vocab, &frozen, features)?) } else { None };
+                last_tau = val.as_ref().map(|v| v.serving_tau.unwrap_or(v.tau)).or(last_tau);
                 let line = LogLine {
                     step: done,
                     lr,
@@ -466,18 +390,33 @@ impl Eagle3Run<'_> {
                 (rows_since, tokens_since, since) = (0, 0, Instant::now());
             }
             if ckpt_now {
+                let train_secs = secs_before + t0.elapsed().as_secs_f64();
                 let meta = CheckpointMeta {
                     step: done,
                     total_steps: total,
                     settings: s.clone(),
                     config: config.to_json(),
-                    draft_vocab: draft_vocab.clone(),
+                    draft_vocab: Some(draft_vocab.clone()),
                     data_examples: self.train.len() + self.val.len(),
-                    train_secs: secs_before + t0.elapsed().as_secs_f64(),
+                    train_secs,
                     history: history.clone(),
+                    schedule: Some(schedule),
+                    data: self.data.clone(),
                 };
-                save_checkpoint(&ckpt, &opt, &meta)?;
-                export(&self.out.join("drafter"), &config, opt.params(), &draft_vocab, self.export_dtype)?;
+                checkpoint::save(&self.out.join(CHECKPOINT), &opt, &meta)?;
+                let dir = self.out.join("drafter");
+                export(&dir, &config, opt.params(), &draft_vocab, self.export_dtype)?;
+                let mut record = start.base_record.clone().unwrap_or_else(TrainingRecord::empty);
+                record.steps += done;
+                record.train_secs = train_secs;
+                record.feature_secs += own_feature_secs;
+                record.runs.push(RecordedRun {
+                    data: self.data.clone(),
+                    train_examples: self.train.len(),
+                    steps: done,
+                    feature_secs: own_feature_secs,
+                });
+                record.write(&dir)?;
             }
         }
         let secs = t0.elapsed().as_secs_f64();
@@ -490,12 +429,187 @@ impl Eagle3Run<'_> {
             last,
             drafter_dir: self.out.join("drafter"),
             secs,
+            total_secs: secs_before + secs,
             rows_per_sec: rows_all as f64 / secs.max(1e-9),
             peak_rss_mb: peak_rss_mb(),
         })
     }
 
-    /// Metrics on the validation examples (no randomness: the same every time).
+    fn fresh_schedule(&self) -> LrSchedule {
+        let total = self.total_steps();
+        LrSchedule::new(self.settings.adam.lr, total, (self.settings.warmup * total as f64).ceil() as usize)
+    }
+
+    fn start(&self) -> Result<Start> {
+        let s = &self.settings;
+        let device = self.target.device().clone();
+        let vocab = self.target.config.vocab;
+        if self.resume {
+            let ckpt = checkpoint::load::<Eagle3TrainSettings>(&self.out.join(CHECKPOINT), &device)?;
+            let meta = &ckpt.meta;
+            let differ = checkpoint::differing_settings(&meta.settings, s, EXTENDABLE)?;
+            if !differ.is_empty() {
+                bail!(
+                    "--resume with other settings than the checkpoint's ({}): only {} may change when a run is extended",
+                    differ.join(", "),
+                    EXTENDABLE.join(", ")
+                );
+            }
+            let total = self.total_steps();
+            let examples = self.train.len() + self.val.len();
+            let old = meta.schedule.unwrap_or_else(|| {
+                LrSchedule::new(
+                    meta.settings.adam.lr,
+                    meta.total_steps,
+                    (meta.settings.warmup * meta.total_steps as f64).ceil() as usize,
+                )
+            });
+            let schedule = if total == meta.total_steps && examples == meta.data_examples {
+                old
+            } else {
+                if meta.step >= total {
+                    bail!("--resume: the checkpoint is at step {} of {}, the run would end at step {total}: give more --steps", meta.step, meta.total_steps);
+                }
+                eprintln!(
+                    "extending the run from step {} to {total} steps on {examples} examples: the same moments, \
+                     the learning rate decaying from {:.2e} without a new warm-up",
+                    meta.step,
+                    old.lr(meta.step)
+                );
+                old.extend(meta.step, total)
+            };
+            let config = Eagle3Config::from_json(&meta.config)?;
+            let params = ckpt.params(model::expected_tensors(&config).into_iter().map(|(n, _)| n).collect())?;
+            let draft_vocab = meta.draft_vocab.clone().context("the checkpoint has no draft vocabulary")?;
+            let (base_record, own_feature_secs) = TrainingRecord::without_last_run(&self.out.join("drafter"))?;
+            return Ok(Start {
+                config,
+                draft_vocab,
+                params,
+                step: meta.step,
+                history: meta.history.clone(),
+                secs_before: meta.train_secs,
+                moments: Some(ckpt.tensors.clone()),
+                schedule,
+                base_record,
+                own_feature_secs,
+            });
+        }
+        if let Some(dir) = &s.init_from {
+            let (record, warning) = TrainingRecord::check_init_from(dir)?;
+            if let Some(w) = warning {
+                eprintln!("warning: {w}");
+            }
+            let (mut config, theirs, mut params) = load_params(dir, &device)?;
+            s.check_init_from(dir, &config, self.target.config.n_layers)?;
+            let draft_vocab = match (s.keep_draft_vocab, s.draft_vocab) {
+                (true, _) => {
+                    eprintln!(
+                        "draft vocabulary: the drafter's own ({} tokens) covers {}",
+                        theirs.len(),
+                        self.coverage(&theirs).describe()
+                    );
+                    theirs
+                }
+                (false, n) => {
+                    let picked = frequent_tokens(&self.train, vocab, n.unwrap_or(vocab).min(vocab));
+                    eprintln!(
+                        "draft vocabulary re-picked from this run's data: {} tokens cover {} (the drafter's {} covered {})",
+                        picked.len(),
+                        self.coverage(&picked).describe(),
+                        theirs.len(),
+                        self.coverage(&theirs).describe()
+                    );
+                    carry_lm_head_rows(&mut params, &theirs, &picked, self.target)?;
+                    config.draft_vocab = picked.len();
+                    picked
+                }
+            };
+            let secs_before = record.as_ref().map_or(0.0, |r| r.train_secs);
+            return Ok(Start {
+                config,
+                draft_vocab,
+                params,
+                step: 0,
+                history: Vec::new(),
+                secs_before,
+                moments: None,
+                schedule: self.fresh_schedule(),
+                base_record: record,
+                own_feature_secs: 0.0,
+            });
+        }
+        let n = s.draft_vocab.unwrap_or(vocab).min(vocab);
+        let draft_vocab = frequent_tokens(&self.train, vocab, n);
+        eprintln!("draft vocabulary: {} tokens cover {}", draft_vocab.len(), self.coverage(&draft_vocab).describe());
+        let config = drafter_config(self.target, s, draft_vocab.len());
+        let params = init_params(&config, s.seed, &device)?;
+        Ok(Start {
+            config,
+            draft_vocab,
+            params,
+            step: 0,
+            history: Vec::new(),
+            secs_before: 0.0,
+            moments: None,
+            schedule: self.fresh_schedule(),
+            base_record: None,
+            own_feature_secs: 0.0,
+        })
+    }
+
+    fn coverage(&self, vocab: &[u32]) -> Coverage {
+        let mut all = self.train.clone();
+        all.extend(self.val.iter().cloned());
+        Coverage::of(&all, Some(vocab), self.target.config.vocab)
+    }
+
+    /// One optimiser step; returns the gradient norm, the scored rows and the tokens read.
+    #[allow(clippy::too_many_arguments)]
+    fn train_step(
+        &self,
+        step: usize,
+        lr: f64,
+        config: &Eagle3Config,
+        draft_vocab: &[u32],
+        frozen: &FrozenTarget,
+        opt: &mut AdamW,
+        features: &mut Features,
+        tally: &mut Tally,
+        device: &Device,
+    ) -> Result<(f64, usize, usize)> {
+        let s = &self.settings;
+        let batch = batch_indices(self.train.len(), s.batch, s.seed, step);
+        // Each step's loss is a mean over its scored rows in the batch.
+        let mut norms = vec![0.0f64; s.ttt_steps];
+        for &i in &batch {
+            let e = &self.train[i];
+            for (j, v) in scored(&e.tokens, &e.loss_mask, frozen, s.ttt_steps).iter().enumerate() {
+                norms[j] += v.iter().filter(|&&x| x).count() as f64;
+            }
+        }
+        let drafter = drafter_from_params(config, opt.params(), draft_vocab, device)?;
+        let mut grads: Vec<Option<Tensor>> = vec![None; opt.params().len()];
+        let (mut rows, mut tokens) = (0, 0);
+        for &i in &batch {
+            let e = &self.train[i];
+            let f = features.get(e, device)?;
+            let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f };
+            let l = sequence_loss(&drafter, frozen, &input, &norms)?;
+            tally.add(l.ce_sum, l.ce_terms as f64, &l.scored, &l.hits, &l.accepted);
+            rows += l.ce_terms;
+            tokens += e.tokens.len();
+            if l.ce_terms > 0 {
+                accumulate_grads(&mut grads, &l.weighted_ce.backward()?, opt.params())?;
+            }
+        }
+        let grads = finish_grads(grads, opt.params())?;
+        Ok((opt.step(&grads, lr, s.clip)?, rows, tokens))
+    }
+
+    /// Metrics on the validation examples (no randomness: the same every time), with τ from
+    /// greedy verify steps simulated at `ttt_steps` drafted tokens per step: a draft from the
+    /// last committed position p is the chain of row p − 1.
     fn validate(
         &self,
         config: &Eagle3Config,
@@ -513,11 +627,48 @@ impl Eagle3Run<'_> {
             }
         }
         let mut tally = Tally::default();
+        let (mut committed, mut verify_steps) = (0usize, 0usize);
         for e in &self.val {
             let f = features.get(e, drafter.device())?;
             let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f };
-            tally.add(&sequence_loss(&drafter, frozen, &input, &norms)?);
+            let l = sequence_loss(&drafter, frozen, &input, &norms)?;
+            tally.add(l.ce_sum, l.ce_terms as f64, &l.scored, &l.hits, &l.accepted);
+            let mut by_row = vec![0usize; e.tokens.len()];
+            for (&t, &a) in l.accepted_rows.iter().zip(&l.accepted) {
+                by_row[t] = a;
+            }
+            if let Some(first) = e.first_response() {
+                let (c, n) = simulate_verify_steps(first, e.tokens.len(), |p| if p == 0 { 0 } else { by_row[p - 1] });
+                committed += c;
+                verify_steps += n;
+            }
         }
-        Ok(tally.metrics())
+        let mut m = tally.metrics();
+        if verify_steps > 0 {
+            m.serving_tau = Some(committed as f64 / verify_steps as f64);
+            m.serving_draft_len = Some(steps);
+        }
+        Ok(m)
     }
+}
+
+/// Rebuilds the drafter's `lm_head.weight` for a new vocabulary: rows of tokens both
+/// vocabularies hold are carried over, new tokens start as the target's LM-head rows.
+fn carry_lm_head_rows(params: &mut NamedVars, old: &[u32], new: &[u32], target: &Transformer) -> Result<()> {
+    let Some(slot) = params.iter_mut().find(|(n, _)| n == "lm_head.weight") else {
+        bail!("the drafter has no lm_head.weight");
+    };
+    let device = slot.1.device().clone();
+    let theirs = slot.1.as_tensor();
+    let fresh = select_rows(&*target.lm_head_weights()?, new, &device)?.dequantize(&device)?.to_dtype(DType::F32)?;
+    let rows: Vec<Tensor> = shared_rows(old, new)
+        .iter()
+        .enumerate()
+        .map(|(i, at)| match at {
+            Some(r) => theirs.get(*r),
+            None => fresh.get(i),
+        })
+        .collect::<candle_core::Result<_>>()?;
+    slot.1 = Var::from_tensor(&Tensor::stack(&rows, 0)?)?;
+    Ok(())
 }

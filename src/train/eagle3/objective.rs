@@ -69,6 +69,8 @@ pub struct SequenceLoss {
     pub hits: Vec<usize>,
     /// Per row scored at step 0: leading steps whose argmax is right (a chain's acceptance).
     pub accepted: Vec<usize>,
+    /// The row t of each entry of `accepted`.
+    pub accepted_rows: Vec<usize>,
     /// `Σ_j Σ_rows CE` without weights, and the number of terms (for reporting).
     pub ce_sum: f64,
     pub ce_terms: usize,
@@ -102,6 +104,7 @@ pub fn sequence_loss(
         scored: vec![0; steps],
         hits: vec![0; steps],
         accepted: Vec::new(),
+        accepted_rows: Vec::new(),
         ce_sum: 0.0,
         ce_terms: 0,
     };
@@ -167,9 +170,14 @@ pub fn sequence_loss(
             outcome[i][j] = Some(right);
         }
     }
-    let accepted =
-        outcome.iter().filter(|o| o[0].is_some()).map(|o| o.iter().take_while(|x| **x == Some(true)).count()).collect();
-    Ok(SequenceLoss { weighted_ce: weighted, scored: scored_n, hits, accepted, ce_sum, ce_terms })
+    let (mut accepted, mut accepted_rows) = (Vec::new(), Vec::new());
+    for (o, &t) in outcome.iter().zip(&r) {
+        if o[0].is_some() {
+            accepted.push(o.iter().take_while(|x| **x == Some(true)).count());
+            accepted_rows.push(t);
+        }
+    }
+    Ok(SequenceLoss { weighted_ce: weighted, scored: scored_n, hits, accepted, accepted_rows, ce_sum, ce_terms })
 }
 
 /// Which step-0 rows the scored rows `r` see, `[r, rows]` additive: row t sees rows `..=t`.

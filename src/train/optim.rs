@@ -1,6 +1,7 @@
 //! AdamW with global-norm gradient clipping and a warm-up + cosine learning-rate schedule, on
-//! named candle variables. Written out (rather than `candle_nn::AdamW`) so its moments can be
-//! saved in a checkpoint and a resumed run continues exactly.
+//! named candle variables, for both trainers. Written out (rather than `candle_nn::AdamW`) so
+//! its moments can be saved in a checkpoint, a resumed run continues exactly, and an extended
+//! run keeps its moments and its place in the schedule.
 
 use anyhow::{bail, Result};
 use candle_core::{Tensor, Var};
@@ -24,12 +25,74 @@ impl Default for AdamWSettings {
 /// Learning rate at `step` (0-based) of `total`: linear warm-up over the first `warmup`
 /// steps, then cosine decay to 0 at `total`.
 pub fn scheduled_lr(peak: f64, step: usize, total: usize, warmup: usize) -> f64 {
-    if step < warmup {
-        return peak * (step + 1) as f64 / warmup as f64;
+    LrSchedule::new(peak, total, warmup).lr(step)
+}
+
+/// The learning rate of every step: linear warm-up to `peak`, then cosine decay from
+/// `decay_lr` at `decay_start` to 0 at `total`. A fresh run decays from the peak right after
+/// warm-up; [`LrSchedule::extend`] makes a longer run continue from where it is, without a
+/// second warm-up and without a jump.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LrSchedule {
+    pub peak: f64,
+    pub warmup: usize,
+    pub total: usize,
+    pub decay_start: usize,
+    pub decay_lr: f64,
+}
+
+impl LrSchedule {
+    pub fn new(peak: f64, total: usize, warmup: usize) -> Self {
+        let warmup = warmup.max(1);
+        Self { peak, warmup, total, decay_start: warmup, decay_lr: peak }
     }
-    let span = total.saturating_sub(warmup).max(1) as f64;
-    let t = ((step - warmup) as f64 / span).min(1.0);
-    peak * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+
+    pub fn lr(&self, step: usize) -> f64 {
+        if step < self.warmup && self.decay_start == self.warmup {
+            return self.peak * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = self.total.saturating_sub(self.decay_start).max(1) as f64;
+        let t = (step.saturating_sub(self.decay_start) as f64 / span).min(1.0);
+        self.decay_lr * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+
+    /// The same run made `total` steps long at step `at`: from `at` on, the rate decays from
+    /// its value at `at` to 0 at `total` (still warming up: warm-up finishes first).
+    pub fn extend(&self, at: usize, total: usize) -> Self {
+        if total == self.total {
+            return *self;
+        }
+        if at <= self.decay_start {
+            return Self { total, ..*self };
+        }
+        Self { total, decay_start: at, decay_lr: self.lr(at), ..*self }
+    }
+}
+
+/// Adds one sequence's gradients into the step's per-parameter sums.
+pub fn accumulate_grads(
+    sums: &mut [Option<Tensor>],
+    g: &candle_core::backprop::GradStore,
+    params: &[(String, Var)],
+) -> Result<()> {
+    for (slot, (_, p)) in sums.iter_mut().zip(params) {
+        if let Some(gp) = g.get(p.as_tensor()) {
+            *slot = Some(match slot.take() {
+                Some(acc) => (acc + gp)?,
+                None => gp.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The step's gradients, zero for parameters no sequence reached.
+pub fn finish_grads(sums: Vec<Option<Tensor>>, params: &[(String, Var)]) -> Result<Vec<Tensor>> {
+    Ok(sums
+        .into_iter()
+        .zip(params)
+        .map(|(g, (_, p))| g.map_or_else(|| p.zeros_like(), Ok))
+        .collect::<candle_core::Result<_>>()?)
 }
 
 pub struct AdamW {
@@ -122,6 +185,23 @@ mod tests {
         assert!((scheduled_lr(1.0, 4, 100, 4) - 1.0).abs() < 1e-12);
         assert!(scheduled_lr(1.0, 52, 100, 4) < 0.51 && scheduled_lr(1.0, 52, 100, 4) > 0.49);
         assert!(scheduled_lr(1.0, 100, 100, 4).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_extended_schedule_continues_without_a_jump_or_a_second_warmup() {
+        let s = LrSchedule::new(1.0, 100, 4);
+        let e = s.extend(60, 200);
+        assert!((e.lr(60) - s.lr(60)).abs() < 1e-12);
+        assert!(e.lr(61) < e.lr(60) && e.lr(61) > s.lr(61));
+        assert!(e.lr(200).abs() < 1e-12);
+        // Extending during warm-up keeps the warm-up and stretches the decay.
+        let w = s.extend(2, 200);
+        assert_eq!(w.lr(1), s.lr(1));
+        assert!((w.lr(4) - 1.0).abs() < 1e-12);
+        // Extending twice chains.
+        let e2 = e.extend(150, 300);
+        assert!((e2.lr(150) - e.lr(150)).abs() < 1e-12);
+        assert_eq!(s.extend(50, 100), s);
     }
 
     #[test]

@@ -66,6 +66,7 @@ fn settings(prompts: &Path, out: &Path, limit: usize) -> DataSettings {
         shard_size: 4,
         kv_tokens: 4096,
         max_prompt_tokens: None,
+        features: None,
     }
 }
 
@@ -450,4 +451,51 @@ fn kept_data_directories_hold_no_evaluation_prompt() {
         checked += 1;
     }
     assert!(checked >= 3, "{checked} data directories under {}", root.display());
+}
+
+/// `train data --features`: every example's features come from the same pass that generated
+/// it, equal to what a separate prefill of the example gives (the trainers' own features), and
+/// the examples are those of a run without features.
+#[test]
+fn features_written_while_generating_equal_a_prefill_of_each_example() {
+    use specula::train::features::{target_features, FeatureCache, FeatureKey};
+    let work = tempdir("features");
+    let prompts = prompts_file(&work);
+    let (plain, with) = (work.join("plain"), work.join("with"));
+    let mut s = settings(&prompts, &plain, 6);
+    s.gen.max_new_tokens = 12;
+    generate_data(target(), &s, &mut |_| {}).unwrap();
+    let layers = vec![1, 8, 29];
+    let key = FeatureKey {
+        target: "smollm2".into(),
+        target_sha256: String::new(),
+        layer_ids: layers.clone(),
+        hidden: target().model.config.hidden,
+        max_tokens: 1024,
+    };
+    let cache_dir = work.join("features");
+    s.out = with.clone();
+    s.features = Some(data::DataFeatures { key: key.clone(), dir: Some(cache_dir.clone()) });
+    generate_data(target(), &s, &mut |_| {}).unwrap();
+    let (a, b) = (examples(&plain), examples(&with));
+    assert_eq!(a, b, "the examples do not depend on writing features");
+    assert!(a.iter().any(|e| e.finish == "length") && a.iter().any(|e| e.finish == "stop"), "both endings covered");
+    let mut cache = FeatureCache::open(&cache_dir, key).unwrap();
+    assert_eq!(cache.len(), 6);
+    let mut worst = 0f32;
+    for e in &b {
+        let got = cache.read(&format!("{}/{}", e.set, e.id), &candle_core::Device::Cpu).unwrap();
+        let want = target_features(&target().model, &layers, &e.tokens, specula::kv::KvDtype::F16).unwrap();
+        // Every row but the last token's (the engine does not show a finished request's last
+        // step; no trainer reads it).
+        assert_eq!(got.dim(0).unwrap(), e.tokens.len() - 1, "{}", e.id);
+        let want = want.narrow(0, 0, e.tokens.len() - 1).unwrap();
+        // The cache holds f16: compare against the prefill's features rounded the same way.
+        let want = want.to_dtype(candle_core::DType::F16).unwrap().to_dtype(candle_core::DType::F32).unwrap();
+        let d = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        worst = worst.max(d);
+    }
+    eprintln!("largest difference from a prefill: {worst}");
+    assert_eq!(worst, 0.0, "features from generation differ from a prefill by {worst}");
+    let _ = std::fs::remove_dir_all(&work);
 }

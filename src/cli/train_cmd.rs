@@ -27,6 +27,72 @@ enum TrainCommand {
     /// resumes and exports a `--drafter eagle3:DIR` directory (OUT/drafter) in the layout vLLM,
     /// SGLang and SpecForge load.
     Eagle3(Box<Eagle3Args>),
+    /// Measure a trained drafter on data from `train data`: τ from greedy verify steps
+    /// simulated on the answers (as serving counts it), loss and accuracy per position.
+    Validate(ValidateArgs),
+    /// Write data directories as one JSON-lines file of `input_ids` and `loss_mask` (what
+    /// SpecForge's and speculators' trainers read as pre-tokenized data), the held-out
+    /// examples left out.
+    Export(ExportArgs),
+}
+
+#[derive(clap::Args)]
+pub struct ValidateArgs {
+    /// Target model: key or path (the one the data was made with).
+    #[arg(long)]
+    target: String,
+    /// The drafter: dflash:DIR or eagle3:DIR.
+    #[arg(long)]
+    drafter: String,
+    /// Data directories (from `specula train data`), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    data: Vec<PathBuf>,
+    /// Measure on every example, not only the held-out split (for data no drafter of this
+    /// lineage trained on).
+    #[arg(long)]
+    all: bool,
+    /// Examples measured on, at most.
+    #[arg(long, default_value_t = 64)]
+    val_examples: usize,
+    /// Drafted tokens per simulated verify step (DFlash; EAGLE-3 drafts its training-time-test
+    /// depth, --ttt-steps).
+    #[arg(long, default_value_t = 7)]
+    draft_len: usize,
+    /// EAGLE-3 chain length.
+    #[arg(long, default_value_t = 7)]
+    ttt_steps: usize,
+    /// Examples are cut to this many tokens.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+    /// Target features: `offline` (cached, shared with training runs on the same data) or `online`.
+    #[arg(long, default_value = "offline")]
+    features: String,
+    #[arg(long)]
+    features_dir: Option<PathBuf>,
+    /// Target weight format in memory (default: measured best).
+    #[arg(long)]
+    weights: Option<String>,
+    /// cpu, cuda, cuda:N, metal.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// Data directories (from `specula train data`), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    data: Vec<PathBuf>,
+    /// The JSON-lines file to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// The end-of-sequence token id to append (with loss 1) to answers that ended with it, as
+    /// the frameworks' own tokenization of a finished answer has it (default: none appended).
+    #[arg(long)]
+    eos: Option<u32>,
+    /// Export the held-out examples too (they are then no longer held out for drafters
+    /// trained on the file).
+    #[arg(long)]
+    include_held_out: bool,
 }
 
 /// What both trainers take.
@@ -74,8 +140,11 @@ pub struct RunArgs {
     #[arg(long, default_value = "16384")]
     draft_vocab: String,
     /// Target features: `offline` (computed once, cached in f16 and shared by every run on the
-    /// same data, target and taps) or `online` (recomputed at every use).
-    #[arg(long, default_value = "offline")]
+    /// same data, target and taps), `online` (recomputed at every use), or `auto`: offline
+    /// when the run reads its examples more than once (or --resume / --stop-after may read
+    /// them again), online for a single pass over fresh data, where a cache would be written
+    /// and read once.
+    #[arg(long, default_value = "auto")]
     features: String,
     /// Where offline features are cached (default: a folder under the specula cache named by
     /// the data, the target's SHA-256, the taps and --max-tokens).
@@ -270,6 +339,18 @@ pub struct DataArgs {
     /// Where the target runs: cpu, cuda, cuda:N, metal (GPU builds only).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Also write the target's features from the same pass that generates each answer, into
+    /// the cache `train dflash` / `train eagle3` read for this directory: `dflash` (the
+    /// DFlash trainer's default taps), `eagle3` (its three taps and the last layer), or
+    /// comma-separated layer ids.
+    #[arg(long)]
+    features: Option<String>,
+    /// The feature cache folder (default: the trainers' default for this directory).
+    #[arg(long)]
+    features_dir: Option<PathBuf>,
+    /// With --features: the --max-tokens of the training runs that will read them.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
 }
 
 pub fn run(args: TrainArgs) -> Result<()> {
@@ -277,7 +358,104 @@ pub fn run(args: TrainArgs) -> Result<()> {
         TrainCommand::Data(a) => run_data(a),
         TrainCommand::Dflash(a) => run_dflash(*a),
         TrainCommand::Eagle3(a) => run_eagle3(*a),
+        TrainCommand::Validate(a) => run_validate(a),
+        TrainCommand::Export(a) => run_export(a),
     }
+}
+
+fn run_validate(args: ValidateArgs) -> Result<()> {
+    use crate::speculative::DrafterSpec;
+    let target = load_target(&args.target, args.weights.as_deref(), &parse_device(&args.device)?)?;
+    let examples = load_examples(&target, &args.data, args.max_tokens)?;
+    let mut examples =
+        if args.all { examples } else { crate::train::validation::split(examples, None, usize::MAX)?.val };
+    examples.truncate(args.val_examples);
+    if examples.is_empty() {
+        bail!("no example to measure on (one in 20 is held out; --all measures on every example)");
+    }
+    let device = target.model.device().clone();
+    let mut observer = ProgressObserver::new();
+    let all: Vec<&TrainExample> = examples.iter().collect();
+    let features_for = |layer_ids: Vec<usize>, observer: &mut ProgressObserver| {
+        let source =
+            FeatureSource { mode: &args.features, dir: args.features_dir.as_deref(), data: &args.data, val_data: &[] };
+        open_features(&source, &target, layer_ids, args.max_tokens, &all, observer)
+    };
+    let (m, what) = match DrafterSpec::parse(&args.drafter)? {
+        DrafterSpec::Dflash { path: dir, .. } => {
+            use crate::train::dflash::{evaluate, frozen_target, objective::ObjectiveSettings, AnchorDraw};
+            let drafter = crate::speculative::dflash::DflashDrafter::load(&dir, &device)?;
+            drafter.config.check_target(&target.model.config)?;
+            let frozen = frozen_target(&target.model, drafter.draft_vocab())?;
+            let (mut features, _) = features_for(drafter.config.target_layer_ids.clone(), &mut observer)?;
+            let objective = ObjectiveSettings::hard(drafter.config.block_size, 2.0);
+            let anchors = AnchorDraw { per_sequence: 48, seed: 0 };
+            (evaluate(&drafter, &frozen, &examples, &mut features, objective, anchors, args.draft_len)?, "DFlash")
+        }
+        DrafterSpec::Eagle3 { path: dir, .. } => {
+            use crate::train::eagle3::{evaluate, frozen_target};
+            let drafter = crate::speculative::eagle3::Eagle3Drafter::load(&dir, &device)?;
+            drafter.config.check_target(&target.model.config)?;
+            let frozen = frozen_target(&target.model, drafter.draft_vocab())?;
+            let mut layers = drafter.config.tap_layers(target.model.config.n_layers);
+            layers.push(target.model.config.n_layers - 1);
+            let (mut features, _) = features_for(layers, &mut observer)?;
+            (evaluate(&drafter, &frozen, &examples, &mut features, args.ttt_steps)?, "EAGLE-3")
+        }
+        _ => bail!("--drafter {}: train validate measures dflash:DIR and eagle3:DIR drafters", args.drafter),
+    };
+    observer.finish();
+    let acc: Vec<String> = m.accuracy.iter().take(7).map(|a| a.map_or("-".into(), |a| format!("{:.3}", a))).collect();
+    println!(
+        "{what} drafter on {} examples ({}): τ {} (greedy verify steps simulated at {} drafted tokens); \
+         loss {:.4}; accuracy at positions 1.. [{}]; anchor estimate {:.2}",
+        examples.len(),
+        if args.all { "every example" } else { "the held-out split" },
+        m.serving_tau.map_or("-".into(), |t| format!("{t:.3}")),
+        m.serving_draft_len.unwrap_or(0),
+        m.loss,
+        acc.join(" "),
+        m.tau
+    );
+    Ok(())
+}
+
+fn run_export(args: ExportArgs) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?,
+    );
+    let (mut written, mut held, mut short) = (0usize, 0usize, 0usize);
+    for dir in &args.data {
+        // Refuses a directory holding any evaluation prompt.
+        data::check_no_eval_prompts(dir)?;
+        for e in data::read_examples(dir, false)?.examples {
+            if !args.include_held_out && crate::train::validation::is_held_out(&format!("{}/{}", e.set, e.id)) {
+                held += 1;
+                continue;
+            }
+            let (mut ids, mut mask) = (e.tokens.clone(), e.loss_mask.clone());
+            if let (Some(eos), "stop") = (args.eos, e.finish.as_str()) {
+                ids.push(eos);
+                mask.push(1);
+            }
+            // The trainers drop rows without two supervised tokens.
+            if mask.iter().filter(|&&m| m == 1).count() < 2 {
+                short += 1;
+                continue;
+            }
+            serde_json::to_writer(&mut out, &serde_json::json!({ "input_ids": ids, "loss_mask": mask }))?;
+            out.write_all(b"\n")?;
+            written += 1;
+        }
+    }
+    out.flush()?;
+    println!(
+        "{written} examples written to {} ({held} held out and left out{}; {short} with fewer than 2 answer tokens skipped)",
+        args.out.display(),
+        if args.include_held_out { "" } else { " (--include-held-out exports them)" }
+    );
+    Ok(())
 }
 
 /// `--draft-vocab N|full|keep` as (size, keep the drafter's).
@@ -340,6 +518,7 @@ impl RunArgs {
                     shard_size: 1000,
                     kv_tokens: 16384,
                     max_prompt_tokens: Some(256),
+                    features: None,
                 };
                 make_data(target, &settings)?;
                 self.data = vec![dir];
@@ -384,7 +563,9 @@ fn run_data(args: DataArgs) -> Result<()> {
         shard_size: args.shard_size,
         kv_tokens: args.kv_tokens,
         max_prompt_tokens: args.max_prompt_tokens,
+        features: None,
     };
+    let mut settings = settings;
     settings.validate()?;
     // Refuse evaluation and unknown sets before loading a model.
     for s in &settings.sources {
@@ -392,6 +573,35 @@ fn run_data(args: DataArgs) -> Result<()> {
     }
     let target = load_target(&args.target, args.weights.as_deref(), &parse_device(&args.device)?)?;
     eprintln!("target {} ({} tokens in the vocabulary)", target.path.display(), target.tokenizer.vocab_size());
+    if let Some(which) = &args.features {
+        let n = target.model.config.n_layers;
+        let layer_ids = match which.as_str() {
+            "dflash" => crate::speculative::dflash::default_target_layer_ids(
+                n,
+                crate::train::dflash::TrainSettings::default().n_taps,
+            ),
+            "eagle3" => {
+                let mut l = crate::speculative::eagle3::default_aux_layer_ids(n);
+                l.push(n - 1);
+                l
+            }
+            list => list
+                .split(',')
+                .map(|x| x.trim().parse::<usize>().ok().filter(|&l| l < n))
+                .collect::<Option<Vec<_>>>()
+                .with_context(|| format!("--features {list}: expected dflash, eagle3 or layer ids below {n}"))?,
+        };
+        settings.features = Some(data::DataFeatures {
+            key: FeatureKey {
+                target: data::TargetId::of(&target).file_name.clone(),
+                target_sha256: crate::train::features::model_sha256(&target.path)?,
+                layer_ids,
+                hidden: target.model.config.hidden,
+                max_tokens: args.max_tokens,
+            },
+            dir: args.features_dir.clone(),
+        });
+    }
     make_data(&target, &settings)
 }
 
@@ -493,8 +703,9 @@ fn run_dflash(mut args: DflashArgs) -> Result<()> {
     let layer_ids = settings.feature_layers(&taps, target.model.config.n_layers);
     let mut observer = ProgressObserver::new();
     let all: Vec<&TrainExample> = train.iter().chain(&val).collect();
+    let source = FeatureSource::of(&args.run, settings.steps, settings.batch, train.len());
     let (mut features, feature_secs) =
-        open_features(&args.run, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
+        open_features(&source, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
     let run = TrainRun {
         target: &target.model,
         tokenizer: &target.tokenizer,
@@ -558,8 +769,9 @@ fn run_eagle3(mut args: Eagle3Args) -> Result<()> {
     let layer_ids = settings.feature_layers(&target.model);
     let mut observer = ProgressObserver::new();
     let all: Vec<&TrainExample> = train.iter().chain(&val).collect();
+    let source = FeatureSource::of(&args.run, settings.steps, settings.batch, train.len());
     let (mut features, feature_secs) =
-        open_features(&args.run, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
+        open_features(&source, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
     let run = Eagle3Run {
         target: &target.model,
         train,
@@ -667,15 +879,39 @@ fn split_examples(
 /// Target features of `layer_ids` for the examples: recomputed on use (`online`), or cached
 /// once in f16 (`offline`), the disk size printed first. Returns them and the seconds spent
 /// caching.
+/// Where a command's features come from: `--features`, `--features-dir` and the data they
+/// are for.
+struct FeatureSource<'s> {
+    mode: &'s str,
+    dir: Option<&'s std::path::Path>,
+    data: &'s [PathBuf],
+    val_data: &'s [PathBuf],
+}
+
+impl<'s> FeatureSource<'s> {
+    /// `--features auto` resolved for a run of `steps` × `batch` example reads over `train`
+    /// training examples.
+    fn of(run: &'s RunArgs, steps: Option<usize>, batch: usize, train: usize) -> Self {
+        let reads = steps.map_or(run.epochs * train as f64, |s| (s * batch) as f64);
+        let mode = match run.features.as_str() {
+            "auto" if reads > train as f64 || run.resume || run.stop_after.is_some() => "offline",
+            "auto" => "online",
+            other => other,
+        };
+        Self { mode, dir: run.features_dir.as_deref(), data: &run.data, val_data: &run.val_data }
+    }
+}
+
 fn open_features<'a>(
-    run: &RunArgs,
+    source: &FeatureSource,
     target: &'a crate::engine::LoadedModel,
     layer_ids: Vec<usize>,
     max_tokens: usize,
     examples: &[&TrainExample],
     observer: &mut ProgressObserver,
 ) -> Result<(Features<'a>, f64)> {
-    Ok(match run.features.as_str() {
+    eprintln!("target features: {}", source.mode);
+    Ok(match source.mode {
         "online" => (Features::Online { target: &target.model, layer_ids }, 0.0),
         "offline" => {
             let t0 = Instant::now();
@@ -686,9 +922,9 @@ fn open_features<'a>(
                 hidden: target.model.config.hidden,
                 max_tokens,
             };
-            let dir = match &run.features_dir {
-                Some(d) => d.clone(),
-                None => default_features_dir(&key, &run.data, &run.val_data)?,
+            let dir = match source.dir {
+                Some(d) => d.to_path_buf(),
+                None => crate::train::features::default_dir(&key, source.data, source.val_data)?,
             };
             eprintln!("feature cache: {}", dir.display());
             let mut cache = FeatureCache::open(&dir, key.clone())?;
@@ -697,23 +933,8 @@ fn open_features<'a>(
             })?;
             (Features::Offline(cache), t0.elapsed().as_secs_f64())
         }
-        other => bail!("--features {other}: expected online or offline"),
+        other => bail!("--features {other}: expected auto, online or offline"),
     })
-}
-
-/// The shared cache folder of features for these data directories and this key: every run on
-/// the same data, target, taps and length reads the same file.
-fn default_features_dir(key: &FeatureKey, data: &[PathBuf], val_data: &[PathBuf]) -> Result<PathBuf> {
-    use sha2::Digest;
-    let mut h = sha2::Sha256::new();
-    h.update(serde_json::to_vec(key)?);
-    for d in data.iter().chain([PathBuf::from("--val-data")].iter()).chain(val_data) {
-        let canonical = d.canonicalize().unwrap_or_else(|_| d.clone());
-        h.update(canonical.to_string_lossy().as_bytes());
-        h.update([0]);
-    }
-    let name: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
-    Ok(crate::fetch::specula_home().join("features").join(name))
 }
 
 fn export_dtype(name: &str) -> Result<candle_core::DType> {

@@ -219,6 +219,18 @@ pub struct DataSettings {
     /// Prompts longer than this (in tokens, template included) are skipped: long prompts cost
     /// prefill time and teach a drafter little that short ones do not. None: no limit.
     pub max_prompt_tokens: Option<usize>,
+    /// Also write the target's features of every example, from the same pass that generates
+    /// it, into the feature cache a trainer on this directory reads.
+    pub features: Option<DataFeatures>,
+}
+
+/// Which features `train data` writes while it generates, and where.
+#[derive(Debug, Clone)]
+pub struct DataFeatures {
+    pub key: super::features::FeatureKey,
+    /// The cache folder; None: the trainers' default for this directory alone
+    /// ([`super::features::default_dir`]).
+    pub dir: Option<PathBuf>,
 }
 
 impl DataSettings {
@@ -706,6 +718,17 @@ pub fn generate_data(
         }
         todo.clear();
     }
+    let mut features = match &settings.features {
+        Some(f) if !todo.is_empty() && settings.gen.responses == ResponseSource::Target => {
+            let dir = match &f.dir {
+                Some(d) => d.clone(),
+                None => super::features::default_dir(&f.key, std::slice::from_ref(dir), &[])?,
+            };
+            eprintln!("writing target features as it generates to {}", dir.display());
+            Some((super::features::FeatureCache::open(&dir, f.key.clone())?, f.key.layer_ids.clone()))
+        }
+        _ => None,
+    };
     if !todo.is_empty() {
         let pool = target.model.new_kv_pool(settings.kv_tokens);
         let config = EngineConfig {
@@ -720,19 +743,28 @@ pub fn generate_data(
         let model = EngineModel { model: &target.model, tokenizer: None };
         let mut core = EngineCore::new(model, target.stop_ids(), pool, &config, None, Arc::new(AtomicUsize::new(0)));
         let mut next = 0;
-        let mut in_flight: Vec<(usize, Rc<RefCell<Outcome>>)> = Vec::new();
+        let mut in_flight: Vec<(usize, Rc<RefCell<Outcome>>, Option<super::features::FeatureRows>)> = Vec::new();
+        let max_new = settings.gen.max_new_tokens;
         // Enough queued that a finished request is replaced in the next step.
         let window = settings.batch * 2;
         loop {
             while next < todo.len() && in_flight.len() < window {
                 let (set, p, ids) = &todo[next];
                 let outcome = Rc::new(RefCell::new(Outcome::default()));
-                let request = EngineRequest {
-                    speculate: false,
-                    ..EngineRequest::new(ids.clone(), example_params(&settings.gen, set, &p.id))
+                let mut params = example_params(&settings.gen, set, &p.id);
+                let (recorder, rows) = match &features {
+                    Some((_, layers)) => {
+                        // One token more than kept, so the last kept one runs through the
+                        // target too and has features; the answer is cut back below.
+                        params.max_tokens = Some(max_new + 1);
+                        let (r, rows) = super::features::FeatureRecorder::new(&target.model, layers.clone());
+                        (Some(Box::new(r) as Box<dyn crate::speculative::Proposer>), Some(rows))
+                    }
+                    None => (None, None),
                 };
-                core.add(request, None, Box::new(Sink(outcome.clone())));
-                in_flight.push((next, outcome));
+                let request = EngineRequest { speculate: false, ..EngineRequest::new(ids.clone(), params) };
+                core.add(request, recorder, Box::new(Sink(outcome.clone())));
+                in_flight.push((next, outcome, rows));
                 next += 1;
             }
             if in_flight.is_empty() {
@@ -745,19 +777,36 @@ pub fn generate_data(
                     i += 1;
                     continue;
                 }
-                let (index, outcome) = in_flight.remove(i);
+                let (index, outcome, rows) = in_flight.remove(i);
                 let o =
                     Rc::try_unwrap(outcome).map_err(|_| anyhow::anyhow!("engine still holds a finished request"))?;
-                let o = o.into_inner();
+                let mut o = o.into_inner();
                 let (set, p, ids) = &todo[index];
-                let finish = match o.end {
+                let mut finish = match o.end {
                     Some(Ok(f)) => f,
                     Some(Err(e)) => bail!("{set} {}: generation failed: {e}", p.id),
                     None => unreachable!("checked above"),
                 };
-                keep_example(example(set, p, ids, &o.tokens, finish))?;
+                if rows.is_some() && o.tokens.len() >= max_new && finish != "context_full" {
+                    // What a run without features gives: cut at the limit.
+                    o.tokens.truncate(max_new);
+                    finish = "length".into();
+                }
+                let ex = example(set, p, ids, &o.tokens, finish);
+                if let (Some((cache, _)), Some(rows)) = (features.as_mut(), rows) {
+                    // Examples without every row (a full context) get theirs when a trainer
+                    // fills the cache.
+                    let n = ex.tokens.len().min(cache.max_tokens());
+                    if let Some(f) = rows.take(n)? {
+                        cache.append(&format!("{}/{}", ex.set, ex.id), &f)?;
+                    }
+                }
+                keep_example(ex)?;
             }
         }
+    }
+    if let Some((cache, _)) = features.as_mut() {
+        cache.flush_index()?;
     }
     run.secs = started.elapsed().as_secs_f64();
     run.tokens_per_sec = if run.examples > 0 { run.response_tokens as f64 / run.secs.max(1e-9) } else { 0.0 };

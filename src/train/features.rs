@@ -114,6 +114,11 @@ impl FeatureCache {
         Ok(Self { dir: dir.to_path_buf(), index, file, width })
     }
 
+    /// Examples are cut to this many tokens before their features are taken.
+    pub fn max_tokens(&self) -> usize {
+        self.index.key.max_tokens
+    }
+
     pub fn contains(&self, example: &str) -> bool {
         self.index.examples.contains_key(example)
     }
@@ -242,4 +247,106 @@ pub fn model_sha256(path: &Path) -> Result<String> {
         }
     }
     Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A proposer that never drafts and records the target's tapped hidden states of every row
+/// that enters its cache, as the trainer's features: `train data` writes an example's
+/// features from the same target pass that generates its answer. Rows the engine runs again
+/// replace the earlier ones.
+pub struct FeatureRecorder {
+    layers: Vec<usize>,
+    head: TargetHead,
+    /// Chunks of consecutive rows `(first row, [rows, width])`, shared with the caller.
+    rows: std::sync::Arc<std::sync::Mutex<Vec<(usize, Tensor)>>>,
+}
+
+impl FeatureRecorder {
+    /// A recorder of `layers` and the handle its rows are read from.
+    pub fn new(target: &Transformer, layers: Vec<usize>) -> (Self, FeatureRows) {
+        let rows = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        (Self { layers, head: TargetHead::of(target), rows: rows.clone() }, FeatureRows(rows))
+    }
+}
+
+/// The rows a [`FeatureRecorder`] recorded.
+pub struct FeatureRows(std::sync::Arc<std::sync::Mutex<Vec<(usize, Tensor)>>>);
+
+impl FeatureRows {
+    /// Features of the rows of an example of `n` tokens: all but the last at least (the
+    /// engine does not show a finished request's last step, and no trainer reads the last
+    /// token's features); None when fewer were recorded (or not from row 0).
+    pub fn take(&self, n: usize) -> Result<Option<Tensor>> {
+        let chunks = std::mem::take(&mut *self.0.lock().expect("not poisoned"));
+        let mut expect = 0;
+        let mut parts = Vec::new();
+        for (start, t) in chunks {
+            if start != expect {
+                return Ok(None);
+            }
+            expect += t.dim(0)?;
+            parts.push(t);
+        }
+        if n < 2 || expect + 1 < n {
+            return Ok(None);
+        }
+        Ok(Some(Tensor::cat(&parts, 0)?.narrow(0, 0, expect.min(n))?))
+    }
+}
+
+impl crate::speculative::Proposer for FeatureRecorder {
+    fn name(&self) -> &str {
+        "features"
+    }
+
+    fn tap_layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    fn begin(&mut self, _prompt: &[u32]) -> Result<()> {
+        // Nothing to reset: the engine may call this after the prompt's rows were observed,
+        // and a restarted sequence runs its rows again from 0, which replaces them.
+        Ok(())
+    }
+
+    fn observe(&mut self, _tokens: &[u32], cached: std::ops::Range<usize>, taps: &[Tensor]) -> Result<()> {
+        if cached.is_empty() {
+            return Ok(());
+        }
+        let mut rows = self.rows.lock().expect("not poisoned");
+        // Rows from `cached.start` on are run again: drop what was recorded for them.
+        while let Some((start, t)) = rows.last_mut() {
+            if *start >= cached.start {
+                rows.pop();
+            } else {
+                let keep = cached.start - *start;
+                if t.dim(0)? > keep {
+                    *t = t.narrow(0, 0, keep)?;
+                }
+                break;
+            }
+        }
+        let states: Vec<Tensor> =
+            taps.iter().zip(&self.layers).map(|(t, &layer)| self.head.hidden_state(layer, t)).collect::<Result<_>>()?;
+        rows.push((cached.start, Tensor::cat(&states, 1)?));
+        Ok(())
+    }
+
+    fn propose(&mut self, _tokens: &[u32], _max_len: usize) -> Result<crate::speculative::Draft> {
+        Ok(crate::speculative::Draft::deterministic(Vec::new()))
+    }
+}
+
+/// The shared cache folder of features for `data` (and `val_data`) under `key`: every run on
+/// the same data, target, taps and length reads the same file (under the specula cache).
+pub fn default_dir(key: &FeatureKey, data: &[PathBuf], val_data: &[PathBuf]) -> Result<PathBuf> {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(serde_json::to_vec(key)?);
+    for d in data.iter().chain([PathBuf::from("--val-data")].iter()).chain(val_data) {
+        let canonical = d.canonicalize().unwrap_or_else(|_| d.clone());
+        h.update(canonical.to_string_lossy().as_bytes());
+        h.update([0]);
+    }
+    let name: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    Ok(crate::fetch::specula_home().join("features").join(name))
 }

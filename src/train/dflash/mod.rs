@@ -826,30 +826,11 @@ impl TrainRun<'_> {
         Ok((live.opt.step(&grads, lr, s.clip)?, rows, tokens))
     }
 
-    /// Metrics on the held-out examples: the objective at fixed anchors (the same every time),
-    /// and τ from greedy verify steps simulated at `serving_draft_len` tokens per step.
+    /// Metrics on the held-out examples ([`evaluate`]).
     fn validate(&self, live: &Live, features: &mut Features) -> Result<Metrics> {
-        let mut tally = Tally::default();
-        let k = self.settings.serving_draft_len;
-        let walk = ObjectiveSettings { block: k + 1, ..live.objective };
-        let (mut committed, mut steps) = (0usize, 0usize);
-        for (i, e) in self.val.iter().enumerate() {
-            let mut rng = step_rng(self.settings.seed, 3, i as u64);
-            let anchors = draw_anchors(e, self.settings.anchors, &mut rng);
-            let f = features.get(e, live.drafter.device())?;
-            let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: &anchors };
-            let l = sequence_loss(&live.drafter, &live.frozen, &input, live.objective)?;
-            tally.add(l.weighted_hard_ce, l.weight_sum, &l.scored, &l.hits, &l.accepted);
-            let (c, n) = serving_walk(&live.drafter, &live.frozen, e, &f, walk)?;
-            committed += c;
-            steps += n;
-        }
-        let mut m = tally.metrics();
-        if steps > 0 {
-            m.serving_tau = Some(committed as f64 / steps as f64);
-            m.serving_draft_len = Some(k);
-        }
-        Ok(m)
+        let s = &self.settings;
+        let anchors = AnchorDraw { per_sequence: s.anchors, seed: s.seed };
+        evaluate(&live.drafter, &live.frozen, &self.val, features, live.objective, anchors, s.serving_draft_len)
     }
 
     /// Writes the checkpoint, the exported drafter and its training record.
@@ -920,6 +901,48 @@ impl Window {
     fn tokens_per_sec(&self) -> f64 {
         self.tokens as f64 / self.since.elapsed().as_secs_f64().max(1e-9)
     }
+}
+
+/// How [`evaluate`] draws the anchors of its objective estimate: `per_sequence` anchors of
+/// example i from the stream `(seed, 3, i)`, the same every time.
+#[derive(Debug, Clone, Copy)]
+pub struct AnchorDraw {
+    pub per_sequence: usize,
+    pub seed: u64,
+}
+
+/// A drafter's metrics on `examples`: the objective at fixed anchors (loss, accuracy per
+/// position, the anchor estimate of τ), and τ from greedy verify steps simulated at `k`
+/// drafted tokens per step ([`serving_walk`]), the estimate to trust.
+pub fn evaluate(
+    drafter: &DflashDrafter,
+    frozen: &FrozenTarget,
+    examples: &[TrainExample],
+    features: &mut Features,
+    objective: ObjectiveSettings,
+    anchors: AnchorDraw,
+    k: usize,
+) -> Result<Metrics> {
+    let mut tally = Tally::default();
+    let walk = ObjectiveSettings { block: k + 1, ..objective };
+    let (mut committed, mut steps) = (0usize, 0usize);
+    for (i, e) in examples.iter().enumerate() {
+        let mut rng = step_rng(anchors.seed, 3, i as u64);
+        let drawn = draw_anchors(e, anchors.per_sequence, &mut rng);
+        let f = features.get(e, drafter.device())?;
+        let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: &drawn };
+        let l = sequence_loss(drafter, frozen, &input, objective)?;
+        tally.add(l.weighted_hard_ce, l.weight_sum, &l.scored, &l.hits, &l.accepted);
+        let (c, n) = serving_walk(drafter, frozen, e, &f, walk)?;
+        committed += c;
+        steps += n;
+    }
+    let mut m = tally.metrics();
+    if steps > 0 {
+        m.serving_tau = Some(committed as f64 / steps as f64);
+        m.serving_draft_len = Some(k);
+    }
+    Ok(m)
 }
 
 /// Greedy serving simulated over one held-out answer (see [`simulate_verify_steps`]): the

@@ -607,9 +607,7 @@ impl Eagle3Run<'_> {
         Ok((opt.step(&grads, lr, s.clip)?, rows, tokens))
     }
 
-    /// Metrics on the validation examples (no randomness: the same every time), with τ from
-    /// greedy verify steps simulated at `ttt_steps` drafted tokens per step: a draft from the
-    /// last committed position p is the chain of row p − 1.
+    /// Metrics on the validation examples ([`evaluate`]).
     fn validate(
         &self,
         config: &Eagle3Config,
@@ -619,37 +617,49 @@ impl Eagle3Run<'_> {
         features: &mut Features,
     ) -> Result<Metrics> {
         let drafter = drafter_from_params(config, opt.params(), draft_vocab, self.target.device())?;
-        let steps = self.settings.ttt_steps;
-        let mut norms = vec![0.0f64; steps];
-        for e in &self.val {
-            for (j, v) in scored(&e.tokens, &e.loss_mask, frozen, steps).iter().enumerate() {
-                norms[j] += v.iter().filter(|&&x| x).count() as f64;
-            }
-        }
-        let mut tally = Tally::default();
-        let (mut committed, mut verify_steps) = (0usize, 0usize);
-        for e in &self.val {
-            let f = features.get(e, drafter.device())?;
-            let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f };
-            let l = sequence_loss(&drafter, frozen, &input, &norms)?;
-            tally.add(l.ce_sum, l.ce_terms as f64, &l.scored, &l.hits, &l.accepted);
-            let mut by_row = vec![0usize; e.tokens.len()];
-            for (&t, &a) in l.accepted_rows.iter().zip(&l.accepted) {
-                by_row[t] = a;
-            }
-            if let Some(first) = e.first_response() {
-                let (c, n) = simulate_verify_steps(first, e.tokens.len(), |p| if p == 0 { 0 } else { by_row[p - 1] });
-                committed += c;
-                verify_steps += n;
-            }
-        }
-        let mut m = tally.metrics();
-        if verify_steps > 0 {
-            m.serving_tau = Some(committed as f64 / verify_steps as f64);
-            m.serving_draft_len = Some(steps);
-        }
-        Ok(m)
+        evaluate(&drafter, frozen, &self.val, features, self.settings.ttt_steps)
     }
+}
+
+/// A drafter's metrics on `examples` (no randomness: the same every time): the objective over
+/// `steps` unrolled steps, and τ from greedy verify steps simulated at `steps` drafted tokens
+/// per step: a draft from the last committed position p is the chain of row p − 1.
+pub fn evaluate(
+    drafter: &Eagle3Drafter,
+    frozen: &FrozenTarget,
+    examples: &[TrainExample],
+    features: &mut Features,
+    steps: usize,
+) -> Result<Metrics> {
+    let mut norms = vec![0.0f64; steps];
+    for e in examples {
+        for (j, v) in scored(&e.tokens, &e.loss_mask, frozen, steps).iter().enumerate() {
+            norms[j] += v.iter().filter(|&&x| x).count() as f64;
+        }
+    }
+    let mut tally = Tally::default();
+    let (mut committed, mut verify_steps) = (0usize, 0usize);
+    for e in examples {
+        let f = features.get(e, drafter.device())?;
+        let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f };
+        let l = sequence_loss(drafter, frozen, &input, &norms)?;
+        tally.add(l.ce_sum, l.ce_terms as f64, &l.scored, &l.hits, &l.accepted);
+        let mut by_row = vec![0usize; e.tokens.len()];
+        for (&t, &a) in l.accepted_rows.iter().zip(&l.accepted) {
+            by_row[t] = a;
+        }
+        if let Some(first) = e.first_response() {
+            let (c, n) = simulate_verify_steps(first, e.tokens.len(), |p| if p == 0 { 0 } else { by_row[p - 1] });
+            committed += c;
+            verify_steps += n;
+        }
+    }
+    let mut m = tally.metrics();
+    if verify_steps > 0 {
+        m.serving_tau = Some(committed as f64 / verify_steps as f64);
+        m.serving_draft_len = Some(steps);
+    }
+    Ok(m)
 }
 
 /// Rebuilds the drafter's `lm_head.weight` for a new vocabulary: rows of tokens both

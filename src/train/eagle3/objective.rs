@@ -35,7 +35,8 @@ impl FrozenTarget {
     }
 }
 
-/// One training sequence and its target features `[≥ n − 1, 4 · target hidden]`: the three
+/// One training sequence and its target features `[≥ n − 1, 4 · target hidden]` (the last
+/// token's are not read): the three
 /// fused taps then the last layer, as `TargetHead::hidden_state`s (what `target_features` and
 /// the feature cache hold: the last layer is already through the final norm).
 pub struct SequenceInput<'a> {
@@ -112,12 +113,12 @@ pub fn sequence_loss(
         return Ok(empty);
     }
     let th = drafter.config.target_hidden;
-    if input.features.dim(0)? < rows + 1 || input.features.dim(1)? != 4 * th {
-        bail!("EAGLE-3 features {:?} for a sequence of {n} tokens (want [{n}, {}])", input.features.dims(), 4 * th);
+    if input.features.dim(0)? < rows || input.features.dim(1)? != 4 * th {
+        bail!("EAGLE-3 features {:?} for a sequence of {n} tokens (want [{rows}, {}])", input.features.dims(), 4 * th);
     }
     // The features are already `TargetHead::hidden_state`s (the last layer through the final norm).
     let tap = |i: usize| -> Result<Tensor> {
-        Ok(input.features.narrow(1, i * th, th)?.narrow(0, 0, n)?.to_dtype(DType::F32)?.contiguous()?)
+        Ok(input.features.narrow(1, i * th, th)?.narrow(0, 0, rows)?.to_dtype(DType::F32)?.contiguous()?)
     };
     let fused: Vec<Tensor> = (0..3).map(|i| Ok(tap(i)?.narrow(0, 0, rows)?)).collect::<Result<_>>()?;
     let target_probs = target_distribution(frozen, &tap(3)?)?;
@@ -148,7 +149,8 @@ pub fn sequence_loss(
             h = out;
         }
         let logp = candle_nn::ops::log_softmax(&drafter.logits(&h)?, D::Minus1)?;
-        let at: Vec<u32> = r.iter().map(|&t| (t + 1 + j).min(n - 1) as u32).collect();
+        // Scored rows read position t + 1 + j ≤ n − 2; the others (weight 0) are clamped.
+        let at: Vec<u32> = r.iter().map(|&t| (t + 1 + j).min(rows - 1) as u32).collect();
         let p = target_probs.index_select(&Tensor::new(at, device)?, 0)?;
         let ce = (p * &logp)?.sum(D::Minus1)?.neg()?;
         let w: Vec<f32> = r

@@ -3,9 +3,10 @@
 //!
 //! - [`objective`]: the loss of one sequence (anchors, block mask, decayed cross-entropy),
 //!   computed with the drafter's serving forward.
-//! - [`optim`]: AdamW, clipping and the learning-rate schedule.
-//! - this file: settings, the drafter's initialisation, the training loop (batches, features,
-//!   validation, progress), checkpoints, `--resume`, and export in the z-lab layout.
+//! - this file: settings, the drafter's initialisation, the run loop as named steps (where a
+//!   run starts: fresh, `--init-from` or `--resume`; a training step; validation with the
+//!   serving walk; saving), and export in the z-lab layout. The optimiser, checkpoints,
+//!   features, the held-out split and the progress tallies are the kit in [`super`].
 //!
 //! Determinism: parameters are initialised from `seed`; the examples of each epoch are
 //! shuffled by `(seed, epoch)`, and the anchors of step `s` are drawn from `(seed, s)`, so a

@@ -555,8 +555,8 @@ fn targets(scratch: &Path) -> Vec<Target> {
         }
     }
 
-    // DFlash drafters against their targets: the fixture's tiny one, and the shipped
-    // SmolLM2 drafter against the real SmolLM2.
+    // DFlash drafters against their targets: the fixture's tiny one, the ones speculators and
+    // SpecForge wrote for it, and the shipped SmolLM2 drafter against the real SmolLM2.
     let tiny_target =
         Arc::new(Transformer::from_path_with(&fixtures().join("dflash/random/target"), &cpu_f32(), &device).unwrap());
     let smollm2 =
@@ -564,6 +564,8 @@ fn targets(scratch: &Path) -> Vec<Target> {
     let drafters = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("drafters");
     for (label, dir, target, weight) in [
         ("tiny", fixtures().join("dflash/random/drafter"), tiny_target.clone(), 16),
+        ("speculators", fixtures().join("interop/speculators-dflash/drafter"), tiny_target.clone(), 8),
+        ("specforge", fixtures().join("interop/specforge-dflash/drafter"), tiny_target.clone(), 4),
         ("smollm2-135m", drafters.join("smollm2-135m-dflash"), smollm2.clone(), 4),
     ] {
         for (name, kind) in [("config.json", Kind::Json), ("model.safetensors", Kind::Safetensors)] {
@@ -583,10 +585,11 @@ fn targets(scratch: &Path) -> Vec<Target> {
         }
     }
 
-    // EAGLE-3 drafters: the published-format fixture alone, and the shipped SmolLM2 one
-    // against its target.
+    // EAGLE-3 drafters: the published-format fixture alone, speculators' against the tiny
+    // target, and the shipped SmolLM2 one against its target.
     for (label, dir, target, weight) in [
         ("fixture", fixtures().join("eagle3/drafter"), None, 16),
+        ("speculators", fixtures().join("interop/speculators-eagle3/drafter"), Some(tiny_target.clone()), 8),
         ("smollm2-135m", drafters.join("smollm2-135m-eagle3"), Some(smollm2.clone()), 4),
     ] {
         for (name, kind) in [("config.json", Kind::Json), ("model.safetensors", Kind::Safetensors)] {

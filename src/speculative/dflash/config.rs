@@ -1,7 +1,16 @@
-//! The z-lab DFlash drafter `config.json`: a Qwen3 config plus the DFlash fields (`block_size`,
-//! `dflash_config.{target_layer_ids, mask_token_id}`, `num_target_layers`), read the way the
-//! reference (`dflash==0.1.0`) reads it: a DFlash field is looked up in `dflash_config` first,
-//! then at the top level.
+//! The DFlash drafter `config.json`, in the layouts the trainers write:
+//!
+//! * z-lab (`dflash==0.1.0`, SpecForge, specula's own export): a Qwen3 config plus the DFlash
+//!   fields (`block_size`, `dflash_config.{target_layer_ids, mask_token_id}`,
+//!   `num_target_layers`), read the way the reference reads it: a DFlash field is looked up in
+//!   `dflash_config` first, then at the top level. SpecForge 0.2.0 also writes a top-level
+//!   `draft_vocab_size` equal to `vocab_size`: the full vocabulary. A smaller
+//!   `draft_vocab_size` is specula's reduced vocabulary (`d2t` holds absolute target ids).
+//! * speculators (`speculators_model_type: "dflash"`, same `DFlashDraftModel` architecture):
+//!   the shape in a nested `transformer_layer_config`, the DFlash fields at the top level,
+//!   tapped layers as `aux_hidden_state_layer_ids` in Hugging Face `hidden_states` numbering
+//!   (id k = output of decoder layer k − 1), and a reduced vocabulary as `d2t` *offsets*
+//!   (target id = i + d2t[i]). See [`DflashConfig::from_speculators`].
 
 use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
@@ -16,25 +25,43 @@ pub struct LayerAttention {
     /// A query at position q sees keys at k only when |q − k| < window (q − k < window for
     /// causal layers).
     pub window: Option<usize>,
+    /// The window is measured from the block's anchor P instead of from each query, and over
+    /// the context only: the block sees context rows P − window ..< P and its own rows
+    /// (speculators' training mask, `create_anchor_block_mask_mod`). z-lab layers measure
+    /// from the query (the reference's rule).
+    pub window_from_anchor: bool,
 }
 
 impl LayerAttention {
-    pub const FULL: Self = Self { causal: false, window: None };
+    pub const FULL: Self = Self { causal: false, window: None, window_from_anchor: false };
 
     pub fn is_full(&self) -> bool {
-        *self == Self::FULL
+        !self.causal && self.window.is_none()
     }
 
-    /// Whether a query at `q` sees a key at `k` (absolute positions).
-    pub fn visible(&self, q: usize, k: usize) -> bool {
+    /// Whether a query at `q` of the block anchored at `anchor` sees a key at `k` (absolute
+    /// positions; keys before the anchor are context rows).
+    pub fn visible(&self, q: usize, k: usize, anchor: usize) -> bool {
         if self.causal && k > q {
             return false;
         }
         match self.window {
             None => true,
+            Some(w) if self.window_from_anchor => k >= anchor || anchor - k <= w,
             Some(w) => q.abs_diff(k) < w,
         }
     }
+}
+
+/// Which trainer's layout a config came in: it decides how the `d2t` tensor of a reduced
+/// vocabulary reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DflashLayout {
+    /// z-lab / SpecForge / specula: `d2t` holds absolute target ids.
+    #[default]
+    ZLab,
+    /// speculators: `d2t` holds offsets (target id = i + d2t[i]).
+    Speculators,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -65,8 +92,11 @@ pub struct DflashConfig {
     /// `tanh(logits / c) * c` when set (Gemma-style targets).
     pub final_logit_softcapping: Option<f64>,
     /// A reduced drafter vocabulary of this many target tokens (`dflash_config.draft_vocab_size`,
-    /// with a `d2t` tensor; our extension, see `model::DraftVocab`). None: the target's.
+    /// with a `d2t` tensor; our extension, see `model::DraftVocab`; or speculators'
+    /// `draft_vocab_size`). None: the target's.
     pub draft_vocab_size: Option<usize>,
+    /// The layout the config was read from.
+    pub layout: DflashLayout,
 }
 
 /// The reference's default tapped layers (`build_target_layer_ids`): `n_draft_layers` ids
@@ -99,6 +129,113 @@ impl DflashConfig {
     }
 
     pub fn from_json(c: &Value) -> Result<Self> {
+        match c.get("speculators_model_type").filter(|v| !v.is_null()) {
+            None => Self::from_zlab(c),
+            Some(v) => match v.as_str() {
+                Some("dflash") => Self::from_speculators(c),
+                Some("eagle3") => bail!("a speculators EAGLE-3 drafter (`speculators_model_type` \"eagle3\"): load it with `--drafter eagle3:DIR`"),
+                _ => bail!("`speculators_model_type` is {v}: only speculators' \"dflash\" drafters load as DFlash"),
+            },
+        }
+    }
+
+    /// A speculators (0.9) DFlash config: the drafter's shape in `transformer_layer_config`
+    /// (a Qwen3 config), the DFlash fields at the top level.
+    ///
+    /// * `aux_hidden_state_layer_ids` count Hugging Face `hidden_states` (id k = output of
+    ///   decoder layer k − 1), so specula's tapped layer is k − 1; 0 (the embeddings) is refused.
+    /// * `sample_from_anchor: true` (row k predicts x[P + k + 1], DSpark's convention) is
+    ///   refused: specula drafts rows 1.. of the block as x[P + 1]...
+    /// * `sliding_window_non_causal` makes sliding layers bidirectional inside the block (full
+    ///   layers always are). Sliding layers measure their window as speculators trains them:
+    ///   the block sees context rows P − W ..< P for its anchor P, whatever the query (see
+    ///   [`LayerAttention::window_from_anchor`]). The per-query rule (q − k < W, what an
+    ///   attention kernel's sliding window does) would hide up to B − 1 more of the oldest rows
+    ///   from the later block rows; both only differ once the context is longer than W − B.
+    /// * `draft_vocab_size` smaller than the vocabulary comes with `d2t` offsets; speculators
+    ///   freezes `lm_head` to the target's head rows, so the drafter scores with the target's
+    ///   own rows (the stored copy is only checked for its shape).
+    /// * `target_hidden_size` must be null or the drafter's width (its `fc` reads taps of that
+    ///   width and it embeds with the target's embedding).
+    pub fn from_speculators(c: &Value) -> Result<Self> {
+        let top = |name: &str| c.get(name).filter(|v| !v.is_null());
+        let layer = top("transformer_layer_config")
+            .filter(|v| v.is_object())
+            .context("a speculators DFlash config needs a `transformer_layer_config` object (the drafter's shape)")?;
+        if top("sample_from_anchor").and_then(Value::as_bool) == Some(true) {
+            bail!("`sample_from_anchor` is true (the anchor row predicts the next token, DSpark-style): not supported, specula drafts DFlash blocks with the anchor as the last committed token");
+        }
+        let ids = top("aux_hidden_state_layer_ids")
+            .context("`aux_hidden_state_layer_ids` is not set (speculators writes the tapped target layers there)")?
+            .as_array()
+            .context("`aux_hidden_state_layer_ids` should be a list of layer indices")?;
+        if ids.is_empty() || ids.len() > 1024 {
+            bail!("`aux_hidden_state_layer_ids` has {} entries (1 to 1024)", ids.len());
+        }
+        let target_layer_ids = ids
+            .iter()
+            .map(|v| match as_usize(v, "aux_hidden_state_layer_ids")? {
+                0 => bail!("`aux_hidden_state_layer_ids` holds 0, the embedding output (Hugging Face numbering: id k is the output of decoder layer k − 1); DFlash taps decoder layers"),
+                k => Ok(k - 1),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mask = top("mask_token_id").context("`mask_token_id` is not set")?;
+        // The shape fields in the layout the z-lab parser reads, with the DFlash fields speculators
+        // keeps at the top level; per-layer settings speculators does not read are dropped.
+        let mut flat = layer.clone();
+        let obj = flat.as_object_mut().expect("checked to be an object");
+        for key in [
+            "dflash_config",
+            "draft_vocab_size",
+            "is_causal",
+            "num_target_layers",
+            "target_layer_ids",
+            "mask_token_id",
+            "input_embedding_scale",
+            "output_multiplier",
+            "final_logit_softcapping",
+        ] {
+            obj.remove(key);
+        }
+        obj.insert("architectures".into(), serde_json::json!(["DFlashDraftModel"]));
+        obj.insert("block_size".into(), top("block_size").cloned().unwrap_or(8.into()));
+        obj.insert(
+            "dflash_config".into(),
+            serde_json::json!({"mask_token_id": mask, "target_layer_ids": target_layer_ids}),
+        );
+        if top("sliding_window_non_causal").and_then(Value::as_bool) == Some(true) {
+            obj.insert("is_causal".into(), false.into());
+        }
+        let mut config = Self::from_zlab(&flat).context("`transformer_layer_config`")?;
+        config.layout = DflashLayout::Speculators;
+        for a in &mut config.layer_attention {
+            a.window_from_anchor = a.window.is_some();
+        }
+        if let Some(v) = top("target_hidden_size") {
+            let n = as_usize(v, "target_hidden_size")?;
+            if n != config.hidden {
+                bail!("`target_hidden_size` {n} is not the drafter's width {}: not supported (the drafter embeds with its target's embedding)", config.hidden);
+            }
+        }
+        let vocab = layer
+            .get("vocab_size")
+            .filter(|v| !v.is_null())
+            .map(|v| as_usize(v, "vocab_size"))
+            .transpose()?
+            .context("`transformer_layer_config` has no `vocab_size`")?;
+        config.draft_vocab_size = match top("draft_vocab_size") {
+            None => None,
+            Some(v) => match as_usize(v, "draft_vocab_size")? {
+                n if n == vocab => None,
+                n if n == 0 || n > vocab => bail!("`draft_vocab_size` is {n}, expected 1..={vocab} (`vocab_size`)"),
+                n => Some(n),
+            },
+        };
+        Ok(config)
+    }
+
+    /// The z-lab layout (see the module docs).
+    fn from_zlab(c: &Value) -> Result<Self> {
         let arches: Vec<&str> = c
             .get("architectures")
             .and_then(Value::as_array)
@@ -229,10 +366,15 @@ impl DflashConfig {
             input_embedding_scale: scale("input_embedding_scale")?.unwrap_or(1.0),
             output_multiplier: scale("output_multiplier")?.unwrap_or(1.0),
             final_logit_softcapping: scale("final_logit_softcapping")?.filter(|c| *c > 0.0),
+            // SpecForge writes the target's vocabulary size here: that is no reduction.
             draft_vocab_size: match draft_value("draft_vocab_size") {
                 None => None,
-                Some(v) => Some(as_usize(v, "draft_vocab_size")?).filter(|&n| n > 0),
+                Some(v) => {
+                    let vocab = top("vocab_size").and_then(Value::as_u64).map(|n| n as usize);
+                    Some(as_usize(v, "draft_vocab_size")?).filter(|&n| n > 0 && Some(n) != vocab)
+                }
             },
+            layout: DflashLayout::ZLab,
         })
     }
 
@@ -279,7 +421,7 @@ impl DflashConfig {
                 } else {
                     None
                 };
-                Ok(LayerAttention { causal: causal_override.unwrap_or(is_sliding), window })
+                Ok(LayerAttention { causal: causal_override.unwrap_or(is_sliding), window, window_from_anchor: false })
             })
             .collect()
     }
@@ -319,6 +461,7 @@ impl DflashConfig {
             output_multiplier: 1.0,
             final_logit_softcapping: None,
             draft_vocab_size: None,
+            layout: DflashLayout::ZLab,
         }
     }
 
@@ -467,14 +610,17 @@ mod tests {
         c["layer_types"] = json!(["sliding_attention", "full_attention"]);
         c["sliding_window"] = json!(3);
         let cfg = DflashConfig::from_json(&c).unwrap();
-        assert_eq!(cfg.layer_attention[0], LayerAttention { causal: true, window: Some(3) });
+        assert_eq!(cfg.layer_attention[0], LayerAttention { causal: true, window: Some(3), window_from_anchor: false });
         assert!(cfg.layer_attention[1].is_full());
         let swa = cfg.layer_attention[0];
-        assert!(swa.visible(10, 8) && !swa.visible(10, 7) && !swa.visible(10, 11));
+        assert!(swa.visible(10, 8, 9) && !swa.visible(10, 7, 9) && !swa.visible(10, 11, 9));
         c["is_causal"] = json!(false);
         let cfg = DflashConfig::from_json(&c).unwrap();
-        assert_eq!(cfg.layer_attention[0], LayerAttention { causal: false, window: Some(3) });
-        assert!(cfg.layer_attention[0].visible(10, 12) && !cfg.layer_attention[0].visible(10, 13));
+        assert_eq!(
+            cfg.layer_attention[0],
+            LayerAttention { causal: false, window: Some(3), window_from_anchor: false }
+        );
+        assert!(cfg.layer_attention[0].visible(10, 12, 9) && !cfg.layer_attention[0].visible(10, 13, 9));
     }
 
     #[test]
@@ -499,6 +645,93 @@ mod tests {
         let mut c = base();
         c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
         assert!(err(c).contains("yarn"));
+    }
+
+    /// speculators' layout, as `speculators train` writes it (trimmed).
+    fn speculators() -> Value {
+        json!({
+            "architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash",
+            "aux_hidden_state_layer_ids": [1, 3], "block_size": 4, "mask_token_id": 255,
+            "draft_vocab_size": 128, "sample_from_anchor": false, "sliding_window_non_causal": false,
+            "target_hidden_size": null,
+            "transformer_layer_config": {
+                "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "vocab_size": 256,
+                "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2048
+            }
+        })
+    }
+
+    #[test]
+    fn reads_the_speculators_layout() {
+        let cfg = DflashConfig::from_json(&speculators()).unwrap();
+        assert_eq!(cfg.layout, DflashLayout::Speculators);
+        assert_eq!((cfg.hidden, cfg.n_layers, cfg.head_dim, cfg.block_size, cfg.mask_token_id), (64, 2, 16, 4, 255));
+        assert_eq!(cfg.rope_theta, 10000.0);
+        assert_eq!(cfg.target_layer_ids, vec![0, 2]);
+        assert_eq!(cfg.draft_vocab_size, Some(128));
+        let swa = cfg.layer_attention[0];
+        assert_eq!(swa, LayerAttention { causal: true, window: Some(2048), window_from_anchor: true });
+        assert!(cfg.layer_attention[1].is_full());
+        // The window counts from the anchor (20) over the context, and not inside the block.
+        let w3 = LayerAttention { window: Some(3), ..swa };
+        assert!(w3.visible(23, 17, 20) && !w3.visible(23, 16, 20) && w3.visible(23, 20, 20) && !w3.visible(21, 22, 20));
+        // A full vocabulary is no reduction; non-causal sliding layers.
+        let mut c = speculators();
+        c["draft_vocab_size"] = json!(256);
+        c["sliding_window_non_causal"] = json!(true);
+        let cfg = DflashConfig::from_json(&c).unwrap();
+        assert_eq!(cfg.draft_vocab_size, None);
+        assert!(!cfg.layer_attention[0].causal && cfg.layer_attention[0].window_from_anchor);
+        // SpecForge: a top-level draft_vocab_size equal to vocab_size in the z-lab layout.
+        let mut c = base();
+        c["vocab_size"] = json!(256);
+        c["draft_vocab_size"] = json!(256);
+        assert_eq!(DflashConfig::from_json(&c).unwrap().draft_vocab_size, None);
+        c["draft_vocab_size"] = json!(100);
+        assert_eq!(DflashConfig::from_json(&c).unwrap().draft_vocab_size, Some(100));
+    }
+
+    #[test]
+    fn refuses_speculators_configs_it_cannot_run() {
+        let remove = |key: &str| {
+            let mut c = speculators();
+            c.as_object_mut().unwrap().remove(key);
+            c
+        };
+        let with = |key: &str, v: Value| {
+            let mut c = speculators();
+            c[key] = v;
+            c
+        };
+        let mut layers = speculators();
+        layers["transformer_layer_config"]["num_hidden_layers"] = json!(1u64 << 40);
+        let mut no_vocab = speculators();
+        no_vocab["transformer_layer_config"].as_object_mut().unwrap().remove("vocab_size");
+        let mut no_window = speculators();
+        no_window["transformer_layer_config"]["sliding_window"] = Value::Null;
+        for (c, why) in [
+            (with("sample_from_anchor", json!(true)), "sample_from_anchor"),
+            (with("aux_hidden_state_layer_ids", json!([0, 3])), "embedding output"),
+            (with("aux_hidden_state_layer_ids", json!([])), "aux_hidden_state_layer_ids"),
+            (with("aux_hidden_state_layer_ids", json!("1,3")), "list"),
+            (remove("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids"),
+            (remove("mask_token_id"), "mask_token_id"),
+            (remove("transformer_layer_config"), "transformer_layer_config"),
+            (with("transformer_layer_config", json!([1])), "transformer_layer_config"),
+            (with("target_hidden_size", json!(128)), "target_hidden_size"),
+            (with("draft_vocab_size", json!(300)), "draft_vocab_size"),
+            (with("draft_vocab_size", json!(0)), "draft_vocab_size"),
+            (with("speculators_model_type", json!("eagle3")), "eagle3:DIR"),
+            (with("speculators_model_type", json!("dspark")), "dspark"),
+            (layers, "num_hidden_layers"),
+            (no_vocab, "vocab_size"),
+            (no_window, "sliding_window"),
+        ] {
+            let err = format!("{:#}", DflashConfig::from_json(&c).unwrap_err());
+            assert!(err.contains(why), "{why}: {err}");
+        }
     }
 
     #[test]

@@ -1,5 +1,7 @@
-//! DFlash block-diffusion drafting (z-lab drafters; design and checkpoint layout in
-//! `docs/dflash.md`).
+//! DFlash block-diffusion drafting (design and checkpoint layout in `docs/dflash.md`).
+//! `--drafter dflash:DIR` loads the drafters z-lab publishes, those SpecForge (0.2) and
+//! speculators (0.9) train, and specula's own exports (see [`config`] for what each layout
+//! differs in).
 //!
 //! A small non-causal Qwen3-style drafter proposes B − 1 tokens in one forward: the block
 //! `[last committed token, MASK × (B − 1)]`, embedded with the *target's* embedding, attends to
@@ -7,7 +9,8 @@
 //! injected as keys/values in every layer) and to itself without a mask; the target's LM head
 //! decodes positions 1..B − 1 by argmax.
 //!
-//! * [`config`]: the z-lab `config.json` (`DFlashDraftModel`) and the checks against a target.
+//! * [`config`]: `config.json` (`DFlashDraftModel`) in the layouts z-lab, SpecForge, specula and
+//!   speculators write, and the checks against a target.
 //! * [`model`]: the network ([`DflashDrafter`]) and the borrowed target head ([`TargetHead`]).
 //! * [`proposer`]: the [`Proposer`](crate::speculative::Proposer) with the drafter's context cache.
 
@@ -18,7 +21,7 @@ pub mod proposer;
 #[cfg(test)]
 mod tests;
 
-pub use config::{default_target_layer_ids, DflashConfig, LayerAttention};
+pub use config::{default_target_layer_ids, DflashConfig, DflashLayout, LayerAttention};
 pub use context_store::ContextStore;
 pub use model::{expected_tensors, DflashDrafter, LayerKv, Packing, TargetHead};
 pub use proposer::{DflashProposer, DflashSettings};

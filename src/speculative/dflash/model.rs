@@ -126,8 +126,8 @@ struct DflashLayer {
 }
 
 /// A reduced drafter vocabulary (our extension of the z-lab format: `dflash_config.draft_vocab_size`
-/// and a `d2t` tensor of target ids): the drafter scores only these tokens, with the
-/// target's own LM-head rows for them. Verification still uses the full target, so output
+/// and a `d2t` tensor of target ids; or speculators' `draft_vocab_size` with `d2t` offsets): the
+/// drafter scores only these tokens, with the target's own LM-head rows for them. Verification still uses the full target, so output
 /// stays lossless; tokens outside the set are simply never drafted.
 struct DraftVocab {
     draft_to_target: Vec<u32>,
@@ -205,9 +205,10 @@ pub fn expected_tensors(c: &DflashConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 impl DflashDrafter {
-    /// Loads a z-lab-format drafter directory: `config.json` + `*.safetensors` (f32/bf16/f16,
-    /// one file or shards; weights are held in f32). Every tensor is checked for presence and
-    /// shape before any is read.
+    /// Loads a drafter directory: `config.json` (z-lab, SpecForge or speculators layout, see
+    /// [`super::config`]) + `*.safetensors` (f32/bf16/f16, one file or shards; weights are held
+    /// in f32; the tensor names are z-lab's in every layout). Every tensor is checked for
+    /// presence and shape before any is read.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
         let origin = dir.display();
         let config = DflashConfig::from_file(&dir.join("config.json"))?;
@@ -232,17 +233,47 @@ impl DflashDrafter {
             None => None,
             Some(n) => {
                 let full = format!("{prefix}d2t");
-                let t = st.load(&full, &Device::Cpu).map_err(|_| {
-                    anyhow::anyhow!("{origin}: `draft_vocab_size` is set but tensor `{full}` is missing")
+                let view = st.get(&full).map_err(|_| {
+                    anyhow::anyhow!("{origin}: `draft_vocab_size` is {n} but tensor `{full}` is missing (a reduced vocabulary needs it)")
                 })?;
-                if t.dims() != [n] {
-                    bail!("{origin}: tensor `{full}` has shape {:?}, expected [{n}]", t.dims());
+                if view.shape() != [n] {
+                    bail!("{origin}: tensor `{full}` has shape {:?}, expected [{n}]", view.shape());
                 }
-                let ids: Vec<i64> = t.to_dtype(DType::I64)?.to_vec1()?;
-                let ids = ids
-                    .into_iter()
-                    .map(|i| u32::try_from(i).with_context(|| format!("{origin}: `{full}` holds {i}, not a token id")))
-                    .collect::<Result<Vec<u32>>>()?;
+                if !matches!(DType::try_from(view.dtype()), Ok(DType::I64 | DType::I32 | DType::U32)) {
+                    bail!("{origin}: tensor `{full}` has type {:?}, expected integers", view.dtype());
+                }
+                // speculators also stores its (frozen) copy of the target's head rows: its shape
+                // must agree with the vocabulary we are about to build from the target's head.
+                if let Ok(head) = st.get(&format!("{prefix}lm_head.weight")) {
+                    if config.layout == super::config::DflashLayout::Speculators && head.shape() != [n, config.hidden] {
+                        bail!(
+                            "{origin}: tensor `lm_head.weight` has shape {:?}, expected [{n}, {}]",
+                            head.shape(),
+                            config.hidden
+                        );
+                    }
+                }
+                let t = st.load(&full, &Device::Cpu).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
+                let values: Vec<i64> = t.to_dtype(DType::I64)?.to_vec1()?;
+                let ids = match config.layout {
+                    // specula: absolute target ids.
+                    super::config::DflashLayout::ZLab => values
+                        .into_iter()
+                        .map(|i| {
+                            u32::try_from(i).with_context(|| format!("{origin}: `{full}` holds {i}, not a token id"))
+                        })
+                        .collect::<Result<Vec<u32>>>()?,
+                    // speculators: offsets, target id = i + d2t[i].
+                    super::config::DflashLayout::Speculators => values
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &off)| {
+                            (i as i64).checked_add(off).and_then(|id| u32::try_from(id).ok()).with_context(|| {
+                                format!("{origin}: `{full}` entry {i} maps to {i} + {off}, not a token id")
+                            })
+                        })
+                        .collect::<Result<Vec<u32>>>()?,
+                };
                 Some(ids)
             }
         };
@@ -469,12 +500,18 @@ impl DflashDrafter {
             return Ok((None, None));
         }
         let b = queries.len() / blocks;
-        let mask = |q: usize, k: usize| if attention.visible(q, k) { 0.0 } else { f32::NEG_INFINITY };
-        let past: Vec<f32> = queries.iter().flat_map(|&q| context.iter().map(move |&k| mask(q, k))).collect();
+        // Each block's first row is its anchor.
+        let anchor = |r: usize| queries[r / b * b];
+        let mask = |q: usize, k: usize, a: usize| if attention.visible(q, k, a) { 0.0 } else { f32::NEG_INFINITY };
+        let past: Vec<f32> = queries
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &q)| context.iter().map(move |&k| mask(q, k, anchor(r))))
+            .collect();
         let own: Vec<f32> = queries
             .iter()
             .enumerate()
-            .flat_map(|(r, &q)| queries[r / b * b..(r / b + 1) * b].iter().map(move |&k| mask(q, k)))
+            .flat_map(|(r, &q)| queries[r / b * b..(r / b + 1) * b].iter().map(move |&k| mask(q, k, anchor(r))))
             .collect();
         Ok((
             Some(Tensor::from_vec(past, (queries.len(), context.len()), &self.device)?),

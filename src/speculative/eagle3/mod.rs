@@ -1,11 +1,13 @@
-//! EAGLE-3 chain drafting (checkpoints in the layout vLLM, SGLang and SpecForge share; design
-//! in `docs/eagle3.md`).
+//! EAGLE-3 chain drafting (design in `docs/eagle3.md`). `--drafter eagle3:DIR` loads
+//! checkpoints in the layout vLLM, SGLang and SpecForge share and in speculators' (0.9) layout
+//! (see [`config`]).
 //!
 //! One Llama decoder layer reads the token embedding concatenated with a feature: first the
 //! fusion (`fc`) of three target hidden states, then its own previous output. Each draft token
 //! costs one single-row pass and a head over the draft vocabulary.
 //!
-//! * [`config`]: `config.json` (`LlamaForCausalLMEagle3`) and the checks against a target.
+//! * [`config`]: the drafter's `config.json` in both layouts (`LlamaForCausalLMEagle3`,
+//!   speculators' `Eagle3DraftModel`) and the checks against a target.
 //! * [`model`]: the network ([`Eagle3Drafter`]).
 //! * [`proposer`]: the [`Proposer`](crate::speculative::Proposer) with the drafter's K/V cache.
 

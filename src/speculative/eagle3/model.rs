@@ -3,10 +3,11 @@
 //! vocabulary, and `fc`, which fuses three target hidden states into the first feature.
 //!
 //! One pass ([`Eagle3Drafter::forward`]) over rows `(embedding of token t+1, feature of row t)`
-//! at position t returns the rows' pre-norm outputs and their K/V. The first pass of a draft
-//! uses target features (`fc` of the taps); every later one feeds the previous pass's pre-norm
-//! output back as the feature. Written with plain differentiable candle ops so the same code
-//! serves drafting and training (training-time test unrolls it).
+//! at position t returns the rows' outputs and their K/V. The first pass of a draft uses target
+//! features (`fc` of the taps, after speculators' optional `input_norm` / `fc_norm`); every
+//! later one feeds the previous pass's output back as the feature: the pre-norm state, or the
+//! final-normed one with speculators' `norm_output`. Written with plain differentiable candle
+//! ops so the same code serves drafting and training (training-time test unrolls it).
 
 use super::config::{Eagle3Config, N_TAPS};
 use crate::model::KernelSettings;
@@ -28,6 +29,14 @@ pub fn expected_tensors(c: &Eagle3Config) -> Vec<(String, Vec<usize>)> {
         ("norm.weight".into(), vec![h]),
         ("lm_head.weight".into(), vec![c.draft_vocab, h]),
     ];
+    if c.norm_before_fc {
+        t.push(("input_norm.weight".into(), vec![N_TAPS * c.target_hidden]));
+    }
+    if c.fc_norm {
+        for i in 0..N_TAPS {
+            t.push((format!("fc_norm.{i}.weight"), vec![c.target_hidden]));
+        }
+    }
     for (name, shape) in [
         ("input_layernorm.weight", vec![h]),
         ("hidden_norm.weight", vec![h]),
@@ -49,6 +58,10 @@ pub struct Eagle3Drafter {
     pub config: Eagle3Config,
     pub path: PathBuf,
     fc: Projection,
+    /// speculators' `norm_before_fc`: an RMSNorm over the concatenated taps.
+    fc_input_norm: Option<Tensor>,
+    /// speculators' `fc_norm`: an RMSNorm per tap.
+    fc_norms: Vec<Tensor>,
     input_norm: Tensor,
     hidden_norm: Tensor,
     post_norm: Tensor,
@@ -105,8 +118,15 @@ impl Eagle3Drafter {
         };
         let linear = |name: &str| -> Result<Projection> { Ok(Projection::Exact(Linear::new(w(name)?, None))) };
         let m = |s: &str| format!("midlayer.{s}");
+        let fc_input_norm = if config.norm_before_fc { Some(w("input_norm.weight")?) } else { None };
+        let fc_norms = match config.fc_norm {
+            true => (0..N_TAPS).map(|i| w(&format!("fc_norm.{i}.weight"))).collect::<Result<Vec<_>>>()?,
+            false => Vec::new(),
+        };
         Ok(Self {
             fc: linear("fc.weight")?,
+            fc_input_norm,
+            fc_norms,
             input_norm: w(&m("input_layernorm.weight"))?,
             hidden_norm: w(&m("hidden_norm.weight"))?,
             post_norm: w(&m("post_attention_layernorm.weight"))?,
@@ -183,19 +203,36 @@ impl Eagle3Drafter {
     }
 
     /// The first feature of each row: `fc` of its three target states `[rows, 3·target_hidden]`
-    /// (concatenated in tap order).
+    /// (concatenated in tap order), after speculators' `input_norm` and per-tap `fc_norm` when
+    /// the drafter has them.
     pub fn fuse(&self, taps: &Tensor) -> Result<Tensor> {
-        let want = N_TAPS * self.config.target_hidden;
+        let c = &self.config;
+        let want = N_TAPS * c.target_hidden;
         if taps.rank() != 2 || taps.dim(1)? != want {
             bail!("EAGLE-3 fuses target states of shape [rows, {want}], got {:?}", taps.dims());
         }
-        self.fc.forward_constant_input(&taps.to_dtype(DType::F32)?)
+        let taps = taps.to_dtype(DType::F32)?;
+        if self.fc_input_norm.is_none() && self.fc_norms.is_empty() {
+            return self.fc.forward_constant_input(&taps);
+        }
+        let mut x = match &self.fc_input_norm {
+            Some(w) => rms_norm(&taps, w, c.rms_eps)?,
+            None => taps,
+        };
+        if !self.fc_norms.is_empty() {
+            let parts = (0..N_TAPS)
+                .map(|i| rms_norm(&x.narrow(1, i * c.target_hidden, c.target_hidden)?, &self.fc_norms[i], c.rms_eps))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            x = Tensor::cat(&parts, 1)?;
+        }
+        self.fc.forward(&x)
     }
 
     /// One pass of the decoder layer over `n` rows at `positions`: `embeds` and `features`
     /// `[n, hidden]`. Queries see every `past` row and, unless `mask` (`[n, past + n]`,
-    /// additive) says otherwise, their own rows causally. Returns the pre-norm outputs
-    /// `[n, hidden]` (the next pass's features) and the rows' K/V.
+    /// additive) says otherwise, their own rows causally. Returns the outputs `[n, hidden]` (the
+    /// next pass's features and what [`Self::logits`] reads: pre-norm, or final-normed with
+    /// `norm_output`) and the rows' K/V.
     pub fn forward(
         &self,
         embeds: &Tensor,
@@ -266,12 +303,20 @@ impl Eagle3Drafter {
         let h = (residual + self.o_proj.forward(&attend(&q, &own)?)?)?;
         let u = rms_norm(&h, &self.post_norm, c.rms_eps)?;
         let mlp = self.down_proj.forward(&(self.gate_proj.forward(&u)?.silu()? * self.up_proj.forward(&u)?)?)?;
-        Ok(((h + mlp)?, own))
+        let out = (h + mlp)?;
+        if c.norm_output {
+            return Ok((rms_norm(&out, &self.norm, c.rms_eps)?, own));
+        }
+        Ok((out, own))
     }
 
-    /// Draft logits `[rows, draft_vocab]` of pre-norm outputs (final norm, then the head).
-    pub fn logits(&self, prenorm: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward(&rms_norm(prenorm, &self.norm, self.config.rms_eps)?)
+    /// Draft logits `[rows, draft_vocab]` of a pass's outputs (final norm, then the head; the
+    /// head alone with `norm_output`, whose outputs are normed already).
+    pub fn logits(&self, outputs: &Tensor) -> Result<Tensor> {
+        if self.config.norm_output {
+            return self.lm_head.forward(outputs);
+        }
+        self.lm_head.forward(&rms_norm(outputs, &self.norm, self.config.rms_eps)?)
     }
 
     /// Empty K/V, for a first pass with no earlier rows.
@@ -293,9 +338,10 @@ pub struct Eagle3Checkpoint {
     pub embed: Option<Tensor>,
 }
 
-/// Reads a drafter directory: `config.json` + `*.safetensors` (f32/bf16/f16 weights, held in
-/// f32). Names may carry vLLM's `layers.0.` instead of `midlayer.`, or a `model.` prefix. Every
-/// tensor is checked for presence, type and shape before any is read.
+/// Reads a drafter directory: `config.json` (either layout, see [`super::config`]) +
+/// `*.safetensors` (f32/bf16/f16 weights, held in f32). Names may carry vLLM's and speculators'
+/// `layers.0.` instead of `midlayer.`, or a `model.` prefix. Every tensor is checked for
+/// presence, type and shape before any is read.
 pub fn read_checkpoint(dir: &Path, device: &Device) -> Result<Eagle3Checkpoint> {
     let origin = dir.display();
     let config = Eagle3Config::from_file(&dir.join("config.json"))?;
@@ -306,7 +352,10 @@ pub fn read_checkpoint(dir: &Path, device: &Device) -> Result<Eagle3Checkpoint> 
         .map_err(|e| anyhow::anyhow!("{origin}: cannot read safetensors: {e}"))?;
     let find = |name: &str| -> Option<String> { stored_names(name).into_iter().find(|n| st.get(n).is_ok()) };
     let check = |name: &str, shape: &[usize]| -> Result<String> {
-        let full = find(name).with_context(|| format!("{origin}: missing tensor `{name}`"))?;
+        let full = find(name).with_context(|| match name.strip_prefix("midlayer.") {
+            Some(rest) => format!("{origin}: missing tensor `{name}` (or `layers.0.{rest}`)"),
+            None => format!("{origin}: missing tensor `{name}`"),
+        })?;
         let view = st.get(&full).map_err(|e| anyhow::anyhow!("{origin}: `{full}`: {e}"))?;
         if view.shape() != shape {
             bail!("{origin}: tensor `{full}` has shape {:?}, expected {shape:?}", view.shape());
@@ -323,6 +372,9 @@ pub fn read_checkpoint(dir: &Path, device: &Device) -> Result<Eagle3Checkpoint> 
     let embed_shape = [config.vocab, config.hidden];
     let embed = match find("embed_tokens.weight") {
         Some(_) => Some(check("embed_tokens.weight", &embed_shape)?),
+        None if config.own_embedding => {
+            bail!("{origin}: `embed_requires_grad` is true (a trained embedding) but there is no `embed_tokens.weight`")
+        }
         None => None,
     };
     let d2t = match find("d2t") {
@@ -356,6 +408,15 @@ fn stored_names(name: &str) -> [String; 4] {
 pub fn causal_mask(m: usize, n: usize, device: &Device) -> Result<Tensor> {
     let values: Vec<f32> =
         (0..n).flat_map(|i| (0..m + n).map(move |j| if j <= m + i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    Ok(Tensor::from_vec(values, (n, m + n), device)?)
+}
+
+/// [`causal_mask`] of a sliding-window layer: `m` earlier rows then `n` own rows, all
+/// consecutive positions; row i (at `m + i`) sees the rows j ≤ m + i with m + i − j < `window`.
+pub fn windowed_causal_mask(m: usize, n: usize, window: usize, device: &Device) -> Result<Tensor> {
+    let values: Vec<f32> = (0..n)
+        .flat_map(|i| (0..m + n).map(move |j| if j <= m + i && m + i - j < window { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
     Ok(Tensor::from_vec(values, (n, m + n), device)?)
 }
 

@@ -7,6 +7,10 @@
 //! for exactly those rows. The drafter then holds rows `..e`; the output of row e − 1 (token e
 //! with the target's states at e − 1) scores the first draft. Draft rows are appended for the
 //! draft only and cut off before `propose` returns, so no rejected token leaves a trace.
+//!
+//! A sliding-window drafter (speculators' `sliding_attention`, window W) keeps only the last W
+//! committed rows: committed rows are run with a windowed causal mask, and a draft chain sees
+//! those W rows and its own, as speculators trains it (see `Eagle3Config::window`).
 
 use super::model::Eagle3Drafter;
 use crate::speculative::dflash::TargetHead;
@@ -119,10 +123,22 @@ impl Eagle3Proposer {
         let features = self.drafter.fuse(&Tensor::cat(&fused, 1)?)?;
         let embeds = self.drafter.embed(&tokens[start + 1..end + 1], Some(&self.head))?;
         let positions: Vec<usize> = (start..end).collect();
-        let (out, kv) = self.drafter.forward(&embeds, &features, &positions, &self.past()?, None)?;
+        let past = self.past()?;
+        let window = self.drafter.config.window;
+        // The held rows end where the pending ones start, so positions are consecutive.
+        let mask = window
+            .map(|w| super::model::windowed_causal_mask(past.k.dim(1)?, end - start, w, self.drafter.device()))
+            .transpose()?;
+        let (out, kv) = self.drafter.forward(&embeds, &features, &positions, &past, mask.as_ref())?;
         self.k.append(&kv.k)?;
         self.v.append(&kv.v)?;
         self.end = end;
+        if let Some(w) = window {
+            // Nothing after this sees further back than the last W committed rows.
+            self.k.keep_last(w);
+            self.v.keep_last(w);
+            self.base = self.end - self.k.len();
+        }
         self.last = Some(out.narrow(0, end - start - 1, 1)?);
         Ok(end - start)
     }

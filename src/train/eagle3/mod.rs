@@ -157,6 +157,11 @@ pub fn drafter_config(target: &Transformer, settings: &Eagle3TrainSettings, draf
         target_hidden: c.hidden,
         aux_layer_ids: Some(settings.tap_layers(target)),
         norm_before_residual: false,
+        norm_before_fc: false,
+        fc_norm: false,
+        norm_output: false,
+        window: None,
+        own_embedding: false,
     }
 }
 
@@ -188,6 +193,12 @@ pub fn load_params(dir: &Path, device: &Device) -> Result<(Eagle3Config, Vec<u32
     let c = model::read_checkpoint(dir, device).with_context(|| format!("--init-from {}", dir.display()))?;
     if c.embed.is_some() {
         bail!("--init-from {}: the drafter has its own embed_tokens; training uses the target's", dir.display());
+    }
+    if c.config.uses_speculators_options() {
+        bail!(
+            "--init-from {}: the drafter uses speculators options (norm_before_fc, fc_norm, norm_output, a sliding window or a trained embedding) the trainer does not train or export",
+            dir.display()
+        );
     }
     let mut params =
         c.tensors.into_iter().map(|(name, t)| Ok((name, Var::from_tensor(&t)?))).collect::<Result<NamedVars>>()?;

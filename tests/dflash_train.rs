@@ -355,6 +355,7 @@ fn tiny_examples(target: &LoadedModel, n: usize, prompt_len: usize, new_tokens: 
                 prompt_hash: seed.wrapping_mul(1000) + i as u64,
                 tokens,
                 loss_mask,
+                source: 0,
             }
         })
         .collect()
@@ -474,7 +475,7 @@ fn a_small_run_trains_a_drafter_that_reaches_tau_2() {
         data: vec!["tiny".into()],
         feature_secs: 0.0,
     };
-    let report = run.run(&mut Features::Offline(cache), &mut ()).unwrap();
+    let report = run.run(&mut Features::Offline(vec![cache]), &mut ()).unwrap();
     assert_eq!(report.steps, 400);
 
     let drafter_dir = out.path().join("drafter");
@@ -583,8 +584,7 @@ fn frequent_tokens_and_validation_split_are_deterministic() {
         e.loss_mask.push(1);
     }
     let c = split(examples.clone(), Some(pool.clone()), 100).unwrap();
-    let val_keys: Vec<String> = held.iter().map(|k| format!("val:{k}")).collect();
-    assert_eq!(keys(&c.val), val_keys);
+    assert_eq!(keys(&c.val), held);
     assert!(c.val.iter().all(|v| pool.iter().any(|p| p.tokens == v.tokens)), "validation rows come from the pool");
     assert_eq!(keys(&c.train), keys(&a.train));
     let top = specula::train::vocab::frequent_tokens(&examples, 256, 5);
@@ -903,4 +903,30 @@ fn an_attention_bias_drafter_starts_with_position_heads_trains_and_serves() {
     let mut p = DflashProposer::new(serving, TargetHead::of(&target.model), DflashSettings::default()).unwrap();
     let spec = greedy_run(&target.model, prompt, 32, Some(&mut p));
     assert_eq!(spec.tokens, greedy(&target.model, prompt, 32, None));
+}
+
+/// A drafter in speculators' layout (served as it is) is not a starting point for this
+/// trainer: refused by name, not half-read.
+#[test]
+fn init_from_a_speculators_drafter_is_refused_clearly() {
+    let target = tiny_target();
+    let examples = tiny_examples(&target, 8, 8, 16, 4);
+    let dir = fixture("interop/speculators-dflash/drafter");
+    let err = TrainRun {
+        target: &target.model,
+        tokenizer: &target.tokenizer,
+        train: examples,
+        val: Vec::new(),
+        settings: TrainSettings { init_from: Some(dir), keep_draft_vocab: true, ..tiny_settings(1) },
+        out: tempfile::tempdir().unwrap().path().to_path_buf(),
+        resume: false,
+        stop_after: None,
+        export_dtype: DType::F32,
+        log_every: 1,
+        data: vec![],
+        feature_secs: 0.0,
+    }
+    .run(&mut Features::Online { target: &target.model, layer_ids: vec![1, 2] }, &mut ())
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("speculators' layout"), "{err:#}");
 }

@@ -65,6 +65,7 @@ fn examples(target: &LoadedModel, n: usize, prompt_len: usize, new_tokens: usize
                 prompt_hash: seed.wrapping_mul(1000) + i as u64,
                 tokens,
                 loss_mask,
+                source: 0,
             }
         })
         .collect()

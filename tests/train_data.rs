@@ -473,13 +473,15 @@ fn features_written_while_generating_equal_a_prefill_of_each_example() {
         hidden: target().model.config.hidden,
         max_tokens: 1024,
     };
-    let cache_dir = work.join("features");
+    let parent = work.join("features");
     s.out = with.clone();
-    s.features = Some(data::DataFeatures { key: key.clone(), dir: Some(cache_dir.clone()) });
+    s.features = Some(data::DataFeatures { key: key.clone(), dir: Some(parent.clone()) });
     generate_data(target(), &s, &mut |_| {}).unwrap();
     let (a, b) = (examples(&plain), examples(&with));
     assert_eq!(a, b, "the examples do not depend on writing features");
     assert!(a.iter().any(|e| e.finish == "length") && a.iter().any(|e| e.finish == "stop"), "both endings covered");
+    // Where a trainer on this directory looks for them.
+    let cache_dir = specula::train::features::default_dir(&key, &with, Some(&parent)).unwrap();
     let mut cache = FeatureCache::open(&cache_dir, key).unwrap();
     assert_eq!(cache.len(), 6);
     let mut worst = 0f32;

@@ -64,9 +64,11 @@ pub struct ValidateArgs {
     /// Examples are cut to this many tokens.
     #[arg(long, default_value_t = 1024)]
     max_tokens: usize,
-    /// Target features: `offline` (cached, shared with training runs on the same data) or `online`.
+    /// Target features: `offline` (cached per data directory, shared with training runs),
+    /// `online`, or `auto` (offline when already cached).
     #[arg(long, default_value = "offline")]
     features: String,
+    /// The folder the feature caches are in (default: `features/` in the specula cache).
     #[arg(long)]
     features_dir: Option<PathBuf>,
     /// Target weight format in memory (default: measured best).
@@ -139,15 +141,16 @@ pub struct RunArgs {
     /// (the target's), or `keep` (with --init-from: the drafter's own).
     #[arg(long, default_value = "16384")]
     draft_vocab: String,
-    /// Target features: `offline` (computed once, cached in f16 and shared by every run on the
-    /// same data, target and taps), `online` (recomputed at every use), or `auto`: offline
-    /// when the run reads its examples more than once (or --resume / --stop-after may read
-    /// them again), online for a single pass over fresh data, where a cache would be written
-    /// and read once.
+    /// Target features: `offline` (computed once, cached in f16 per data directory and shared
+    /// by every run on it with the same target and taps), `online` (recomputed at every use),
+    /// or `auto`: offline when the run reads its examples more than once (or --resume /
+    /// --stop-after may read them again) or they are all cached already (`train data
+    /// --features`), online for a single pass over fresh data.
     #[arg(long, default_value = "auto")]
     features: String,
-    /// Where offline features are cached (default: a folder under the specula cache named by
-    /// the data, the target's SHA-256, the taps and --max-tokens).
+    /// The folder the feature caches are in: one per data directory, named by the directory,
+    /// the target's SHA-256, the taps and --max-tokens (default: `features/` in the specula
+    /// cache).
     #[arg(long)]
     features_dir: Option<PathBuf>,
     /// Continue from OUT/checkpoint with its moments and schedule: exactly, or extended by
@@ -345,7 +348,8 @@ pub struct DataArgs {
     /// comma-separated layer ids.
     #[arg(long)]
     features: Option<String>,
-    /// The feature cache folder (default: the trainers' default for this directory).
+    /// The folder the feature caches are in (the trainers' --features-dir; default:
+    /// `features/` in the specula cache).
     #[arg(long)]
     features_dir: Option<PathBuf>,
     /// With --features: the --max-tokens of the training runs that will read them.
@@ -366,7 +370,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
 fn run_validate(args: ValidateArgs) -> Result<()> {
     use crate::speculative::DrafterSpec;
     let target = load_target(&args.target, args.weights.as_deref(), &parse_device(&args.device)?)?;
-    let examples = load_examples(&target, &args.data, args.max_tokens)?;
+    let examples = load_examples(&target, &args.data, args.max_tokens, 0)?;
     let mut examples =
         if args.all { examples } else { crate::train::validation::split(examples, None, usize::MAX)?.val };
     examples.truncate(args.val_examples);
@@ -377,8 +381,12 @@ fn run_validate(args: ValidateArgs) -> Result<()> {
     let mut observer = ProgressObserver::new();
     let all: Vec<&TrainExample> = examples.iter().collect();
     let features_for = |layer_ids: Vec<usize>, observer: &mut ProgressObserver| {
-        let source =
-            FeatureSource { mode: &args.features, dir: args.features_dir.as_deref(), data: &args.data, val_data: &[] };
+        let source = FeatureSource {
+            mode: &args.features,
+            parent: args.features_dir.as_deref(),
+            dirs: args.data.clone(),
+            rereads: false,
+        };
         open_features(&source, &target, layer_ids, args.max_tokens, &all, observer)
     };
     let (m, what) = match DrafterSpec::parse(&args.drafter)? {
@@ -820,15 +828,16 @@ fn load_target(key: &str, weights: Option<&str>, device: &candle_core::Device) -
 }
 
 /// The examples of every data directory, after checking each was made with `target` and holds
-/// no evaluation prompt.
+/// no evaluation prompt; directory i is source `first_source + i`.
 fn load_examples(
     target: &crate::engine::LoadedModel,
     dirs: &[PathBuf],
     max_tokens: usize,
+    first_source: usize,
 ) -> Result<Vec<TrainExample>> {
     let id = data::TargetId::of(target);
     let mut examples = Vec::new();
-    for dir in dirs {
+    for (i, dir) in dirs.iter().enumerate() {
         let meta: data::Meta = serde_json::from_str(
             &std::fs::read_to_string(dir.join("meta.json"))
                 .with_context(|| format!("{} is not a training data directory (no meta.json)", dir.display()))?,
@@ -839,21 +848,25 @@ fn load_examples(
         }
         // Refuses a directory holding any evaluation prompt.
         data::check_no_eval_prompts(dir)?;
-        examples.extend(crate::train::examples::load_examples(dir, max_tokens)?);
+        examples.extend(crate::train::examples::load_examples(dir, max_tokens, first_source + i)?);
     }
     Ok(examples)
 }
 
 /// Training and validation examples by the fixed held-out split
 /// ([`crate::train::validation::split`]); with --val-data, the held-out examples come from
-/// those directories.
+/// those directories (sources after --data's).
 fn split_examples(
     target: &crate::engine::LoadedModel,
     run: &RunArgs,
     max_tokens: usize,
 ) -> Result<(Vec<TrainExample>, Vec<TrainExample>)> {
-    let examples = load_examples(target, &run.data, max_tokens)?;
-    let pool = if run.val_data.is_empty() { None } else { Some(load_examples(target, &run.val_data, max_tokens)?) };
+    let examples = load_examples(target, &run.data, max_tokens, 0)?;
+    let pool = if run.val_data.is_empty() {
+        None
+    } else {
+        Some(load_examples(target, &run.val_data, max_tokens, run.data.len())?)
+    };
     let split = crate::train::validation::split(examples, pool, run.val_examples)?;
     eprintln!(
         "{} training examples, {} held out and validated on{}{}",
@@ -876,32 +889,33 @@ fn split_examples(
     Ok((split.train, split.val))
 }
 
-/// Target features of `layer_ids` for the examples: recomputed on use (`online`), or cached
-/// once in f16 (`offline`), the disk size printed first. Returns them and the seconds spent
-/// caching.
-/// Where a command's features come from: `--features`, `--features-dir` and the data they
-/// are for.
+/// Where a command's features come from: `--features`, `--features-dir` and the data
+/// directories (in source order) they are for.
 struct FeatureSource<'s> {
     mode: &'s str,
-    dir: Option<&'s std::path::Path>,
-    data: &'s [PathBuf],
-    val_data: &'s [PathBuf],
+    parent: Option<&'s std::path::Path>,
+    dirs: Vec<PathBuf>,
+    /// The run reads its examples more than once (or may, resumed): `auto` caches them.
+    rereads: bool,
 }
 
 impl<'s> FeatureSource<'s> {
-    /// `--features auto` resolved for a run of `steps` × `batch` example reads over `train`
-    /// training examples.
+    /// A training run of `steps` × `batch` example reads over `train` training examples.
     fn of(run: &'s RunArgs, steps: Option<usize>, batch: usize, train: usize) -> Self {
         let reads = steps.map_or(run.epochs * train as f64, |s| (s * batch) as f64);
-        let mode = match run.features.as_str() {
-            "auto" if reads > train as f64 || run.resume || run.stop_after.is_some() => "offline",
-            "auto" => "online",
-            other => other,
-        };
-        Self { mode, dir: run.features_dir.as_deref(), data: &run.data, val_data: &run.val_data }
+        Self {
+            mode: &run.features,
+            parent: run.features_dir.as_deref(),
+            dirs: run.data.iter().chain(&run.val_data).cloned().collect(),
+            rereads: reads > train as f64 || run.resume || run.stop_after.is_some(),
+        }
     }
 }
 
+/// Target features of `layer_ids` for the examples: recomputed on use (`online`), or cached
+/// once in f16 per data directory (`offline`; `auto`: offline when the run reads its examples
+/// more than once or every example's features are cached already, as `train data --features`
+/// leaves them), the disk size printed first. Returns them and the seconds spent caching.
 fn open_features<'a>(
     source: &FeatureSource,
     target: &'a crate::engine::LoadedModel,
@@ -910,31 +924,51 @@ fn open_features<'a>(
     examples: &[&TrainExample],
     observer: &mut ProgressObserver,
 ) -> Result<(Features<'a>, f64)> {
-    eprintln!("target features: {}", source.mode);
-    Ok(match source.mode {
-        "online" => (Features::Online { target: &target.model, layer_ids }, 0.0),
-        "offline" => {
-            let t0 = Instant::now();
-            let key = FeatureKey {
-                target: data::TargetId::of(target).file_name.clone(),
-                target_sha256: crate::train::features::model_sha256(&target.path)?,
-                layer_ids: layer_ids.clone(),
-                hidden: target.model.config.hidden,
-                max_tokens,
-            };
-            let dir = match source.dir {
-                Some(d) => d.to_path_buf(),
-                None => crate::train::features::default_dir(&key, source.data, source.val_data)?,
-            };
-            eprintln!("feature cache: {}", dir.display());
-            let mut cache = FeatureCache::open(&dir, key.clone())?;
-            crate::train::features::fill_feature_cache(&mut cache, &key, &target.model, examples, |done, total| {
-                observer.prepare("examples' target features", done, total)
-            })?;
-            (Features::Offline(cache), t0.elapsed().as_secs_f64())
+    if !matches!(source.mode, "auto" | "online" | "offline") {
+        bail!("--features {}: expected auto, online or offline", source.mode);
+    }
+    if source.mode == "online" {
+        eprintln!("target features: online");
+        return Ok((Features::Online { target: &target.model, layer_ids }, 0.0));
+    }
+    let t0 = Instant::now();
+    let key = FeatureKey {
+        target: data::TargetId::of(target).file_name.clone(),
+        target_sha256: crate::train::features::model_sha256(&target.path)?,
+        layer_ids: layer_ids.clone(),
+        hidden: target.model.config.hidden,
+        max_tokens,
+    };
+    let dirs: Vec<PathBuf> = source
+        .dirs
+        .iter()
+        .map(|d| crate::train::features::default_dir(&key, d, source.parent))
+        .collect::<Result<_>>()?;
+    if source.mode == "auto" && !source.rereads {
+        let cached = examples.iter().all(|e| {
+            dirs.get(e.source).is_some_and(|d| {
+                d.join("features.json").exists() && FeatureCache::open(d, key.clone()).is_ok_and(|c| c.contains(&e.key))
+            })
+        });
+        if !cached {
+            eprintln!("target features: online (one pass over the data; no complete cache)");
+            return Ok((Features::Online { target: &target.model, layer_ids }, 0.0));
         }
-        other => bail!("--features {other}: expected auto, online or offline"),
-    })
+    }
+    eprintln!(
+        "target features: offline, cached in {}",
+        dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+    );
+    let mut caches = Vec::new();
+    for (i, dir) in dirs.iter().enumerate() {
+        let mut cache = FeatureCache::open(dir, key.clone())?;
+        let mine: Vec<&TrainExample> = examples.iter().copied().filter(|e| e.source == i).collect();
+        crate::train::features::fill_feature_cache(&mut cache, &key, &target.model, &mine, |done, total| {
+            observer.prepare("examples' target features", done, total)
+        })?;
+        caches.push(cache);
+    }
+    Ok((Features::Offline(caches), t0.elapsed().as_secs_f64()))
 }
 
 fn export_dtype(name: &str) -> Result<candle_core::DType> {

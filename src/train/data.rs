@@ -228,7 +228,7 @@ pub struct DataSettings {
 #[derive(Debug, Clone)]
 pub struct DataFeatures {
     pub key: super::features::FeatureKey,
-    /// The cache folder; None: the trainers' default for this directory alone
+    /// The folder the caches are in (the trainers' `--features-dir`); None: the default
     /// ([`super::features::default_dir`]).
     pub dir: Option<PathBuf>,
 }
@@ -720,10 +720,7 @@ pub fn generate_data(
     }
     let mut features = match &settings.features {
         Some(f) if !todo.is_empty() && settings.gen.responses == ResponseSource::Target => {
-            let dir = match &f.dir {
-                Some(d) => d.clone(),
-                None => super::features::default_dir(&f.key, std::slice::from_ref(dir), &[])?,
-            };
+            let dir = super::features::default_dir(&f.key, dir, f.dir.as_deref())?;
             eprintln!("writing target features as it generates to {}", dir.display());
             Some((super::features::FeatureCache::open(&dir, f.key.clone())?, f.key.layer_ids.clone()))
         }

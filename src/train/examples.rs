@@ -18,16 +18,20 @@ pub struct TrainExample {
     pub prompt_hash: u64,
     pub tokens: Vec<u32>,
     pub loss_mask: Vec<u8>,
+    /// Which of the run's data directories it came from (its feature cache is that
+    /// directory's).
+    pub source: usize,
 }
 
 impl TrainExample {
-    pub fn from_example(e: &Example, max_tokens: usize) -> Self {
+    pub fn from_example(e: &Example, max_tokens: usize, source: usize) -> Self {
         let n = e.tokens.len().min(max_tokens);
         Self {
             key: format!("{}/{}", e.set, e.id),
             prompt_hash: prompt_hash(&e.prompt),
             tokens: e.tokens[..n].to_vec(),
             loss_mask: e.loss_mask[..n].to_vec(),
+            source,
         }
     }
 
@@ -49,13 +53,14 @@ fn prompt_hash(text: &str) -> u64 {
     u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
 }
 
-/// Reads a `specula train data` directory into examples (cut to `max_tokens`).
-pub fn load_examples(dir: &Path, max_tokens: usize) -> Result<Vec<TrainExample>> {
+/// Reads a `specula train data` directory into examples (cut to `max_tokens`), marked as
+/// coming from the run's data directory number `source`.
+pub fn load_examples(dir: &Path, max_tokens: usize, source: usize) -> Result<Vec<TrainExample>> {
     let scan = read_examples(dir, false)?;
     let examples: Vec<TrainExample> = scan
         .examples
         .iter()
-        .map(|e| TrainExample::from_example(e, max_tokens))
+        .map(|e| TrainExample::from_example(e, max_tokens, source))
         .filter(|e| !e.anchor_candidates().is_empty())
         .collect();
     if examples.is_empty() {

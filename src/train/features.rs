@@ -173,15 +173,25 @@ impl FeatureCache {
 
 /// Where a trainer's features come from.
 pub enum Features<'a> {
-    Online { target: &'a Transformer, layer_ids: Vec<usize> },
-    Offline(FeatureCache),
+    Online {
+        target: &'a Transformer,
+        layer_ids: Vec<usize>,
+    },
+    /// One cache per data directory, by the examples' `source`.
+    Offline(Vec<FeatureCache>),
 }
 
 impl Features<'_> {
     pub fn get(&mut self, e: &super::examples::TrainExample, device: &Device) -> Result<Tensor> {
         match self {
             Features::Online { target, layer_ids } => target_features(target, layer_ids, &e.tokens, KvDtype::F16),
-            Features::Offline(cache) => cache.read(&e.key, device),
+            Features::Offline(caches) => {
+                let n = caches.len();
+                caches
+                    .get_mut(e.source)
+                    .with_context(|| format!("{} comes from data directory {} of {n}", e.key, e.source))?
+                    .read(&e.key, device)
+            }
         }
     }
 }
@@ -336,17 +346,16 @@ impl crate::speculative::Proposer for FeatureRecorder {
     }
 }
 
-/// The shared cache folder of features for `data` (and `val_data`) under `key`: every run on
-/// the same data, target, taps and length reads the same file (under the specula cache).
-pub fn default_dir(key: &FeatureKey, data: &[PathBuf], val_data: &[PathBuf]) -> Result<PathBuf> {
+/// The cache folder of the features of data directory `data` under `key`, in `parent`
+/// (default: `features/` in the specula cache): every run on that directory with the same
+/// target, taps and length reads the same file, `train data --features` included.
+pub fn default_dir(key: &FeatureKey, data: &Path, parent: Option<&Path>) -> Result<PathBuf> {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
     h.update(serde_json::to_vec(key)?);
-    for d in data.iter().chain([PathBuf::from("--val-data")].iter()).chain(val_data) {
-        let canonical = d.canonicalize().unwrap_or_else(|_| d.clone());
-        h.update(canonical.to_string_lossy().as_bytes());
-        h.update([0]);
-    }
+    let canonical = data.canonicalize().unwrap_or_else(|_| data.to_path_buf());
+    h.update(canonical.to_string_lossy().as_bytes());
     let name: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
-    Ok(crate::fetch::specula_home().join("features").join(name))
+    let parent = parent.map_or_else(|| crate::fetch::specula_home().join("features"), Path::to_path_buf);
+    Ok(parent.join(name))
 }

@@ -57,11 +57,8 @@ pub struct Split {
 /// (by hash order: the same ones every run). `val_pool`, when given, supplies the held-out
 /// examples instead (the target's answers when training on a data set's own): its held-out
 /// examples are validated on and every example of `examples` held out by the rule or sharing a
-/// prompt with them stays out of training. Validation keys get a `val:` prefix when they come
-/// from `val_pool`, so an offline feature cache never mixes them with a training example of
-/// the same key.
+/// prompt with them stays out of training.
 pub fn split(examples: Vec<TrainExample>, val_pool: Option<Vec<TrainExample>>, cap: usize) -> Result<Split> {
-    let from_pool = val_pool.is_some();
     let (mut held, mut train): (Vec<_>, Vec<_>) = examples.into_iter().partition(|e| is_held_out(&e.key));
     if let Some(pool) = val_pool {
         held = pool.into_iter().filter(|e| is_held_out(&e.key)).collect();
@@ -76,11 +73,6 @@ pub fn split(examples: Vec<TrainExample>, val_pool: Option<Vec<TrainExample>>, c
     held.sort_by(|a, b| (key_hash(&a.key), &a.key).cmp(&(key_hash(&b.key), &b.key)));
     let held_out_unused = held.len().saturating_sub(cap);
     held.truncate(cap);
-    if from_pool {
-        for e in &mut held {
-            e.key = format!("val:{}", e.key);
-        }
-    }
     train.sort_by(|a, b| a.key.cmp(&b.key));
     held.sort_by(|a, b| a.key.cmp(&b.key));
     Ok(Split { train, val: held, held_out_unused, same_prompt_dropped })
@@ -187,7 +179,13 @@ mod tests {
     use super::*;
 
     fn ex(key: &str, prompt: u64) -> TrainExample {
-        TrainExample { key: key.into(), prompt_hash: prompt, tokens: vec![1, 2, 3], loss_mask: vec![0, 1, 1] }
+        TrainExample {
+            key: key.into(),
+            prompt_hash: prompt,
+            tokens: vec![1, 2, 3],
+            loss_mask: vec![0, 1, 1],
+            source: 0,
+        }
     }
 
     #[test]

@@ -41,7 +41,7 @@ impl Coverage {
         }
         let mut sets: BTreeMap<String, (u64, u64)> = BTreeMap::new();
         for e in examples {
-            let set = e.key.trim_start_matches("val:").split('/').next().unwrap_or("").to_string();
+            let set = e.key.split('/').next().unwrap_or("").to_string();
             let slot = sets.entry(set).or_default();
             for (&t, &m) in e.tokens.iter().zip(&e.loss_mask) {
                 if m == 1 {
@@ -77,7 +77,7 @@ mod tests {
     use super::*;
 
     fn ex(key: &str, tokens: &[u32], mask: &[u8]) -> TrainExample {
-        TrainExample { key: key.into(), prompt_hash: 0, tokens: tokens.to_vec(), loss_mask: mask.to_vec() }
+        TrainExample { key: key.into(), prompt_hash: 0, tokens: tokens.to_vec(), loss_mask: mask.to_vec(), source: 0 }
     }
 
     #[test]

@@ -641,6 +641,14 @@ impl TrainRun<'_> {
         let drafter = DflashDrafter::load(dir, &device)?;
         let mut config = drafter.config.clone();
         config.check_target(&self.target.config).with_context(|| format!("--init-from {}", dir.display()))?;
+        if config.layout == crate::speculative::dflash::DflashLayout::Speculators {
+            // Its sliding layers measure their window from the block's anchor, which this
+            // trainer's export (the z-lab layout) cannot say.
+            bail!(
+                "--init-from {}: a drafter in speculators' layout is served as it is; train it further with speculators",
+                dir.display()
+            );
+        }
         if config.block_size != s.block {
             // The weights do not depend on the block size: the same drafter trains (and
             // drafts) on blocks of any length.
@@ -686,12 +694,14 @@ impl TrainRun<'_> {
             }
         };
         config.draft_vocab_size = vocab.as_ref().map(|v| v.len());
-        let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &device)?;
+        // Only the trainable tensors are read (a file may hold others, such as a bool `t2d`).
+        // SAFETY: the file is mapped read-only and not modified while the mapping lives.
+        let file = unsafe { candle_core::safetensors::MmapedSafetensors::new(dir.join("model.safetensors"))? };
         let mut names: Vec<String> = expected_tensors(&config).into_iter().map(|(n, _)| n).collect();
         names.sort();
         let mut params = Vec::new();
         for name in names {
-            let t = tensors.get(&name).with_context(|| format!("--init-from: no `{name}`"))?;
+            let t = file.load(&name, &device).with_context(|| format!("--init-from: no `{name}`"))?;
             params.push((name, Var::from_tensor(&t.to_dtype(DType::F32)?)?));
         }
         let secs_before = record.as_ref().map_or(0.0, |r| r.train_secs);

@@ -416,14 +416,13 @@ fn run_validate(args: ValidateArgs) -> Result<()> {
     let acc: Vec<String> = m.accuracy.iter().take(7).map(|a| a.map_or("-".into(), |a| format!("{:.3}", a))).collect();
     println!(
         "{what} drafter on {} examples ({}): τ {} (greedy verify steps simulated at {} drafted tokens); \
-         loss {:.4}; accuracy at positions 1.. [{}]; anchor estimate {:.2}",
+         loss {:.4}; accuracy at positions 1.. [{}]",
         examples.len(),
         if args.all { "every example" } else { "the held-out split" },
         m.serving_tau.map_or("-".into(), |t| format!("{t:.3}")),
         m.serving_draft_len.unwrap_or(0),
         m.loss,
-        acc.join(" "),
-        m.tau
+        acc.join(" ")
     );
     Ok(())
 }
@@ -1060,12 +1059,7 @@ impl TrainObserver for ProgressObserver {
         let acc: Vec<String> =
             line.train.accuracy.iter().take(4).map(|a| a.map_or("-".into(), |a| format!("{:.2}", a))).collect();
         let val = line.val.as_ref().map_or(String::new(), |v| {
-            format!(
-                " | val loss {:.3}, τ {} (anchor estimate {:.2})",
-                v.loss,
-                v.serving_tau.map_or("-".into(), |t| format!("{t:.2}")),
-                v.tau
-            )
+            format!(" | val loss {:.3}, τ {}", v.loss, v.serving_tau.map_or("-".into(), |t| format!("{t:.2}")))
         });
         let text = format!(
             "step {} lr {:.2e} loss {:.3} acc@1..4 [{}] |g| {:.2} {:.0} rows/s{}",

@@ -581,6 +581,9 @@ fn record(ex: Example, writer: &mut ShardWriter, meta: &mut Meta, run: &mut RunS
 
 /// Runs `specula train data` with a loaded target. `on_progress` is called after every
 /// example written.
+/// `specula train data`: opens (or resumes) the directory, picks the prompts left to answer,
+/// and has the target answer them (or stores the set's own answers), writing each example as
+/// it finishes.
 pub fn generate_data(
     target: &LoadedModel,
     settings: &DataSettings,
@@ -588,6 +591,60 @@ pub fn generate_data(
 ) -> Result<DataSummary> {
     settings.validate()?;
     let prompts = load_prompts(&settings.sources, settings.skip, settings.limit)?;
+    let dir = &settings.out;
+    let Opened { mut meta, done, counts, dropped_partial_line } = open_directory(target, settings)?;
+    let (todo, skipped) = prompts_to_answer(target, settings, &prompts, &done)?;
+    let already = prompts.len() - todo.len() - skipped.len();
+    for s in &skipped {
+        if !meta.skipped.contains(s) {
+            meta.skipped.push(s.clone());
+        }
+    }
+    // A resumed directory keeps the shard size it was started with.
+    let mut writer = ShardWriter::new(dir, meta.shard_size.max(1), &counts);
+    meta.shards = writer.shard_names();
+    write_meta(dir, &meta)?;
+
+    let total = meta.examples + todo.len();
+    let mut run = RunStats { batch: settings.batch, ..RunStats::default() };
+    let started = Instant::now();
+    // Writes an example, counts it and reports progress.
+    let mut keep_example = |ex: Example| -> Result<()> {
+        record(ex, &mut writer, &mut meta, &mut run)?;
+        let secs = started.elapsed().as_secs_f64();
+        on_progress(&Progress {
+            done: meta.examples,
+            total,
+            tokens_per_sec: run.response_tokens as f64 / secs.max(1e-9),
+            secs,
+        });
+        Ok(())
+    };
+    if settings.gen.responses == ResponseSource::Dataset {
+        store_dataset_answers(target, settings, &todo, &mut keep_example)?;
+    } else if !todo.is_empty() {
+        answer_with_target(target, settings, &todo, &mut keep_example)?;
+    }
+    run.secs = started.elapsed().as_secs_f64();
+    run.tokens_per_sec = if run.examples > 0 { run.response_tokens as f64 / run.secs.max(1e-9) } else { 0.0 };
+    meta.shards = writer.shard_names();
+    meta.last_run = run.clone();
+    write_meta(dir, &meta)?;
+    Ok(DataSummary { prompts: prompts.len(), already, written: run.examples, dropped_partial_line, skipped, run, meta })
+}
+
+/// A data directory opened for writing: its record (counts recomputed from the shards), the
+/// examples it holds, and each shard's line count.
+struct Opened {
+    meta: Meta,
+    done: HashSet<(String, String)>,
+    counts: Vec<(PathBuf, usize)>,
+    dropped_partial_line: bool,
+}
+
+/// Opens `settings.out`, new or to resume: refuses another format, target or generation
+/// settings, and repairs a cut-off last line.
+fn open_directory(target: &LoadedModel, settings: &DataSettings) -> Result<Opened> {
     let dir = &settings.out;
     if dir.exists() && !dir.is_dir() {
         bail!("--out {} is not a directory", dir.display());
@@ -625,7 +682,6 @@ pub fn generate_data(
         bail!("{} holds shards but no meta.json: not resuming data of an unknown target", dir.display());
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-
     let done: HashSet<(String, String)> = existing.iter().map(|e| (e.set.clone(), e.id.clone())).collect();
     let mut meta = old_meta.unwrap_or_else(|| Meta {
         format: FORMAT_VERSION,
@@ -652,11 +708,22 @@ pub fn generate_data(
             meta.prompt_sets.push(e.set.clone());
         }
     }
-    drop(existing);
+    Ok(Opened { meta, done, counts, dropped_partial_line })
+}
 
-    // Encode what is left; prompts that cannot fit are skipped (and listed).
+/// A prompt to answer: its set, the prompt and its token ids.
+type Todo = (String, Prompt, Vec<u32>);
+
+/// The prompts not yet in the directory, encoded; those that cannot fit (or, for the set's
+/// own answers, have none) are skipped and listed as `set/id`.
+fn prompts_to_answer(
+    target: &LoadedModel,
+    settings: &DataSettings,
+    prompts: &[(String, Prompt)],
+    done: &HashSet<(String, String)>,
+) -> Result<(Vec<Todo>, Vec<String>)> {
     let ctx = target.model.config.context_len;
-    let mut todo: Vec<(String, Prompt, Vec<u32>)> = Vec::new();
+    let mut todo = Vec::new();
     let mut skipped = Vec::new();
     for (set, p) in prompts.iter().filter(|(s, p)| !done.contains(&(s.clone(), p.id.clone()))) {
         let ids = encode(target, p, &settings.gen.chat_template_kwargs)
@@ -674,143 +741,130 @@ pub fn generate_data(
         }
         todo.push((set.clone(), p.clone(), ids));
     }
-    let already = prompts.len() - todo.len() - skipped.len();
-    for s in &skipped {
-        if !meta.skipped.contains(s) {
-            meta.skipped.push(s.clone());
-        }
-    }
-    // A resumed directory keeps the shard size it was started with.
-    let mut writer = ShardWriter::new(dir, meta.shard_size.max(1), &counts);
-    meta.shards = writer.shard_names();
-    write_meta(dir, &meta)?;
+    Ok((todo, skipped))
+}
 
-    let total = meta.examples + todo.len();
-    let mut run = RunStats { batch: settings.batch, ..RunStats::default() };
-    let started = Instant::now();
-    // Writes an example, counts it and reports progress.
-    let mut keep_example = |ex: Example| -> Result<()> {
-        record(ex, &mut writer, &mut meta, &mut run)?;
-        let secs = started.elapsed().as_secs_f64();
-        on_progress(&Progress {
-            done: meta.examples,
-            total,
-            tokens_per_sec: run.response_tokens as f64 / secs.max(1e-9),
-            secs,
-        });
-        Ok(())
-    };
-    if settings.gen.responses == ResponseSource::Dataset {
-        for (set, p, ids) in &todo {
-            let answer = p.response.as_deref().unwrap_or_default();
-            let mut response =
-                target.tokenizer.encode(answer, false).with_context(|| format!("encoding {set} {}", p.id))?;
-            // Cut where generation would have stopped: at the limit, or where the context ends.
-            let max_new = settings.gen.max_new_tokens;
-            let keep = max_new.min(ctx.saturating_sub(ids.len()));
-            let finish = match response.len() {
-                n if n <= keep => "stop",
-                _ if keep < max_new => "context_full",
-                _ => "length",
-            };
-            response.truncate(keep);
-            keep_example(example(set, p, ids, &response, finish.to_string()))?;
-        }
-        todo.clear();
+/// `--responses dataset`: each prompt set's own answer, tokenized and cut where generation
+/// would have stopped.
+fn store_dataset_answers(
+    target: &LoadedModel,
+    settings: &DataSettings,
+    todo: &[Todo],
+    keep_example: &mut dyn FnMut(Example) -> Result<()>,
+) -> Result<()> {
+    let ctx = target.model.config.context_len;
+    for (set, p, ids) in todo {
+        let answer = p.response.as_deref().unwrap_or_default();
+        let mut response =
+            target.tokenizer.encode(answer, false).with_context(|| format!("encoding {set} {}", p.id))?;
+        // Cut where generation would have stopped: at the limit, or where the context ends.
+        let max_new = settings.gen.max_new_tokens;
+        let keep = max_new.min(ctx.saturating_sub(ids.len()));
+        let finish = match response.len() {
+            n if n <= keep => "stop",
+            _ if keep < max_new => "context_full",
+            _ => "length",
+        };
+        response.truncate(keep);
+        keep_example(example(set, p, ids, &response, finish.to_string()))?;
     }
+    Ok(())
+}
+
+/// The target answers the prompts on the serving engine's batched step loop (with
+/// `settings.features`, a [`super::features::FeatureRecorder`] per request keeps the tapped
+/// hidden states of the same pass).
+fn answer_with_target(
+    target: &LoadedModel,
+    settings: &DataSettings,
+    todo: &[Todo],
+    keep_example: &mut dyn FnMut(Example) -> Result<()>,
+) -> Result<()> {
     let mut features = match &settings.features {
-        Some(f) if !todo.is_empty() && settings.gen.responses == ResponseSource::Target => {
-            let dir = super::features::default_dir(&f.key, dir, f.dir.as_deref())?;
+        Some(f) => {
+            let dir = super::features::default_dir(&f.key, &settings.out, f.dir.as_deref())?;
             eprintln!("writing target features as it generates to {}", dir.display());
             Some((super::features::FeatureCache::open(&dir, f.key.clone())?, f.key.layer_ids.clone()))
         }
-        _ => None,
+        None => None,
     };
-    if !todo.is_empty() {
-        let pool = target.model.new_kv_pool(settings.kv_tokens);
-        let config = EngineConfig {
-            kv_tokens: settings.kv_tokens,
-            max_running: settings.batch,
-            max_waiting: usize::MAX,
-            drafter: None,
-            draft_len: DraftLen::Fixed(0),
-            prefix_caching: true,
-            ..EngineConfig::default()
-        };
-        let model = EngineModel { model: &target.model, tokenizer: None };
-        let mut core = EngineCore::new(model, target.stop_ids(), pool, &config, None, Arc::new(AtomicUsize::new(0)));
-        let mut next = 0;
-        let mut in_flight: Vec<(usize, Rc<RefCell<Outcome>>, Option<super::features::FeatureRows>)> = Vec::new();
-        let max_new = settings.gen.max_new_tokens;
-        // Enough queued that a finished request is replaced in the next step.
-        let window = settings.batch * 2;
-        loop {
-            while next < todo.len() && in_flight.len() < window {
-                let (set, p, ids) = &todo[next];
-                let outcome = Rc::new(RefCell::new(Outcome::default()));
-                let mut params = example_params(&settings.gen, set, &p.id);
-                let (recorder, rows) = match &features {
-                    Some((_, layers)) => {
-                        // One token more than kept, so the last kept one runs through the
-                        // target too and has features; the answer is cut back below.
-                        params.max_tokens = Some(max_new + 1);
-                        let (r, rows) = super::features::FeatureRecorder::new(&target.model, layers.clone());
-                        (Some(Box::new(r) as Box<dyn crate::speculative::Proposer>), Some(rows))
-                    }
-                    None => (None, None),
-                };
-                let request = EngineRequest { speculate: false, ..EngineRequest::new(ids.clone(), params) };
-                core.add(request, recorder, Box::new(Sink(outcome.clone())));
-                in_flight.push((next, outcome, rows));
-                next += 1;
-            }
-            if in_flight.is_empty() {
-                break;
-            }
-            core.step();
-            let mut i = 0;
-            while i < in_flight.len() {
-                if in_flight[i].1.borrow().end.is_none() {
-                    i += 1;
-                    continue;
+    let pool = target.model.new_kv_pool(settings.kv_tokens);
+    let config = EngineConfig {
+        kv_tokens: settings.kv_tokens,
+        max_running: settings.batch,
+        max_waiting: usize::MAX,
+        drafter: None,
+        draft_len: DraftLen::Fixed(0),
+        prefix_caching: true,
+        ..EngineConfig::default()
+    };
+    let model = EngineModel { model: &target.model, tokenizer: None };
+    let mut core = EngineCore::new(model, target.stop_ids(), pool, &config, None, Arc::new(AtomicUsize::new(0)));
+    let mut next = 0;
+    let mut in_flight: Vec<(usize, Rc<RefCell<Outcome>>, Option<super::features::FeatureRows>)> = Vec::new();
+    let max_new = settings.gen.max_new_tokens;
+    // Enough queued that a finished request is replaced in the next step.
+    let window = settings.batch * 2;
+    loop {
+        while next < todo.len() && in_flight.len() < window {
+            let (set, p, ids) = &todo[next];
+            let outcome = Rc::new(RefCell::new(Outcome::default()));
+            let mut params = example_params(&settings.gen, set, &p.id);
+            let (recorder, rows) = match &features {
+                Some((_, layers)) => {
+                    // One token more than kept, so the last kept one runs through the
+                    // target too and has features; the answer is cut back below.
+                    params.max_tokens = Some(max_new + 1);
+                    let (r, rows) = super::features::FeatureRecorder::new(&target.model, layers.clone());
+                    (Some(Box::new(r) as Box<dyn crate::speculative::Proposer>), Some(rows))
                 }
-                let (index, outcome, rows) = in_flight.remove(i);
-                let o =
-                    Rc::try_unwrap(outcome).map_err(|_| anyhow::anyhow!("engine still holds a finished request"))?;
-                let mut o = o.into_inner();
-                let (set, p, ids) = &todo[index];
-                let mut finish = match o.end {
-                    Some(Ok(f)) => f,
-                    Some(Err(e)) => bail!("{set} {}: generation failed: {e}", p.id),
-                    None => unreachable!("checked above"),
-                };
-                if rows.is_some() && o.tokens.len() >= max_new && finish != "context_full" {
-                    // What a run without features gives: cut at the limit.
-                    o.tokens.truncate(max_new);
-                    finish = "length".into();
-                }
-                let ex = example(set, p, ids, &o.tokens, finish);
-                if let (Some((cache, _)), Some(rows)) = (features.as_mut(), rows) {
-                    // Examples without every row (a full context) get theirs when a trainer
-                    // fills the cache.
-                    let n = ex.tokens.len().min(cache.max_tokens());
-                    if let Some(f) = rows.take(n)? {
-                        cache.append(&format!("{}/{}", ex.set, ex.id), &f)?;
-                    }
-                }
-                keep_example(ex)?;
+                None => (None, None),
+            };
+            let request = EngineRequest { speculate: false, ..EngineRequest::new(ids.clone(), params) };
+            core.add(request, recorder, Box::new(Sink(outcome.clone())));
+            in_flight.push((next, outcome, rows));
+            next += 1;
+        }
+        if in_flight.is_empty() {
+            break;
+        }
+        core.step();
+        let mut i = 0;
+        while i < in_flight.len() {
+            if in_flight[i].1.borrow().end.is_none() {
+                i += 1;
+                continue;
             }
+            let (index, outcome, rows) = in_flight.remove(i);
+            let o = Rc::try_unwrap(outcome).map_err(|_| anyhow::anyhow!("engine still holds a finished request"))?;
+            let mut o = o.into_inner();
+            let (set, p, ids) = &todo[index];
+            let mut finish = match o.end {
+                Some(Ok(f)) => f,
+                Some(Err(e)) => bail!("{set} {}: generation failed: {e}", p.id),
+                None => unreachable!("checked above"),
+            };
+            if rows.is_some() && o.tokens.len() >= max_new && finish != "context_full" {
+                // What a run without features gives: cut at the limit.
+                o.tokens.truncate(max_new);
+                finish = "length".into();
+            }
+            let ex = example(set, p, ids, &o.tokens, finish);
+            if let (Some((cache, _)), Some(rows)) = (features.as_mut(), rows) {
+                // Examples without every row (a full context) get theirs when a trainer
+                // fills the cache.
+                let n = ex.tokens.len().min(cache.max_tokens());
+                if let Some(f) = rows.take(n)? {
+                    cache.append(&format!("{}/{}", ex.set, ex.id), &f)?;
+                }
+            }
+            keep_example(ex)?;
         }
     }
     if let Some((cache, _)) = features.as_mut() {
         cache.flush_index()?;
     }
-    run.secs = started.elapsed().as_secs_f64();
-    run.tokens_per_sec = if run.examples > 0 { run.response_tokens as f64 / run.secs.max(1e-9) } else { 0.0 };
-    meta.shards = writer.shard_names();
-    meta.last_run = run.clone();
-    write_meta(dir, &meta)?;
-    Ok(DataSummary { prompts: prompts.len(), already, written: run.examples, dropped_partial_line, skipped, run, meta })
+    Ok(())
 }
 
 /// What [`check_no_eval_prompts`] compared.

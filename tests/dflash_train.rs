@@ -412,6 +412,17 @@ fn run_training(
     resume: bool,
     stop_after: Option<usize>,
 ) -> TrainReport {
+    try_training(target, examples, settings, out, resume, stop_after).unwrap()
+}
+
+fn try_training(
+    target: &LoadedModel,
+    examples: &[TrainExample],
+    settings: TrainSettings,
+    out: &Path,
+    resume: bool,
+    stop_after: Option<usize>,
+) -> anyhow::Result<TrainReport> {
     let (train, val) = holdout(examples.to_vec(), settings.val_examples);
     let layer_ids = settings.taps.clone().unwrap();
     let run = TrainRun {
@@ -429,7 +440,7 @@ fn run_training(
         feature_secs: 0.0,
     };
     let mut features = Features::Online { target: &target.model, layer_ids };
-    run.run(&mut features, &mut ()).unwrap()
+    run.run(&mut features, &mut ())
 }
 
 /// A CI-sized run: a tiny target's own greedy outputs, a two-layer drafter, a few hundred
@@ -736,21 +747,14 @@ fn a_run_starts_from_an_exported_drafter() {
     let mut other = record.clone();
     other.validation_rule = "first 32 by hash".into();
     other.write(&fourth.path().join("drafter")).unwrap();
-    let err = TrainRun {
-        target: &target.model,
-        tokenizer: &target.tokenizer,
-        train: examples.clone(),
-        val: Vec::new(),
-        settings: TrainSettings { init_from: Some(fourth.path().join("drafter")), ..tiny_settings(1) },
-        out: tempfile::tempdir().unwrap().path().to_path_buf(),
-        resume: false,
-        stop_after: None,
-        export_dtype: DType::F32,
-        log_every: 1,
-        data: vec![],
-        feature_secs: 0.0,
-    }
-    .run(&mut Features::Online { target: &target.model, layer_ids: vec![1, 2] }, &mut ())
+    let err = try_training(
+        &target,
+        &examples,
+        TrainSettings { init_from: Some(fourth.path().join("drafter")), ..tiny_settings(1) },
+        tempfile::tempdir().unwrap().path(),
+        false,
+        None,
+    )
     .unwrap_err();
     assert!(format!("{err:#}").contains("held-out rule"), "{err:#}");
 }
@@ -791,21 +795,14 @@ fn an_extended_run_keeps_its_moments_and_its_place_in_the_schedule() {
     let tensors =
         candle_core::safetensors::load(out.path().join("checkpoint/state.safetensors"), &Device::Cpu).unwrap();
     assert!(tensors.keys().any(|k| k.starts_with("adam.m.")));
-    let err = TrainRun {
-        target: &target.model,
-        tokenizer: &target.tokenizer,
-        train: holdout(examples.clone(), 4).0,
-        val: holdout(examples.clone(), 4).1,
-        settings: TrainSettings { layers: 2, steps: Some(30), ..longer },
-        out: out.path().to_path_buf(),
-        resume: true,
-        stop_after: None,
-        export_dtype: DType::F32,
-        log_every: 1,
-        data: vec![],
-        feature_secs: 0.0,
-    }
-    .run(&mut Features::Online { target: &target.model, layer_ids: vec![1, 2] }, &mut ())
+    let err = try_training(
+        &target,
+        &examples,
+        TrainSettings { layers: 2, steps: Some(30), ..longer },
+        out.path(),
+        true,
+        None,
+    )
     .unwrap_err();
     assert!(format!("{err:#}").contains("(layers)"), "{err:#}");
 }
@@ -912,21 +909,14 @@ fn init_from_a_speculators_drafter_is_refused_clearly() {
     let target = tiny_target();
     let examples = tiny_examples(&target, 8, 8, 16, 4);
     let dir = fixture("interop/speculators-dflash/drafter");
-    let err = TrainRun {
-        target: &target.model,
-        tokenizer: &target.tokenizer,
-        train: examples,
-        val: Vec::new(),
-        settings: TrainSettings { init_from: Some(dir), keep_draft_vocab: true, ..tiny_settings(1) },
-        out: tempfile::tempdir().unwrap().path().to_path_buf(),
-        resume: false,
-        stop_after: None,
-        export_dtype: DType::F32,
-        log_every: 1,
-        data: vec![],
-        feature_secs: 0.0,
-    }
-    .run(&mut Features::Online { target: &target.model, layer_ids: vec![1, 2] }, &mut ())
+    let err = try_training(
+        &target,
+        &examples,
+        TrainSettings { init_from: Some(dir), keep_draft_vocab: true, ..tiny_settings(1) },
+        tempfile::tempdir().unwrap().path(),
+        false,
+        None,
+    )
     .unwrap_err();
     assert!(format!("{err:#}").contains("speculators' layout"), "{err:#}");
 }

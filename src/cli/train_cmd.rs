@@ -465,16 +465,44 @@ fn run_export(args: ExportArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--draft-vocab N|full|keep` as (size, keep the drafter's).
-fn parse_draft_vocab(text: &str) -> Result<(Option<usize>, bool)> {
-    Ok(match text {
+/// `--draft-vocab N|full|keep` as (size, keep the drafter's); `keep` needs `--init-from`.
+fn parse_draft_vocab(run: &RunArgs) -> Result<(Option<usize>, bool)> {
+    Ok(match run.draft_vocab.as_str() {
         "full" => (None, false),
+        "keep" if run.init_from.is_none() => {
+            bail!("--draft-vocab keep needs --init-from (the drafter whose vocabulary to keep)")
+        }
         "keep" => (None, true),
         n => match n.parse::<usize>() {
             Ok(0) | Err(_) => bail!("--draft-vocab {n}: expected a positive number, `full` or `keep`"),
             Ok(n) => (Some(n), false),
         },
     })
+}
+
+/// What a trainer's run loop needs besides its settings: the split examples and their
+/// features (of `layer_ids`), with the seconds spent caching them.
+struct Prepared<'a> {
+    train: Vec<TrainExample>,
+    val: Vec<TrainExample>,
+    features: Features<'a>,
+    feature_secs: f64,
+}
+
+/// Splits `run`'s data and opens the features of a run of `steps` steps of `batch` sequences.
+fn prepare<'a>(
+    run: &RunArgs,
+    target: &'a crate::engine::LoadedModel,
+    max_tokens: usize,
+    (steps, batch): (Option<usize>, usize),
+    layer_ids: Vec<usize>,
+    observer: &mut ProgressObserver,
+) -> Result<Prepared<'a>> {
+    let (train, val) = split_examples(target, run, max_tokens)?;
+    let all: Vec<&TrainExample> = train.iter().chain(&val).collect();
+    let source = FeatureSource::of(run, steps, batch, train.len());
+    let (features, feature_secs) = open_features(&source, target, layer_ids, max_tokens, &all, observer)?;
+    Ok(Prepared { train, val, features, feature_secs })
 }
 
 /// `--device cpu|cuda|cuda:N|metal|metal:N`.
@@ -653,7 +681,7 @@ fn make_data(target: &crate::engine::LoadedModel, settings: &DataSettings) -> Re
 
 fn run_dflash(mut args: DflashArgs) -> Result<()> {
     use crate::train::dflash::{TrainRun, TrainSettings};
-    let (draft_vocab, keep_draft_vocab) = parse_draft_vocab(&args.run.draft_vocab)?;
+    let (draft_vocab, keep_draft_vocab) = parse_draft_vocab(&args.run)?;
     let quick = args.run.quick;
     let settings = TrainSettings {
         layers: args.layers,
@@ -686,16 +714,12 @@ fn run_dflash(mut args: DflashArgs) -> Result<()> {
         serving_draft_len: args.serving_draft_len,
     };
     settings.validate()?;
-    if keep_draft_vocab && settings.init_from.is_none() {
-        bail!("--draft-vocab keep needs --init-from (the drafter whose vocabulary to keep)");
-    }
     let export_dtype = export_dtype(&args.run.dtype)?;
     let target = load_target(&args.run.target, args.run.weights.as_deref(), &parse_device(&args.run.device)?)?;
     args.run.prepare(&target)?;
     let mut settings = settings;
     settings.steps = args.run.steps;
     settings.checkpoint_every = args.run.checkpoint_every;
-    let (train, val) = split_examples(&target, &args.run, settings.max_tokens)?;
     // The tapped layers, before the drafter exists: from the settings or the drafter started from.
     let taps = match (&settings.taps, &settings.init_from) {
         (Some(t), _) => t.clone(),
@@ -709,10 +733,9 @@ fn run_dflash(mut args: DflashArgs) -> Result<()> {
     };
     let layer_ids = settings.feature_layers(&taps, target.model.config.n_layers);
     let mut observer = ProgressObserver::new();
-    let all: Vec<&TrainExample> = train.iter().chain(&val).collect();
-    let source = FeatureSource::of(&args.run, settings.steps, settings.batch, train.len());
-    let (mut features, feature_secs) =
-        open_features(&source, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
+    let shape = (settings.steps, settings.batch);
+    let Prepared { train, val, mut features, feature_secs } =
+        prepare(&args.run, &target, settings.max_tokens, shape, layer_ids, &mut observer)?;
     let run = TrainRun {
         target: &target.model,
         tokenizer: &target.tokenizer,
@@ -735,7 +758,7 @@ fn run_dflash(mut args: DflashArgs) -> Result<()> {
 
 fn run_eagle3(mut args: Eagle3Args) -> Result<()> {
     use crate::train::eagle3::{Eagle3Run, Eagle3TrainSettings};
-    let (draft_vocab, keep_draft_vocab) = parse_draft_vocab(&args.run.draft_vocab)?;
+    let (draft_vocab, keep_draft_vocab) = parse_draft_vocab(&args.run)?;
     let mut settings = Eagle3TrainSettings {
         ttt_steps: args.ttt_steps,
         taps: args.taps.clone(),
@@ -755,9 +778,6 @@ fn run_eagle3(mut args: Eagle3Args) -> Result<()> {
         init_from: args.run.init_from.clone(),
     };
     settings.validate()?;
-    if keep_draft_vocab && settings.init_from.is_none() {
-        bail!("--draft-vocab keep needs --init-from (the drafter whose vocabulary to keep)");
-    }
     let dtype = export_dtype(&args.run.dtype)?;
     let target = load_target(&args.run.target, args.run.weights.as_deref(), &parse_device(&args.run.device)?)?;
     args.run.prepare(&target)?;
@@ -772,13 +792,11 @@ fn run_eagle3(mut args: Eagle3Args) -> Result<()> {
         }
         settings.check_init_from(dir, &c, target.model.config.n_layers)?;
     }
-    let (train, val) = split_examples(&target, &args.run, settings.max_tokens)?;
     let layer_ids = settings.feature_layers(&target.model);
     let mut observer = ProgressObserver::new();
-    let all: Vec<&TrainExample> = train.iter().chain(&val).collect();
-    let source = FeatureSource::of(&args.run, settings.steps, settings.batch, train.len());
-    let (mut features, feature_secs) =
-        open_features(&source, &target, layer_ids, settings.max_tokens, &all, &mut observer)?;
+    let shape = (settings.steps, settings.batch);
+    let Prepared { train, val, mut features, feature_secs } =
+        prepare(&args.run, &target, settings.max_tokens, shape, layer_ids, &mut observer)?;
     let run = Eagle3Run {
         target: &target.model,
         train,

@@ -94,6 +94,52 @@ pub fn publish(tmp: &Path, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Settings a resumed run may change (its length, how often it checkpoints, how much it
+/// validates); any other difference is refused.
+pub const EXTENDABLE: &[&str] = &["steps", "epochs", "checkpoint_every", "val_examples"];
+
+/// The schedule a resumed run follows: the checkpoint's own when the run is the same length on
+/// the same data (an exact continuation), else that schedule extended at the checkpoint's step
+/// to `total` ([`LrSchedule::extend`]: the moments kept, no second warm-up). `schedule_of`
+/// rebuilds the schedule of a checkpoint written before schedules were saved. Settings other
+/// than [`EXTENDABLE`] must match.
+pub fn resumed_schedule<S: Serialize>(
+    meta: &CheckpointMeta<S>,
+    settings: &S,
+    schedule_of: impl FnOnce(&S, usize) -> LrSchedule,
+    total: usize,
+    examples: usize,
+) -> Result<LrSchedule> {
+    let differ = differing_settings(&meta.settings, settings, EXTENDABLE)?;
+    if !differ.is_empty() {
+        bail!(
+            "--resume with other settings than the checkpoint's ({}): only {} may change when a run is extended",
+            differ.join(", "),
+            EXTENDABLE.join(", ")
+        );
+    }
+    let old = meta.schedule.unwrap_or_else(|| schedule_of(&meta.settings, meta.total_steps));
+    if total == meta.total_steps && examples == meta.data_examples {
+        return Ok(old);
+    }
+    if meta.step >= total {
+        bail!(
+            "--resume: the checkpoint is at step {} of {}, the run would end at step {total}: give more --steps",
+            meta.step,
+            meta.total_steps
+        );
+    }
+    eprintln!(
+        "extending the run from step {} ({} steps, {} examples) to {total} steps on {examples} examples: the same \
+         moments, the learning rate decaying from {:.2e} without a new warm-up",
+        meta.step,
+        meta.total_steps,
+        meta.data_examples,
+        old.lr(meta.step)
+    );
+    Ok(old.extend(meta.step, total))
+}
+
 /// The settings (top-level fields) on which `a` and `b` differ, leaving out `free` ones (what
 /// an extended run may change: its length, how often it checkpoints).
 pub fn differing_settings<S: Serialize>(a: &S, b: &S, free: &[&str]) -> Result<Vec<String>> {

@@ -42,6 +42,11 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
+    /// A run of `total` steps warming up over the fraction `warmup` of them.
+    pub fn for_run(peak: f64, warmup: f64, total: usize) -> Self {
+        Self::new(peak, total, (warmup * total as f64).ceil() as usize)
+    }
+
     pub fn new(peak: f64, total: usize, warmup: usize) -> Self {
         let warmup = warmup.max(1);
         Self { peak, warmup, total, decay_start: warmup, decay_lr: peak }

@@ -436,9 +436,6 @@ pub struct TrainRun<'a> {
 
 const CHECKPOINT: &str = "checkpoint";
 
-/// Settings an extended run (`--resume` with more steps or data) may change.
-const EXTENDABLE: &[&str] = &["steps", "epochs", "checkpoint_every", "val_examples"];
-
 /// Where a run starts: a fresh drafter, an exported one, or a checkpoint.
 struct Start {
     config: DflashConfig,
@@ -564,8 +561,7 @@ impl TrainRun<'_> {
     }
 
     fn fresh_schedule(&self) -> LrSchedule {
-        let total = self.total_steps();
-        LrSchedule::new(self.settings.adam.lr, total, (self.settings.warmup * total as f64).ceil() as usize)
+        LrSchedule::for_run(self.settings.adam.lr, self.settings.warmup, self.total_steps())
     }
 
     fn start_from_checkpoint(&self) -> Result<Start> {
@@ -573,39 +569,13 @@ impl TrainRun<'_> {
         let device = self.target.device().clone();
         let ckpt = checkpoint::load::<TrainSettings>(&self.out.join(CHECKPOINT), &device)?;
         let meta = &ckpt.meta;
-        let differ = checkpoint::differing_settings(&meta.settings, s, EXTENDABLE)?;
-        if !differ.is_empty() {
-            bail!(
-                "--resume with other settings than the checkpoint's ({}): only {} may change when a run is extended",
-                differ.join(", "),
-                EXTENDABLE.join(", ")
-            );
-        }
-        let total = self.total_steps();
-        let examples = self.train.len() + self.val.len();
-        let old = meta.schedule.unwrap_or_else(|| {
-            LrSchedule::new(
-                meta.settings.adam.lr,
-                meta.total_steps,
-                (meta.settings.warmup * meta.total_steps as f64).ceil() as usize,
-            )
-        });
-        let schedule = if total == meta.total_steps && examples == meta.data_examples {
-            old
-        } else {
-            if meta.step >= total {
-                bail!("--resume: the checkpoint is at step {} of {}, the run would end at step {total}: give more --steps", meta.step, meta.total_steps);
-            }
-            eprintln!(
-                "extending the run from step {} ({} steps, {} examples) to {total} steps on {examples} examples: \
-                 the same moments, the learning rate decaying from {:.2e} without a new warm-up",
-                meta.step,
-                meta.total_steps,
-                meta.data_examples,
-                old.lr(meta.step)
-            );
-            old.extend(meta.step, total)
-        };
+        let schedule = checkpoint::resumed_schedule(
+            meta,
+            s,
+            |old, total| LrSchedule::for_run(old.adam.lr, old.warmup, total),
+            self.total_steps(),
+            self.train.len() + self.val.len(),
+        )?;
         let (base_record, own_feature_secs) = TrainingRecord::without_last_run(&self.out.join("drafter"))?;
         let config = DflashConfig::from_json(&meta.config)?;
         let names = expected_tensors(&config).into_iter().map(|(n, _)| n).collect();

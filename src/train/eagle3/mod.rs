@@ -316,9 +316,6 @@ pub struct Eagle3Run<'a> {
 
 const CHECKPOINT: &str = "checkpoint";
 
-/// Settings an extended run may change.
-const EXTENDABLE: &[&str] = &["steps", "epochs", "checkpoint_every", "val_examples"];
-
 /// Where a run starts: a fresh drafter, an exported one, or a checkpoint.
 struct Start {
     config: Eagle3Config,
@@ -447,8 +444,7 @@ impl Eagle3Run<'_> {
     }
 
     fn fresh_schedule(&self) -> LrSchedule {
-        let total = self.total_steps();
-        LrSchedule::new(self.settings.adam.lr, total, (self.settings.warmup * total as f64).ceil() as usize)
+        LrSchedule::for_run(self.settings.adam.lr, self.settings.warmup, self.total_steps())
     }
 
     fn start(&self) -> Result<Start> {
@@ -458,37 +454,13 @@ impl Eagle3Run<'_> {
         if self.resume {
             let ckpt = checkpoint::load::<Eagle3TrainSettings>(&self.out.join(CHECKPOINT), &device)?;
             let meta = &ckpt.meta;
-            let differ = checkpoint::differing_settings(&meta.settings, s, EXTENDABLE)?;
-            if !differ.is_empty() {
-                bail!(
-                    "--resume with other settings than the checkpoint's ({}): only {} may change when a run is extended",
-                    differ.join(", "),
-                    EXTENDABLE.join(", ")
-                );
-            }
-            let total = self.total_steps();
-            let examples = self.train.len() + self.val.len();
-            let old = meta.schedule.unwrap_or_else(|| {
-                LrSchedule::new(
-                    meta.settings.adam.lr,
-                    meta.total_steps,
-                    (meta.settings.warmup * meta.total_steps as f64).ceil() as usize,
-                )
-            });
-            let schedule = if total == meta.total_steps && examples == meta.data_examples {
-                old
-            } else {
-                if meta.step >= total {
-                    bail!("--resume: the checkpoint is at step {} of {}, the run would end at step {total}: give more --steps", meta.step, meta.total_steps);
-                }
-                eprintln!(
-                    "extending the run from step {} to {total} steps on {examples} examples: the same moments, \
-                     the learning rate decaying from {:.2e} without a new warm-up",
-                    meta.step,
-                    old.lr(meta.step)
-                );
-                old.extend(meta.step, total)
-            };
+            let schedule = checkpoint::resumed_schedule(
+                meta,
+                s,
+                |old, total| LrSchedule::for_run(old.adam.lr, old.warmup, total),
+                self.total_steps(),
+                self.train.len() + self.val.len(),
+            )?;
             let config = Eagle3Config::from_json(&meta.config)?;
             let params = ckpt.params(model::expected_tensors(&config).into_iter().map(|(n, _)| n).collect())?;
             let draft_vocab = meta.draft_vocab.clone().context("the checkpoint has no draft vocabulary")?;

@@ -46,6 +46,20 @@ impl TrainExample {
     }
 }
 
+impl super::features::FeatureRequest for TrainExample {
+    fn key(&self) -> &str {
+        &self.key
+    }
+
+    fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    fn source(&self) -> usize {
+        self.source
+    }
+}
+
 fn prompt_hash(text: &str) -> u64 {
     use sha2::Digest;
     let normalised = text.split_whitespace().collect::<Vec<_>>().join(" ");

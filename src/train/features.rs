@@ -181,16 +181,24 @@ pub enum Features<'a> {
     Offline(Vec<FeatureCache>),
 }
 
+/// What features are asked for: an example's key, its tokens and the data directory it came
+/// from (training examples are one).
+pub trait FeatureRequest {
+    fn key(&self) -> &str;
+    fn tokens(&self) -> &[u32];
+    fn source(&self) -> usize;
+}
+
 impl Features<'_> {
-    pub fn get(&mut self, e: &super::examples::TrainExample, device: &Device) -> Result<Tensor> {
+    pub fn get(&mut self, e: &impl FeatureRequest, device: &Device) -> Result<Tensor> {
         match self {
-            Features::Online { target, layer_ids } => target_features(target, layer_ids, &e.tokens, KvDtype::F16),
+            Features::Online { target, layer_ids } => target_features(target, layer_ids, e.tokens(), KvDtype::F16),
             Features::Offline(caches) => {
                 let n = caches.len();
                 caches
-                    .get_mut(e.source)
-                    .with_context(|| format!("{} comes from data directory {} of {n}", e.key, e.source))?
-                    .read(&e.key, device)
+                    .get_mut(e.source())
+                    .with_context(|| format!("{} comes from data directory {} of {n}", e.key(), e.source()))?
+                    .read(e.key(), device)
             }
         }
     }
@@ -202,12 +210,12 @@ pub fn fill_feature_cache(
     cache: &mut FeatureCache,
     key: &FeatureKey,
     target: &Transformer,
-    examples: &[&super::examples::TrainExample],
+    examples: &[&impl FeatureRequest],
     mut progress: impl FnMut(usize, usize),
 ) -> Result<f64> {
     let t0 = Instant::now();
-    let todo: Vec<&&super::examples::TrainExample> = examples.iter().filter(|e| !cache.contains(&e.key)).collect();
-    let tokens: u64 = examples.iter().map(|e| e.tokens.len() as u64).sum();
+    let todo: Vec<_> = examples.iter().filter(|e| !cache.contains(e.key())).collect();
+    let tokens: u64 = examples.iter().map(|e| e.tokens().len() as u64).sum();
     eprintln!(
         "target features: {} tokens of {} examples take {:.2} GB on disk as f16 ({} to compute)",
         tokens,
@@ -218,8 +226,8 @@ pub fn fill_feature_cache(
     let mut last_flush = Instant::now();
     progress(0, todo.len());
     for (i, e) in todo.iter().enumerate() {
-        let f = target_features(target, &key.layer_ids, &e.tokens, KvDtype::F16)?;
-        cache.append(&e.key, &f)?;
+        let f = target_features(target, &key.layer_ids, e.tokens(), KvDtype::F16)?;
+        cache.append(e.key(), &f)?;
         if last_flush.elapsed().as_secs() >= 30 {
             cache.flush_index()?;
             last_flush = Instant::now();

@@ -490,7 +490,7 @@ struct Prepared<'a> {
 }
 
 /// Splits `run`'s data and opens the features of a run of `steps` steps of `batch` sequences.
-fn prepare<'a>(
+fn examples_and_features<'a>(
     run: &RunArgs,
     target: &'a crate::engine::LoadedModel,
     max_tokens: usize,
@@ -521,12 +521,13 @@ pub fn parse_device(text: &str) -> Result<candle_core::Device> {
     })
 }
 
-/// What `--quick` changes, and the small data set it makes when no --data is given.
+/// Steps of a `--quick` run.
 const QUICK_STEPS: usize = 60;
 
 impl RunArgs {
-    /// Applies `--quick`: a short schedule, and data made first when none is given.
-    fn prepare(&mut self, target: &crate::engine::LoadedModel) -> Result<()> {
+    /// Applies `--quick` (a short schedule, and data made first when none is given), then
+    /// checks there is data.
+    fn apply_quick(&mut self, target: &crate::engine::LoadedModel) -> Result<()> {
         if self.quick {
             self.steps.get_or_insert(QUICK_STEPS);
             self.checkpoint_every = self.checkpoint_every.min(30);
@@ -716,7 +717,7 @@ fn run_dflash(mut args: DflashArgs) -> Result<()> {
     settings.validate()?;
     let export_dtype = export_dtype(&args.run.dtype)?;
     let target = load_target(&args.run.target, args.run.weights.as_deref(), &parse_device(&args.run.device)?)?;
-    args.run.prepare(&target)?;
+    args.run.apply_quick(&target)?;
     let mut settings = settings;
     settings.steps = args.run.steps;
     settings.checkpoint_every = args.run.checkpoint_every;
@@ -735,7 +736,7 @@ fn run_dflash(mut args: DflashArgs) -> Result<()> {
     let mut observer = ProgressObserver::new();
     let shape = (settings.steps, settings.batch);
     let Prepared { train, val, mut features, feature_secs } =
-        prepare(&args.run, &target, settings.max_tokens, shape, layer_ids, &mut observer)?;
+        examples_and_features(&args.run, &target, settings.max_tokens, shape, layer_ids, &mut observer)?;
     let run = TrainRun {
         target: &target.model,
         tokenizer: &target.tokenizer,
@@ -780,7 +781,7 @@ fn run_eagle3(mut args: Eagle3Args) -> Result<()> {
     settings.validate()?;
     let dtype = export_dtype(&args.run.dtype)?;
     let target = load_target(&args.run.target, args.run.weights.as_deref(), &parse_device(&args.run.device)?)?;
-    args.run.prepare(&target)?;
+    args.run.apply_quick(&target)?;
     settings.steps = args.run.steps;
     settings.checkpoint_every = args.run.checkpoint_every;
     if let Some(dir) = &settings.init_from {
@@ -796,7 +797,7 @@ fn run_eagle3(mut args: Eagle3Args) -> Result<()> {
     let mut observer = ProgressObserver::new();
     let shape = (settings.steps, settings.batch);
     let Prepared { train, val, mut features, feature_secs } =
-        prepare(&args.run, &target, settings.max_tokens, shape, layer_ids, &mut observer)?;
+        examples_and_features(&args.run, &target, settings.max_tokens, shape, layer_ids, &mut observer)?;
     let run = Eagle3Run {
         target: &target.model,
         train,

@@ -131,6 +131,17 @@ impl TrainingRecord {
         Ok((Some(r), last.feature_secs))
     }
 
+    /// The record of a drafter trained from `base` (None: from scratch) by one more run:
+    /// `run`'s steps and feature seconds added, `train_secs` the lineage's total so far.
+    pub fn extended(base: Option<&Self>, run: RecordedRun, train_secs: f64) -> Self {
+        let mut r = base.cloned().unwrap_or_else(Self::empty);
+        r.steps += run.steps;
+        r.train_secs = train_secs;
+        r.feature_secs += run.feature_secs;
+        r.runs.push(run);
+        r
+    }
+
     pub fn write(&self, dir: &Path) -> Result<()> {
         std::fs::write(dir.join(RECORD_FILE), serde_json::to_string_pretty(self)? + "\n")?;
         Ok(())

@@ -32,7 +32,7 @@ pub struct Coverage {
 
 impl Coverage {
     /// `ids`: the vocabulary (sorted target ids); None: the target's whole vocabulary.
-    pub fn of(examples: &[TrainExample], ids: Option<&[u32]>, vocab: usize) -> Self {
+    pub fn of<'e>(examples: impl IntoIterator<Item = &'e TrainExample>, ids: Option<&[u32]>, vocab: usize) -> Self {
         let mut member = vec![ids.is_none(); vocab];
         for &t in ids.unwrap_or(&[]) {
             if let Some(m) = member.get_mut(t as usize) {

@@ -732,9 +732,7 @@ impl TrainRun<'_> {
 
     /// How much of the training and validation answers `vocab` covers.
     fn coverage(&self, vocab: Option<&[u32]>) -> Coverage {
-        let mut all = self.train.clone();
-        all.extend(self.val.iter().cloned());
-        Coverage::of(&all, vocab, self.target.config.vocab)
+        Coverage::of(self.train.iter().chain(&self.val), vocab, self.target.config.vocab)
     }
 
     fn go_live(&self, start: Start) -> Result<Live> {
@@ -844,17 +842,13 @@ impl TrainRun<'_> {
 
     /// The drafter's training record: the one it was started from, plus this run.
     fn record(&self, live: &Live, done: usize, train_secs: f64) -> TrainingRecord {
-        let mut r = live.base_record.clone().unwrap_or_else(TrainingRecord::empty);
-        r.steps += done;
-        r.train_secs = train_secs;
-        r.feature_secs += live.own_feature_secs;
-        r.runs.push(RecordedRun {
+        let run = RecordedRun {
             data: self.data.clone(),
             train_examples: self.train.len(),
             steps: done,
             feature_secs: live.own_feature_secs,
-        });
-        r
+        };
+        TrainingRecord::extended(live.base_record.as_ref(), run, train_secs)
     }
 }
 

@@ -414,17 +414,13 @@ impl Eagle3Run<'_> {
                 checkpoint::save(&self.out.join(CHECKPOINT), &opt, &meta)?;
                 let dir = self.out.join("drafter");
                 export(&dir, &config, opt.params(), &draft_vocab, self.export_dtype)?;
-                let mut record = start.base_record.clone().unwrap_or_else(TrainingRecord::empty);
-                record.steps += done;
-                record.train_secs = train_secs;
-                record.feature_secs += own_feature_secs;
-                record.runs.push(RecordedRun {
+                let run = RecordedRun {
                     data: self.data.clone(),
                     train_examples: self.train.len(),
                     steps: done,
                     feature_secs: own_feature_secs,
-                });
-                record.write(&dir)?;
+                };
+                TrainingRecord::extended(start.base_record.as_ref(), run, train_secs).write(&dir)?;
             }
         }
         let secs = t0.elapsed().as_secs_f64();
@@ -542,9 +538,7 @@ impl Eagle3Run<'_> {
     }
 
     fn coverage(&self, vocab: &[u32]) -> Coverage {
-        let mut all = self.train.clone();
-        all.extend(self.val.iter().cloned());
-        Coverage::of(&all, Some(vocab), self.target.config.vocab)
+        Coverage::of(self.train.iter().chain(&self.val), Some(vocab), self.target.config.vocab)
     }
 
     /// One optimiser step; returns the gradient norm, the scored rows and the tokens read.

@@ -125,9 +125,20 @@ fn spawn_server(args: &[&str]) -> (std::process::Child, BufReader<std::process::
 
 /// [`spawn_server`], also returning what the server wrote before it listened.
 fn spawn_server_logged(args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStderr>, String, String) {
+    spawn_command(&[&["serve", "--port", "0"], args].concat(), None)
+}
+
+/// Runs `specula ARGS` (a `serve` command line) in `cwd`, returning as [`spawn_server_logged`].
+fn spawn_command(
+    args: &[&str],
+    cwd: Option<&std::path::Path>,
+) -> (std::process::Child, BufReader<std::process::ChildStderr>, String, String) {
     let mut early = String::new();
-    let mut server = specula()
-        .args(["serve", "--port", "0"])
+    let mut command = specula();
+    if let Some(dir) = cwd {
+        command.current_dir(dir);
+    }
+    let mut server = command
         .args(args)
         .env("SPECULA_LOG_FORMAT", "json")
         .env_remove("RUST_LOG")
@@ -165,6 +176,86 @@ fn wait_for_clean_exit(server: &mut std::process::Child) {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(code.success(), "exit status {code:?}");
+}
+
+/// The command lines llama.cpp and vLLM users already type work as they expect, checked with
+/// the official `openai` client (tests/python/test_familiar_commands.py): the served name, the
+/// per-request context limit and its 400, `/tokenize` and `/detokenize`.
+#[test]
+fn llama_cpp_and_vllm_command_lines_serve_the_openai_client() {
+    if !Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success()) {
+        eprintln!(
+            "SKIPPED: the `openai` Python package is not installed (`python3 -m pip install openai`; .ci/run does)"
+        );
+        return;
+    }
+    // llama-server's form names a GGUF file by path: give the cached model that name.
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = specula::fetch::resolve_model("smollm2-135m", false).unwrap();
+    std::os::unix::fs::symlink(&gguf, dir.path().join("model.gguf")).unwrap();
+    let llama_cpp: &[&str] =
+        &["serve", "./model.gguf", "-c", "4096", "-np", "4", "--alias", "foo", "--port", "0", "--api-key", "K"];
+    let vllm: &[&str] = &[
+        "serve",
+        "smollm2-135m",
+        "--max-model-len",
+        "4096",
+        "--served-model-name",
+        "foo",
+        "--speculative-config",
+        r#"{"method":"ngram","num_speculative_tokens":5}"#,
+        "--port",
+        "0",
+    ];
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/test_familiar_commands.py");
+    for (args, key, drafter) in [(llama_cpp, Some("K"), "suffix"), (vllm, None, "ngram:3")] {
+        let (mut server, _stderr, addr, _) = spawn_command(args, Some(dir.path()));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let health: Value =
+            rt.block_on(http_client::request(&addr, "GET", "/health", &[], b"")).unwrap().json().unwrap();
+        assert_eq!(health["model"], "foo", "{health}");
+        assert_eq!(health["context_length"], 4096, "{health}");
+        assert!(health["drafter"].as_str().is_some_and(|d| d.starts_with(drafter)), "{health}");
+        let mut python = Command::new("python3");
+        python.arg(&script).args([
+            "--base-url",
+            &format!("http://{addr}/v1"),
+            "--name",
+            "foo",
+            "--max-model-len",
+            "4096",
+        ]);
+        if let Some(key) = key {
+            python.args(["--api-key", key]);
+        }
+        let out = python.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        println!("{}:\n{stdout}", args.join(" "));
+        assert!(out.status.success(), "{}:\n{stdout}\n{}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+        terminate(&mut server);
+    }
+}
+
+/// A llama.cpp or vLLM spelling that cannot be honoured is refused at start, with the reason.
+#[test]
+fn unsupported_speculative_configs_and_conflicting_flags_are_refused() {
+    for (args, expected) in [
+        (&["--speculative-config", r#"{"method":"medusa","model":"m"}"#][..], "not supported"),
+        (&["--speculative-config", r#"{"method":"ngram"}"#, "--drafter", "ngram"][..], "cannot be used with"),
+        (
+            &["--speculative-config", r#"{"method":"ngram","num_speculative_tokens":4}"#, "--draft-max", "6"][..],
+            "disagree",
+        ),
+        (&["--draft-max", "16"][..], "expected 0 to 15"),
+        (&["-np", "0"][..], "≥ 1"),
+        (&["smollm2-135m", "-m", "smollm2-135m"][..], "cannot be used with"),
+    ] {
+        let out = specula().args(["serve", "--port", "0"]).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
 }
 
 /// Many short requests through a small suffix cache: it stays within its budget by evicting

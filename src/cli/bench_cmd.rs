@@ -63,9 +63,10 @@ pub struct BenchArgs {
     /// comma-separated, each is its own mode.
     #[arg(long, value_delimiter = ',', default_values_t = vec!["cold".to_string()])]
     acceptance_history: Vec<String>,
-    /// Longest draft the adaptive policy may choose.
-    #[arg(long, default_value_t = MAX_DRAFT)]
-    max_draft_len: usize,
+    /// Longest draft the adaptive policy may choose (llama.cpp's `--draft-max`).
+    #[arg(long = "draft-max", visible_alias = "draft", alias = "max-draft-len", default_value_t = MAX_DRAFT,
+          value_parser = super::draft_max_arg)]
+    draft_max: usize,
     /// Prompt set: gsm8k-100, humaneval, humaneval-edit, mt-bench, math500, or a training set
     /// (sharegpt, codeio, codeio-completion, reasoning-gym-math: with `--skip`, prompts a drafter
     /// was not trained on); repeatable.
@@ -108,9 +109,6 @@ fn run_spec(args: BenchArgs) -> Result<()> {
     if args.weights.len() > 1 {
         bail!("--mode spec takes at most one --weights");
     }
-    if args.max_draft_len > MAX_DRAFT {
-        bail!("--max-draft-len {} is too long (at most {MAX_DRAFT})", args.max_draft_len);
-    }
     let settings = spec::SpecBenchSettings {
         models: args.model.clone(),
         weights: args.weights.first().cloned(),
@@ -126,7 +124,7 @@ fn run_spec(args: BenchArgs) -> Result<()> {
                 other => bail!("--acceptance-history takes cold and/or warm, got `{other}`"),
             })
             .collect::<Result<_>>()?,
-        max_auto_draft_len: args.max_draft_len,
+        max_auto_draft_len: args.draft_max,
         datasets: args.dataset.clone(),
         skip: args.skip,
         limit: args.limit,

@@ -32,8 +32,8 @@ pub struct GenerateArgs {
     system: Option<String>,
     #[arg(long, short = 'n', default_value_t = 128)]
     max_tokens: usize,
-    /// 0 = greedy.
-    #[arg(long, short = 't', default_value_t = 0.0)]
+    /// Sampling temperature; 0 = greedy. (`-t` is the thread count, as in llama.cpp.)
+    #[arg(long = "temp", visible_alias = "temperature", default_value_t = 0.0)]
     temperature: f32,
     #[arg(long, default_value_t = 0)]
     top_k: usize,
@@ -66,6 +66,10 @@ pub struct GenerateArgs {
     /// cost once, then choose 0..=15 per step from it and the acceptance so far).
     #[arg(long, default_value = "auto", value_parser = parse_draft_len)]
     draft_len: DraftLen,
+    /// Longest draft per step (llama.cpp's `--draft-max`).
+    #[arg(long = "draft-max", visible_alias = "draft", default_value_t = MAX_DRAFT,
+          value_parser = super::draft_max_arg)]
+    draft_max: usize,
     /// Draft trees, for drafters that can draft them (DFlash): `auto` (as many nodes as pay,
     /// chosen each step with the draft length), `off` (chains), or the most nodes per step.
     /// Trees verify several candidates per position in one forward; output is unchanged.
@@ -99,13 +103,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let ctx = loaded.model.config.context_len.min(args.model.kv_tokens);
+    let model_context = loaded.model.config.context_len;
+    let ctx = args.model.max_model_len().map_or(model_context, |c| c.min(model_context)).min(args.model.kv_tokens);
     if prompt.len() >= ctx {
         bail!(
-            "the prompt has {} tokens; the context holds {ctx} (model context {}, --kv-tokens {})",
+            "the prompt has {} tokens; the context holds {ctx} (model context {model_context}, --kv-tokens {}{})",
             prompt.len(),
-            loaded.model.config.context_len,
-            args.model.kv_tokens
+            args.model.kv_tokens,
+            args.model.max_model_len().map_or(String::new(), |c| format!(", --ctx-size {c}"))
         );
     }
     let params = SamplingParams {
@@ -114,7 +119,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         top_p: args.top_p,
         min_p: args.min_p,
         seed: args.seed,
-        max_tokens: Some(args.max_tokens),
+        // Generation ends where the context does, as llama.cpp's does.
+        max_tokens: Some(args.max_tokens.min(ctx - prompt.len())),
         stop_strings: args.stop.clone(),
         ..SamplingParams::default()
     };
@@ -123,7 +129,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let spec = args
         .drafter
         .as_deref()
-        .map(|d| DrafterSpec::parse_for_model(d, &args.model.model))
+        .map(|d| DrafterSpec::parse_for_model(d, args.model.name()))
         .transpose()
         .context("--drafter")?;
     let mut proposer: Option<Box<dyn Proposer>> = match &spec {
@@ -133,6 +139,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut opts = GenerateOptions {
         stop_ids: if args.ignore_eos { Vec::new() } else { loaded.stop_ids() },
         draft_len: args.draft_len,
+        max_draft: args.draft_max,
         draft_tree: args.draft_tree,
         trace: args.trace.is_some(),
         ..GenerateOptions::default()

@@ -6,6 +6,7 @@ mod generate_cmd;
 mod inspect_cmd;
 mod loadtest_cmd;
 mod serve_cmd;
+mod speculative_config;
 mod train_cmd;
 
 use clap::{Parser, Subcommand};
@@ -15,6 +16,10 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Worker threads for the model's matmuls and attention (as llama.cpp's `-t`); default one
+    /// per physical core. Same as setting `CANDLE_NUM_THREADS`.
+    #[arg(long, short = 't', global = true, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    threads: Option<u16>,
 }
 
 #[derive(Subcommand)]
@@ -37,13 +42,16 @@ enum Command {
 
 /// Entry point; returns the process exit code. Errors print as one line.
 pub fn main() -> i32 {
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(llama_cpp_spellings(std::env::args_os())) {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
+    if let Some(threads) = cli.threads {
+        set_threads(threads, matches!(cli.command, Command::Train(_)));
+    }
     init_logging(matches!(cli.command, Command::Serve(_)));
     let result = match cli.command {
         Command::Fetch(a) => fetch_cmd::run(a),
@@ -60,6 +68,43 @@ pub fn main() -> i32 {
             eprintln!("error: {}", one_line(&e));
             1
         }
+    }
+}
+
+/// `--draft-max`: 0 to [`MAX_DRAFT`](crate::speculative::MAX_DRAFT) tokens.
+fn draft_max_arg(text: &str) -> Result<usize, String> {
+    let max = crate::speculative::MAX_DRAFT;
+    text.trim().parse::<usize>().ok().filter(|&n| n <= max).ok_or_else(|| format!("expected 0 to {max}, got `{text}`"))
+}
+
+/// A count of at least 1.
+fn positive_count_arg(text: &str) -> Result<usize, String> {
+    text.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| format!("expected a whole number ≥ 1, got `{text}`"))
+}
+
+/// llama.cpp's two-letter single-dash flags, which clap would read as a short flag and its
+/// value (`-np 4` as `-n p`), rewritten to their long spellings.
+fn llama_cpp_spellings(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    args.into_iter()
+        .map(|arg| match arg.to_str() {
+            Some("-np") => "--parallel".into(),
+            Some(other) if other.starts_with("-np=") => format!("--parallel={}", &other[4..]).into(),
+            _ => arg,
+        })
+        .collect()
+}
+
+/// Sizes the matmul pool (candle's, read when it first starts, which is after this) and, for
+/// training, whose backward pass runs on rayon's pool, that one too. Runs before any worker
+/// thread exists, so changing the environment is safe.
+fn set_threads(threads: u16, training: bool) {
+    std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
+    if training {
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
 }
 
@@ -80,31 +125,52 @@ fn one_line(e: &anyhow::Error) -> String {
     format!("{e:#}").replace('\n', " ")
 }
 
+/// The model `serve` and `generate` run when none is named.
+pub const DEFAULT_MODEL: &str = "smollm2-135m";
+
 /// Shared model options.
 #[derive(clap::Args, Clone)]
 pub struct ModelArgs {
-    /// Model key (see `specula fetch --list`) or path to a GGUF file.
-    #[arg(long, short = 'm', default_value = "smollm2-135m")]
-    pub model: String,
+    /// Model key (see `specula fetch --list`) or path to a GGUF file (default smollm2-135m).
+    #[arg(value_name = "MODEL")]
+    model_positional: Option<String>,
+    /// The model, as a flag (llama.cpp's `-m`); the same as the positional MODEL.
+    #[arg(long = "model", short = 'm', value_name = "MODEL", conflicts_with = "model_positional")]
+    model_flag: Option<String>,
     /// Weight format in memory: native, q8_0, q4_0, f16, f32 (default: measured best for the file).
     #[arg(long)]
     pub weights: Option<String>,
-    /// KV cache capacity in tokens.
+    /// KV cache capacity in tokens, shared by all requests.
     #[arg(long, default_value_t = 8192)]
     pub kv_tokens: usize,
+    /// The most tokens (prompt + output) one request may have (llama.cpp's `-c`, vLLM's
+    /// `--max-model-len`); default the model's context, or the KV cache if smaller.
+    #[arg(long = "ctx-size", short = 'c', visible_alias = "max-model-len", value_name = "TOKENS",
+          value_parser = clap::value_parser!(u64).range(2..))]
+    ctx_size: Option<u64>,
     /// KV cache element type: f16 (like llama.cpp) or f32.
     #[arg(long, default_value = "f16")]
     pub kv_type: String,
 }
 
 impl ModelArgs {
+    /// The model key or path, positional or `--model`.
+    pub fn name(&self) -> &str {
+        self.model_positional.as_deref().or(self.model_flag.as_deref()).unwrap_or(DEFAULT_MODEL)
+    }
+
+    /// `--ctx-size` / `--max-model-len`, if given.
+    pub fn max_model_len(&self) -> Option<usize> {
+        self.ctx_size.map(|n| usize::try_from(n).unwrap_or(usize::MAX))
+    }
+
     pub fn kv_pool(&self, model: &crate::model::Transformer) -> anyhow::Result<crate::kv::KvPool> {
         let dtype = crate::kv::KvDtype::parse(&self.kv_type).map_err(anyhow::Error::msg)?;
         Ok(model.new_kv_pool_typed(self.kv_tokens, dtype))
     }
 
     pub fn load(&self) -> anyhow::Result<crate::engine::LoadedModel> {
-        let path = crate::fetch::resolve_model(&self.model, true)?;
+        let path = crate::fetch::resolve_model(self.name(), true)?;
         let weights = self.weights.as_deref().map(crate::model::WeightFormat::parse).transpose()?;
         crate::engine::LoadedModel::load(&path, weights, &candle_core::Device::Cpu)
     }

@@ -1,5 +1,6 @@
 //! `specula serve`: the OpenAI-compatible server with continuous batching and speculation.
 
+use super::speculative_config::SpeculativeConfig;
 use super::ModelArgs;
 use crate::engine::{Engine, EngineConfig};
 use crate::server::{serve, AppState, ServerConfig};
@@ -18,10 +19,22 @@ pub struct ServeArgs {
     /// Drafter for every request: ngram[:N], suffix[:OPTIONS], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, two of
     /// those joined by `+` (the second drafts where the first finds nothing), `auto` (prompt
     /// lookup, with the repository's DFlash drafter for the model behind it where there is
-    /// one), or `none`. The draft length adapts per request and to the load (down to none when
-    /// the batch is compute-bound); a request can opt out with "speculate": false.
-    #[arg(long, default_value = "suffix")]
-    drafter: String,
+    /// one), or `none` (default `suffix`). The draft length adapts per request and to the load
+    /// (down to none when the batch is compute-bound); a request can opt out with
+    /// "speculate": false.
+    #[arg(long)]
+    drafter: Option<String>,
+    /// vLLM's speculative decoding settings as JSON, instead of --drafter and --draft-max:
+    /// `method` (ngram, draft_model, eagle3, dflash, suffix), `model` (the drafter's key or
+    /// directory), `num_speculative_tokens` (the longest draft), and the method's options
+    /// (`prompt_lookup_max`, `suffix_decoding_*`).
+    #[arg(long, value_name = "JSON", conflicts_with = "drafter")]
+    speculative_config: Option<String>,
+    /// The name clients use for the model, reported by /v1/models (llama.cpp's `--alias`,
+    /// vLLM's `--served-model-name`); several, comma-separated: the first is reported, all are
+    /// accepted. Default: the model key or file name.
+    #[arg(long = "alias", visible_alias = "served-model-name", value_name = "NAME", value_delimiter = ',', num_args = 1..)]
+    alias: Vec<String>,
     /// Address to listen on (loopback by default; anything else exposes the server).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -39,8 +52,10 @@ pub struct ServeArgs {
     /// Requests allowed to wait for a slot; more get 503.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
-    /// Sequences decoding together at most.
-    #[arg(long, default_value_t = 32)]
+    /// Sequences decoding together at most (llama.cpp's `-np`/`--parallel`, vLLM's
+    /// `--max-num-seqs`).
+    #[arg(long, visible_aliases = ["parallel", "max-num-seqs"], default_value_t = 32,
+          value_parser = super::positive_count_arg)]
     max_running: usize,
     /// Tokens per batched forward (decode rows, draft rows and prefill chunks together).
     #[arg(long, default_value_t = 256)]
@@ -49,9 +64,10 @@ pub struct ServeArgs {
     /// the batch) or a fixed number of tokens.
     #[arg(long, default_value = "auto")]
     draft_len: String,
-    /// Longest draft per sequence and step (`auto`).
-    #[arg(long, default_value_t = MAX_DRAFT)]
-    max_draft: usize,
+    /// Longest draft per sequence and step (llama.cpp's `--draft-max`; default 15).
+    #[arg(long = "draft-max", visible_alias = "draft", alias = "max-draft",
+          value_parser = super::draft_max_arg)]
+    draft_max: Option<usize>,
     /// Draft trees, for drafters that can draft them (DFlash): `auto` (as many nodes as pay,
     /// chosen each step with the draft length), `off` (chains), or the most nodes per step.
     /// Trees verify several candidates per position in one forward; output is unchanged.
@@ -61,7 +77,7 @@ pub struct ServeArgs {
     /// on by default; outputs are the same either way).
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    /// Require `Authorization: Bearer KEY` on the API routes (/v1, /tokenize, /detokenize).
     #[arg(long)]
     api_key: Option<String>,
     /// Request bodies larger than this get 413.
@@ -87,14 +103,29 @@ pub struct ServeArgs {
     suffix_cache_file: Option<std::path::PathBuf>,
 }
 
+/// The drafter to serve with when neither --drafter nor --speculative-config names one.
+const DEFAULT_DRAFTER: &str = "suffix";
+
 pub fn run(args: ServeArgs) -> Result<()> {
-    let drafter = match args.drafter.as_str() {
+    let (drafter_arg, draft_max) = match &args.speculative_config {
+        Some(json) => {
+            let config = SpeculativeConfig::parse(json)?;
+            if let (Some(flag), Some(json)) = (args.draft_max, config.draft_max) {
+                if flag != json {
+                    bail!("--draft-max {flag} and num_speculative_tokens {json} in --speculative-config disagree");
+                }
+            }
+            (config.drafter, args.draft_max.or(config.draft_max))
+        }
+        None => (args.drafter.clone().unwrap_or_else(|| DEFAULT_DRAFTER.to_string()), args.draft_max),
+    };
+    let drafter = match drafter_arg.as_str() {
         "none" => None,
-        spec => Some(DrafterSpec::parse_for_model(spec, &args.model.model).context("--drafter")?),
+        spec => Some(DrafterSpec::parse_for_model(spec, args.model.name()).context("--drafter")?),
     };
     let kv_dtype = crate::kv::KvDtype::parse(&args.model.kv_type).map_err(anyhow::Error::msg)?;
     let loaded = Arc::new(args.model.load()?);
-    let (model_id, aliases) = model_names(&args.model.model, &loaded.path);
+    let (model_id, aliases) = model_names(args.model.name(), &loaded.path, &args.alias);
     let config = EngineConfig {
         kv_tokens: args.model.kv_tokens,
         kv_dtype,
@@ -103,16 +134,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_waiting: args.max_queue,
         drafter,
         draft_len: parse_draft_len(&args.draft_len)?,
-        max_draft: args.max_draft,
+        max_draft: draft_max.unwrap_or(MAX_DRAFT),
         draft_tree: args.draft_tree,
         step_cost: None,
         prefix_caching: !args.no_prefix_cache,
         trace: false,
         suffix_cache: None,
+        max_model_len: args.model.max_model_len(),
     };
-    if args.max_draft > MAX_DRAFT {
-        bail!("--max-draft {} is too long (at most {MAX_DRAFT})", args.max_draft);
-    }
     let suffix_identity = format!("{}:{}", model_id, loaded.tokenizer.vocab_size());
     let mut config = config;
     if config.drafter.as_ref().is_some_and(DrafterSpec::uses_suffix) {
@@ -193,17 +222,23 @@ pub fn run(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The id clients name the model by (the registry key, else the file name without
-/// extension), and other accepted names.
-fn model_names(arg: &str, path: &Path) -> (String, Vec<String>) {
+/// The id clients name the model by (the first `--alias`, else the registry key, else the file
+/// name without extension), and the other names accepted for it.
+fn model_names(arg: &str, path: &Path, served_names: &[String]) -> (String, Vec<String>) {
     let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| arg.to_string());
-    let id = if crate::fetch::find_asset(arg).is_some() { arg.to_string() } else { stem.clone() };
-    let mut aliases = vec![stem, arg.to_string(), path.display().to_string()];
+    let default_id = if crate::fetch::find_asset(arg).is_some() { arg.to_string() } else { stem.clone() };
+    let mut names: Vec<String> = served_names.iter().map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+    names.extend([default_id, stem, arg.to_string(), path.display().to_string()]);
     if let Some(name) = path.file_name() {
-        aliases.push(name.to_string_lossy().into_owned());
+        names.push(name.to_string_lossy().into_owned());
     }
-    aliases.retain(|a| a != &id);
-    aliases.dedup();
+    let id = names.remove(0);
+    let mut aliases = Vec::new();
+    for name in names {
+        if name != id && !aliases.contains(&name) {
+            aliases.push(name);
+        }
+    }
     (id, aliases)
 }
 

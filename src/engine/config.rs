@@ -35,6 +35,16 @@ pub struct EngineConfig {
     /// The suffix drafter's cache of recent requests; None = a fresh one with default
     /// settings where the drafter has a `suffix` part.
     pub suffix_cache: Option<Arc<SuffixCache>>,
+    /// The most tokens (prompt + output) one request may have, below the model's own context
+    /// (llama.cpp's `--ctx-size`, vLLM's `--max-model-len`); None = the model's context.
+    pub max_model_len: Option<usize>,
+}
+
+impl EngineConfig {
+    /// The context a sequence may grow to on a model whose own context is `model_context`.
+    pub fn context_len(&self, model_context: usize) -> usize {
+        self.max_model_len.map_or(model_context, |limit| limit.min(model_context))
+    }
 }
 
 impl Default for EngineConfig {
@@ -53,6 +63,7 @@ impl Default for EngineConfig {
             prefix_caching: true,
             trace: false,
             suffix_cache: None,
+            max_model_len: None,
         }
     }
 }

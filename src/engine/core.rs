@@ -56,6 +56,8 @@ pub struct EngineCore<'a> {
     /// Requests added and not yet admitted (shared with whoever refuses new ones when full).
     queued: Arc<AtomicUsize>,
     fleet: FleetAcceptance,
+    /// The context a sequence may grow to: the model's, or the configured limit below it.
+    context_len: usize,
 }
 
 /// What the forward phase produced for the verify phase.
@@ -81,6 +83,7 @@ impl<'a> EngineCore<'a> {
         queued: Arc<AtomicUsize>,
     ) -> Self {
         let stats = pool.stats();
+        let target_context = target.model.config.context_len;
         let sched = Scheduler::new(SchedulerConfig {
             step_tokens: config.step_tokens,
             max_running: config.max_running,
@@ -100,6 +103,7 @@ impl<'a> EngineCore<'a> {
             totals: EngineSnapshot::default(),
             queued,
             fleet: FleetAcceptance::default(),
+            context_len: config.context_len(target_context),
         }
     }
 
@@ -141,11 +145,11 @@ impl<'a> EngineCore<'a> {
         mut proposer: Option<Box<dyn Proposer + 'a>>,
         sink: Box<dyn EventSink + 'a>,
     ) {
-        let ctx = self.target.model.config.context_len;
+        let ctx = self.context_len;
         let invalid = if req.prompt.is_empty() {
             Some("the prompt is empty".to_string())
         } else if req.prompt.len() >= ctx {
-            Some(format!("the prompt has {} tokens, the model's context holds {ctx}", req.prompt.len()))
+            Some(format!("the prompt has {} tokens, the context holds {ctx}", req.prompt.len()))
         } else {
             None
         };
@@ -295,7 +299,7 @@ impl<'a> EngineCore<'a> {
 
     /// The context a sequence may grow to.
     fn context_len(&self) -> usize {
-        self.target.model.config.context_len
+        self.context_len
     }
 
     /// Phase 1: draft bids, then the scheduler's plan. None when nothing runs this step.

@@ -96,10 +96,10 @@ impl Engine {
         &self.config
     }
 
-    /// The most tokens (prompt + output) one request can have: the model's context, or the
-    /// KV pool's capacity if smaller.
+    /// The most tokens (prompt + output) one request can have: the model's context (or
+    /// `max_model_len` below it), or the KV pool's capacity if smaller.
     pub fn context_limit(&self) -> usize {
-        self.model.model.config.context_len.min(self.kv_capacity)
+        self.config.context_len(self.model.model.config.context_len).min(self.kv_capacity)
     }
 
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver

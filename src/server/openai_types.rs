@@ -97,17 +97,7 @@ pub const MAX_CHOICES_ALL_PROMPTS: usize = 64;
 
 /// Parses a request body (already known to be within the size limit).
 pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<CompletionRequest, ApiError> {
-    let text = std::str::from_utf8(body).map_err(|e| {
-        ApiError::bad_request(format!("The request body is not valid UTF-8 (at byte {})", e.valid_up_to()))
-    })?;
-    if text.trim().is_empty() {
-        return Err(ApiError::bad_request("The request body is empty; send a JSON object"));
-    }
-    let value: Value = serde_json::from_str(text)
-        .map_err(|e| ApiError::bad_request(format!("We could not parse the JSON body of your request: {e}")))?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::bad_request("The request body must be a JSON object"));
-    };
+    let obj = json_object(body)?;
     let f = Fields(&obj);
 
     let model = f.string("model")?;
@@ -997,5 +987,115 @@ mod tests {
         assert!(req.chat_template_kwargs.is_empty());
         let bad = r#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":"no"}"#;
         assert_eq!(param_of(bad, Endpoint::Chat).as_deref(), Some("chat_template_kwargs"));
+    }
+}
+
+/// What `/tokenize` is asked to tokenize.
+#[derive(Debug, Clone)]
+pub enum TokenizeInput {
+    /// vLLM's `prompt` (special tokens added unless `add_special_tokens` is false) or
+    /// llama-server's `content` (added only with `add_special`).
+    Text { text: String, add_special: bool },
+    /// vLLM's `messages`: the conversation rendered as a chat completion would render it
+    /// (with `tools` and `chat_template_kwargs`); `add_generation_prompt` defaults to true.
+    Chat { request: Box<CompletionRequest>, add_generation_prompt: bool },
+}
+
+/// A `/tokenize` request, in vLLM's shape or llama-server's.
+#[derive(Debug, Clone)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub input: TokenizeInput,
+    /// vLLM's `return_token_strs`: each token's vocabulary text beside the ids.
+    pub token_strs: bool,
+    /// llama-server's `with_pieces`: `tokens` as `{id, piece}` objects.
+    pub with_pieces: bool,
+}
+
+/// Parses a `/tokenize` body (already known to be within the size limit).
+pub fn parse_tokenize_request(body: &[u8]) -> Result<TokenizeRequest, ApiError> {
+    let obj = json_object(body)?;
+    let f = Fields(&obj);
+    let model = f.string("model")?;
+    let token_strs = f.boolean("return_token_strs")?.unwrap_or(false);
+    let with_pieces = f.boolean("with_pieces")?.unwrap_or(false);
+    let given: Vec<&str> = ["prompt", "content", "messages"].into_iter().filter(|k| f.get(k).is_some()).collect();
+    let input = match given.as_slice() {
+        ["prompt"] => TokenizeInput::Text {
+            text: f.string("prompt")?.unwrap_or_default(),
+            add_special: f.boolean("add_special_tokens")?.unwrap_or(true),
+        },
+        ["content"] => TokenizeInput::Text {
+            text: f.string("content")?.unwrap_or_default(),
+            add_special: f.boolean("add_special")?.unwrap_or(false),
+        },
+        ["messages"] => {
+            if f.boolean("continue_final_message")?.unwrap_or(false) {
+                return Err(ApiError::invalid("continue_final_message", "`continue_final_message` is not supported"));
+            }
+            if f.boolean("add_special_tokens")?.unwrap_or(false) {
+                return Err(ApiError::invalid(
+                    "add_special_tokens",
+                    "`add_special_tokens` with `messages` is not supported: the ids are those a chat completion runs on",
+                ));
+            }
+            TokenizeInput::Chat {
+                request: Box::new(parse_request(body, Endpoint::Chat)?),
+                add_generation_prompt: f.boolean("add_generation_prompt")?.unwrap_or(true),
+            }
+        }
+        [] => return Err(ApiError::invalid("prompt", "Give `prompt` (text), `messages` (a chat) or `content` (text)")),
+        _ => {
+            return Err(ApiError::invalid(
+                given[1],
+                format!("Give one of `prompt`, `messages` and `content`, not {}", given.join(" and ")),
+            ))
+        }
+    };
+    Ok(TokenizeRequest { model, input, token_strs, with_pieces })
+}
+
+/// A `/detokenize` request: `{"tokens": [ids]}` (vLLM's and llama-server's shape).
+#[derive(Debug, Clone)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+}
+
+/// Parses a `/detokenize` body; ids are checked against `vocab` (the vocabulary size).
+pub fn parse_detokenize_request(body: &[u8], vocab: usize) -> Result<DetokenizeRequest, ApiError> {
+    let obj = json_object(body)?;
+    let f = Fields(&obj);
+    let model = f.string("model")?;
+    let Some(Value::Array(items)) = f.get("tokens") else {
+        return Err(ApiError::invalid("tokens", "`tokens` must be an array of token ids"));
+    };
+    let mut tokens = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        match item.as_u64() {
+            Some(id) if id < vocab as u64 => tokens.push(id as u32),
+            _ => {
+                return Err(ApiError::invalid(
+                    &format!("tokens[{i}]"),
+                    format!("`tokens[{i}]` must be a token id below the vocabulary size {vocab}, got {item}"),
+                ))
+            }
+        }
+    }
+    Ok(DetokenizeRequest { model, tokens })
+}
+
+/// A body's JSON object, with the same errors as the completion endpoints give.
+fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let text = std::str::from_utf8(body).map_err(|e| {
+        ApiError::bad_request(format!("The request body is not valid UTF-8 (at byte {})", e.valid_up_to()))
+    })?;
+    if text.trim().is_empty() {
+        return Err(ApiError::bad_request("The request body is empty; send a JSON object"));
+    }
+    match serde_json::from_str(text) {
+        Ok(Value::Object(obj)) => Ok(obj),
+        Ok(_) => Err(ApiError::bad_request("The request body must be a JSON object")),
+        Err(e) => Err(ApiError::bad_request(format!("We could not parse the JSON body of your request: {e}"))),
     }
 }

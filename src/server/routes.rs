@@ -2,8 +2,9 @@
 
 use super::api_error::ApiError;
 use super::openai_types::{
-    chat_logprobs, parse_request, unix_now, Choice, CompletionLogprobs, CompletionRequest, Endpoint, PromptInput,
-    ResponseMeta, ToolChoice,
+    chat_logprobs, parse_detokenize_request, parse_request, parse_tokenize_request, unix_now, Choice,
+    CompletionLogprobs, CompletionRequest, Endpoint, PromptInput, ResponseMeta, TokenizeInput, TokenizeRequest,
+    ToolChoice,
 };
 use super::tool_calls;
 use super::AppState;
@@ -37,6 +38,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -117,6 +120,7 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
             "created": state.created,
             "owned_by": "specula",
             "context_length": state.engine.context_limit(),
+            "max_model_len": state.engine.context_limit(),
             "drafter": state.engine.config().drafter.as_ref().map(|d| d.label()),
         }],
     });
@@ -129,6 +133,97 @@ async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap
 
 async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     handle(state, Endpoint::Completion, headers, body).await
+}
+
+async fn tokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let result = async {
+        let body = checked_body(&state, &headers, body).await?;
+        let req = parse_tokenize_request(&body)?;
+        check_model(&state, req.model.as_deref())?;
+        let st = state.clone();
+        // A long text or chat is tokenized off the async workers, as for completions.
+        tokio::task::spawn_blocking(move || tokenize_body(&st, &req))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
+    }
+    .await;
+    finish_simple(&state, "tokenize", result)
+}
+
+/// vLLM's `/tokenize` answer (`count`, `max_model_len`, `tokens`, `token_strs`); with
+/// llama-server's `with_pieces`, `tokens` holds `{id, piece}` objects as llama-server's does.
+fn tokenize_body(state: &AppState, req: &TokenizeRequest) -> Result<Value, ApiError> {
+    let tokenizer = &state.engine.model().tokenizer;
+    let ids = match &req.input {
+        TokenizeInput::Text { text, add_special } => {
+            tokenizer.encode(text, *add_special).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?
+        }
+        TokenizeInput::Chat { request, add_generation_prompt } => {
+            let prompt = request.prompts.first().ok_or_else(|| ApiError::invalid("messages", "no messages"))?;
+            prompt_ids(state, request, prompt, *add_generation_prompt)?
+        }
+    };
+    let tokens = if req.with_pieces {
+        ids.iter()
+            .map(|&id| json!({"id": id, "piece": String::from_utf8_lossy(tokenizer.piece(id, false))}))
+            .collect::<Vec<_>>()
+    } else {
+        ids.iter().map(|&id| json!(id)).collect()
+    };
+    let token_strs = req.token_strs.then(|| ids.iter().map(|&id| tokenizer.token_text(id)).collect::<Vec<_>>());
+    Ok(json!({
+        "count": ids.len(),
+        "max_model_len": state.engine.context_limit(),
+        "tokens": tokens,
+        "token_strs": token_strs,
+    }))
+}
+
+async fn detokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let result = async {
+        let body = checked_body(&state, &headers, body).await?;
+        let tokenizer = &state.engine.model().tokenizer;
+        let req = parse_detokenize_request(&body, tokenizer.vocab_size())?;
+        check_model(&state, req.model.as_deref())?;
+        let text = tokenizer.decode(&req.tokens, false);
+        // vLLM answers `prompt`, llama-server `content`: both, so either client reads it.
+        Ok(json!({"prompt": text, "content": text}))
+    }
+    .await;
+    finish_simple(&state, "detokenize", result)
+}
+
+/// The body of an authorised request while the server still admits requests.
+async fn checked_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Vec<u8>, ApiError> {
+    authorize(state, headers)?;
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err(ApiError::shutting_down());
+    }
+    read_body(body, headers, state.config.max_body_bytes).await
+}
+
+/// 404 for a model this server does not serve under that name.
+fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != state.config.model_id && !state.config.model_aliases.iter().any(|a| a == m) => {
+            Err(ApiError::model_not_found(m))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A JSON answer or its error, counted in the request metrics under `endpoint`.
+fn finish_simple(state: &AppState, endpoint: &'static str, result: Result<Value, ApiError>) -> Response {
+    match result {
+        Ok(body) => {
+            state.metrics.request(endpoint, 200);
+            json_response(StatusCode::OK, &body)
+        }
+        Err(e) => {
+            state.metrics.request(endpoint, e.status.as_u16());
+            e.into_response()
+        }
+    }
 }
 
 async fn handle(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
@@ -217,17 +312,9 @@ async fn start(
     body: Body,
     arrived: Instant,
 ) -> Result<Response, ApiError> {
-    authorize(state, headers)?;
-    if state.shutting_down.load(Ordering::SeqCst) {
-        return Err(ApiError::shutting_down());
-    }
-    let body = read_body(body, headers, state.config.max_body_bytes).await?;
+    let body = checked_body(state, headers, body).await?;
     let req = parse_request(&body, endpoint)?;
-    if let Some(model) = req.model.as_deref() {
-        if model != state.config.model_id && !state.config.model_aliases.iter().any(|a| a == model) {
-            return Err(ApiError::model_not_found(model));
-        }
-    }
+    check_model(state, req.model.as_deref())?;
     // Tokenizing (and rendering a chat template) can take a while for a long prompt: keep it
     // off the async workers. Every prompt is checked before any is queued.
     let st = state.clone();
@@ -436,19 +523,25 @@ fn encode_chat(
     loaded.tokenizer.encode(&text, true).map_err(|e| ApiError::invalid("messages", format!("{e:#}")))
 }
 
-/// Tokenizes the prompt and checks it and `max_tokens` against the context.
-fn prepare(state: &AppState, req: &CompletionRequest, prompt: &PromptInput) -> Result<EngineRequest, ApiError> {
+/// A prompt's token ids, as the engine runs them: chats rendered with the template (and a
+/// generation prompt after them, if asked), text with the model's special tokens.
+fn prompt_ids(
+    state: &AppState,
+    req: &CompletionRequest,
+    prompt: &PromptInput,
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ApiError> {
     let loaded = state.engine.model();
-    let prompt = match prompt {
+    Ok(match prompt {
         PromptInput::Chat(messages) => {
             let kwargs = template_kwargs(state, req);
-            encode_chat(state, |t| t.render_with(messages, true, &kwargs))?
+            encode_chat(state, |t| t.render_with(messages, add_generation_prompt, &kwargs))?
         }
         PromptInput::ChatJson(messages) => {
             let kwargs = template_kwargs(state, req);
             let offered = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
             let tools = offered.then(|| Value::Array(req.tools.clone()));
-            encode_chat(state, |t| t.render_json(messages, tools.as_ref(), true, &kwargs))?
+            encode_chat(state, |t| t.render_json(messages, tools.as_ref(), add_generation_prompt, &kwargs))?
         }
         PromptInput::Text(text) => {
             loaded.encode_prompt(text).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?
@@ -463,16 +556,23 @@ fn prepare(state: &AppState, req: &CompletionRequest, prompt: &PromptInput) -> R
             }
             ids.clone()
         }
-    };
+    })
+}
+
+/// Tokenizes the prompt and checks it and `max_tokens` against the context.
+fn prepare(state: &AppState, req: &CompletionRequest, prompt: &PromptInput) -> Result<EngineRequest, ApiError> {
+    let prompt = prompt_ids(state, req, prompt, true)?;
     let prompt_param = if req.endpoint == Endpoint::Chat { "messages" } else { "prompt" };
     if prompt.is_empty() {
         return Err(ApiError::invalid(prompt_param, "The prompt is empty"));
     }
     let limit = state.engine.context_limit();
     if prompt.len() >= limit {
+        // vLLM's wording, which clients and routers already recognise.
         return Err(ApiError::context_exceeded(
             format!(
-                "This model's maximum context length is {limit} tokens, but the prompt has {} tokens (no room for a completion)",
+                "This model's maximum context length is {limit} tokens. However, your request has {} input tokens \
+                 (no room for a completion). Please reduce the length of the input.",
                 prompt.len()
             ),
             prompt_param,

@@ -26,9 +26,9 @@ pub enum DrafterSpec {
     Ngram { max_ngram: usize },
     /// `draft-model:KEY|PATH`.
     DraftModel { model: String },
-    /// `dflash:PATH[,block=N][,max=N][,window=N]`: a z-lab DFlash drafter directory (docs/dflash.md).
+    /// `dflash:PATH[,block=N][,draft-max=N][,window=N]`: a z-lab DFlash drafter directory (docs/dflash.md).
     Dflash { path: PathBuf, settings: super::dflash::DflashSettings },
-    /// `eagle3:PATH[,max=N]`: an EAGLE-3 drafter directory in the published layout (docs/eagle3.md).
+    /// `eagle3:PATH[,draft-max=N]`: an EAGLE-3 drafter directory in the published layout (docs/eagle3.md).
     Eagle3 { path: PathBuf, settings: super::eagle3::Eagle3Settings },
     /// `suffix[:depth=N][,factor=F][,min-prob=P][,prompts=on|off]`: suffix decoding over the
     /// request's own text and the server's recent requests (docs/speculative.md).

@@ -48,8 +48,8 @@ pub fn load_for_target(dir: &Path, target: &Transformer, device: &Device) -> Res
 }
 
 /// Parses the argument of `--drafter dflash:ARG`: a drafter directory, optionally followed by
-/// `,block=N`, `,max=N` and `,window=N` (settings are peeled off the end, so the path itself may
-/// contain commas).
+/// `,block=N`, `,draft-max=N` (also spelled `max`) and `,window=N` (settings are peeled off the
+/// end, so the path itself may contain commas).
 pub fn parse_drafter_arg(arg: &str) -> Result<(std::path::PathBuf, DflashSettings)> {
     let mut settings = DflashSettings::default();
     let mut path = arg;
@@ -57,7 +57,7 @@ pub fn parse_drafter_arg(arg: &str) -> Result<(std::path::PathBuf, DflashSetting
         let Some((key, value)) = last.split_once('=') else { break };
         let slot = match key.trim() {
             "block" => &mut settings.block_size,
-            "max" => &mut settings.max_draft,
+            "draft-max" | "max" => &mut settings.max_draft,
             "window" => &mut settings.context_window,
             _ => break,
         };
@@ -73,7 +73,7 @@ pub fn parse_drafter_arg(arg: &str) -> Result<(std::path::PathBuf, DflashSetting
         path = head;
     }
     if path.is_empty() {
-        anyhow::bail!("dflash needs a drafter directory: --drafter dflash:PATH[,block=N][,max=N][,window=N]");
+        anyhow::bail!("dflash needs a drafter directory: --drafter dflash:PATH[,block=N][,draft-max=N][,window=N]");
     }
     if settings.block_size == Some(1) {
         anyhow::bail!("dflash block=1 leaves no room for a draft (the block holds the anchor and the masks)");
@@ -85,7 +85,7 @@ pub fn parse_drafter_arg(arg: &str) -> Result<(std::path::PathBuf, DflashSetting
 pub fn drafter_label(path: &Path, settings: &DflashSettings) -> String {
     let mut label = format!("dflash:{}", path.display());
     for (key, value) in
-        [("block", settings.block_size), ("max", settings.max_draft), ("window", settings.context_window)]
+        [("block", settings.block_size), ("draft-max", settings.max_draft), ("window", settings.context_window)]
     {
         if let Some(v) = value {
             label.push_str(&format!(",{key}={v}"));

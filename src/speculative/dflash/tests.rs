@@ -339,7 +339,7 @@ fn drafter_arguments_parse_settings_off_the_end() {
     let (path, s) = parse_drafter_arg("/m/a,b,block=8,window=4096,max=5").unwrap();
     assert_eq!(path.to_str().unwrap(), "/m/a,b");
     assert_eq!(s, DflashSettings { block_size: Some(8), max_draft: Some(5), context_window: Some(4096) });
-    assert_eq!(drafter_label(&path, &s), "dflash:/m/a,b,block=8,max=5,window=4096");
+    assert_eq!(drafter_label(&path, &s), "dflash:/m/a,b,block=8,draft-max=5,window=4096");
     assert!(parse_drafter_arg("").is_err());
     assert!(parse_drafter_arg("/m/a,block=0").unwrap_err().to_string().contains("positive"));
     assert!(parse_drafter_arg("/m/a,block=1").is_err());

@@ -46,32 +46,30 @@ pub fn load_for_target(dir: &Path, target: &Transformer) -> Result<Eagle3Drafter
 }
 
 /// Parses the argument of `--drafter eagle3:ARG`: a drafter directory, optionally followed by
-/// `,max=N` (peeled off the end, so the path itself may contain commas).
+/// `,draft-max=N` (also spelled `max`; peeled off the end, so the path itself may contain commas).
 pub fn parse_drafter_arg(arg: &str) -> Result<(PathBuf, Eagle3Settings)> {
     let mut settings = Eagle3Settings::default();
     let mut path = arg;
     if let Some((head, last)) = path.rsplit_once(',') {
-        if let Some(("max", value)) = last.split_once('=').map(|(k, v)| (k.trim(), v)) {
-            let n = value
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| n >= 1)
-                .with_context(|| format!("eagle3 setting `max` needs a positive whole number, got `{value}`"))?;
+        if let Some(("draft-max" | "max", value)) = last.split_once('=').map(|(k, v)| (k.trim(), v)) {
+            let n =
+                value.trim().parse::<usize>().ok().filter(|&n| n >= 1).with_context(|| {
+                    format!("eagle3 setting `draft-max` needs a positive whole number, got `{value}`")
+                })?;
             settings.max_draft = Some(n);
             path = head;
         }
     }
     if path.is_empty() {
-        anyhow::bail!("eagle3 needs a drafter directory: --drafter eagle3:PATH[,max=N]");
+        anyhow::bail!("eagle3 needs a drafter directory: --drafter eagle3:PATH[,draft-max=N]");
     }
     Ok((PathBuf::from(path), settings))
 }
 
-/// `eagle3:PATH[,max=N]` as written back for labels.
+/// `eagle3:PATH[,draft-max=N]` as written back for labels.
 pub fn drafter_label(path: &Path, settings: &Eagle3Settings) -> String {
     match settings.max_draft {
-        Some(n) => format!("eagle3:{},max={n}", path.display()),
+        Some(n) => format!("eagle3:{},draft-max={n}", path.display()),
         None => format!("eagle3:{}", path.display()),
     }
 }
@@ -103,6 +101,7 @@ mod tests {
         assert_eq!((p, s.max_draft), (PathBuf::from("a,b"), Some(4)));
         assert!(parse_drafter_arg("a,max=0").is_err());
         assert!(parse_drafter_arg("").is_err());
-        assert_eq!(drafter_label(Path::new("d"), &Eagle3Settings { max_draft: Some(3) }), "eagle3:d,max=3");
+        assert_eq!(drafter_label(Path::new("d"), &Eagle3Settings { max_draft: Some(3) }), "eagle3:d,draft-max=3");
+        assert_eq!(parse_drafter_arg("d,draft-max=3").unwrap().1.max_draft, Some(3));
     }
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # 8 streaming clients against `specula serve` (default ngram drafter), alternating the three
 # activation settings of one build: completion tok/s, TTFT and ITL p50, drafted/accepted.
-SPECULA=${SPECULA:-specula}; OUT=${OUT:-/tmp/ab}; mkdir -p $OUT
+SPECULA=${SPECULA:-specula}; OUT=${OUT:-$(mktemp -d)}; mkdir -p $OUT
 run() { local label=$1 port=$2 levels=$3
   SPECULA_ACTIVATION_LEVELS=$levels $SPECULA serve --port $port > $OUT/serve-$label.log 2>&1 & local pid=$!
   for i in $(seq 1 240); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 0.5; done

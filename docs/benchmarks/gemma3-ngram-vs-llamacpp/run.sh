@@ -8,6 +8,7 @@
 set -euo pipefail
 here=$(dirname "$0")
 rounds=${1:-3}
+log=$(mktemp)
 specula=${SPECULA:-target/release/specula}
 model=$("$specula" fetch gemma3-270m 2>/dev/null | tail -1 | sed 's/^[^:]*: //')
 prompt=$(cat "$here/prompt.txt")
@@ -15,7 +16,7 @@ body=$(python3 -c 'import json,sys; print(json.dumps({"prompt": sys.argv[1], "n_
 
 llama() { # $1: label, rest: extra server flags
   local label=$1; shift
-  "$LLAMA_SERVER" -m "$model" -t 2 -tb 2 -c 2048 --port 8091 "$@" > /tmp/llama-server.log 2>&1 &
+  "$LLAMA_SERVER" -m "$model" -t 2 -tb 2 -c 2048 --port 8091 "$@" > "$log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 120); do curl -sf localhost:8091/health > /dev/null && break; sleep 0.5; done
   curl -s localhost:8091/completion -d "$body" > /dev/null  # warm-up

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Qwen2.5-Coder-1.5B served alone, 1 client, 8 requests of 128 tokens (loadtest's default prompts):
 # alternating new build with the 0.5B draft model, new build without a drafter, base build with the draft model.
-BASE=${BASE:?the build to compare with}; NEW=${NEW:-specula}; OUT=${OUT:-/tmp/ab}; mkdir -p $OUT
+BASE=${BASE:?the build to compare with}; NEW=${NEW:-specula}; OUT=${OUT:-$(mktemp -d)}; mkdir -p $OUT
 run() { local label=$1 port=$2; shift 2
   "$@" > $OUT/serve-$label.log 2>&1 & local pid=$!
   for i in $(seq 1 600); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 0.5; done

@@ -1,6 +1,6 @@
-# Two SmolLM2 DFlash drafters trained from the shipped one on the same data, steps and seed,
-# one with hard labels and one with `--distill` (runs/s10-hard and runs/s10-distill, made by
-# the commands in docs/training.md), greedy, 7 tokens per step.
+# Two SmolLM2 DFlash drafters trained from run 8's weights of the shipped drafter's lineage on the
+# same data, steps and seed, one with hard labels and one with `--distill` (runs/s10-hard and
+# runs/s10-distill: run 10 of the lineage in docs/training.md, and the same with --distill), greedy, 7 tokens per step.
 # Measured on a 2-core AMD EPYC (Zen 1, AVX2); tok/s there, τ anywhere.
 specula bench --mode spec -m smollm2-135m --drafter dflash:runs/s10-distill/drafter,max=7 \
   --drafter dflash:runs/s10-hard/drafter,max=7 --draft-len 7 \

@@ -8,11 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 requests=${1:-100000} mb=${2:-16}
 cargo build --release -q
-bin=/tmp/bench-bin/specula; mkdir -p /tmp/bench-bin; cp target/release/specula "$bin"
+tmp=$(mktemp -d); bin=$tmp/specula; cp target/release/specula "$bin"
 drafter=${DRAFTER:-suffix}
 out=docs/benchmarks/suffix-decoding/memory; [[ $drafter == suffix ]] || out=$out-$drafter; mkdir -p "$out"
 { grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512_vnni\|amx_int8\|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } > "$out/cpu.txt"
-"$bin" serve -m smollm2-135m --drafter "$drafter" --suffix-cache-mb "$mb" --suffix-scope global --port 8301 2> "/tmp/memory-server-$drafter.log" &
+"$bin" serve -m smollm2-135m --drafter "$drafter" --suffix-cache-mb "$mb" --suffix-scope global --port 8301 2> "$tmp/server-$drafter.log" &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 until curl -sf localhost:8301/health > /dev/null; do sleep 1; done
@@ -31,5 +31,5 @@ while kill -0 $load 2> /dev/null; do
 done
 wait $load
 # The start of the server's log (one line per request follows).
-head -n 40 "/tmp/memory-server-$drafter.log" > "$out/server.log"
+head -n 40 "$tmp/server-$drafter.log" > "$out/server.log"
 tail -3 "$out/samples.csv"

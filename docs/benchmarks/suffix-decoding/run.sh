@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../../.."
 model=$1 clients=$2 n=$3; shift 3
 workloads=("$@"); ((${#workloads[@]})) || workloads=(code-edit extraction agentic)
 cargo build --release -q
-bin=/tmp/bench-bin/specula; mkdir -p /tmp/bench-bin; cp target/release/specula "$bin"
+bin=$(mktemp -d)/specula; cp target/release/specula "$bin"
 out=docs/benchmarks/suffix-decoding/$model-c$clients${TAG:+-$TAG}; mkdir -p "$out"
 { grep -m1 "model name" /proc/cpuinfo; grep -o -w 'avx512_vnni\|amx_int8\|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } > "$out/cpu.txt"
 pids=()

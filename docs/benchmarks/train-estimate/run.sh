@@ -6,7 +6,7 @@
 set -euo pipefail
 SPECULA=${SPECULA:-target/release/specula}
 OUT=${OUT:-$(dirname "$0")}
-DATA=${DATA:-/tmp/specula-sharegpt-16000}
+DATA=${DATA:-data/smollm2-sharegpt-16000}
 $SPECULA train data --target smollm2-135m --prompts sharegpt --skip 16000 --limit 150 --max-new-tokens 256 \
     --max-prompt-tokens 320 --batch 16 --out "$DATA"
 $SPECULA train validate --target smollm2-135m --drafter dflash:drafters/smollm2-135m-dflash --data "$DATA" \

@@ -6,7 +6,7 @@
 # that no round computes features.
 set -euo pipefail
 ROUNDS=${1:-3}
-FEATURES=${FEATURES:-/tmp/train-ab-features}
+FEATURES=${FEATURES:-$(mktemp -d)}
 for round in $(seq "$ROUNDS"); do
   for build in "$BEFORE" "$AFTER"; do
     out=$(mktemp -d)

@@ -5,7 +5,10 @@ pub mod ar;
 pub mod int8_peak;
 pub mod profile;
 pub mod report;
+pub mod run_info;
 pub mod spec;
+
+pub use run_info::RunInfo;
 
 /// Median of a non-empty sample (0 for an empty one).
 pub fn median(xs: &mut [f64]) -> f64 {

@@ -67,6 +67,15 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
         "Prompts per data set: {limit} · max tokens: {} · batch 1 · seed {} · threads: {}\n",
         report.max_tokens, report.seed, report.threads
     );
+    let run = &report.run;
+    let _ = writeln!(
+        s,
+        "Run {} · commit {} · CPU {} ({})\n",
+        run.date,
+        run.commit.as_deref().map_or("unknown", |c| &c[..c.len().min(12)]),
+        run.cpu_model.as_deref().unwrap_or("unknown"),
+        if run.cpu_flags.is_empty() { "flags unknown".to_string() } else { run.cpu_flags.join(" ") }
+    );
     for m in &report.models {
         let _ = writeln!(s, "### {} ({})\n", m.model, m.weights);
         let _ = writeln!(s, "Verify-cost curve cost(m)/cost(1): {}\n", curve_line(&m.verify_curve));
@@ -488,6 +497,7 @@ mod tests {
             runs: runs.clone(),
         };
         SpecBenchReport {
+            run: crate::bench::RunInfo::now(),
             threads: "2".into(),
             datasets,
             temperatures: temps.to_vec(),

@@ -249,6 +249,8 @@ pub struct ModelReport {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SpecBenchReport {
+    /// When, on which commit and CPU, with how many threads.
+    pub run: super::RunInfo,
     pub threads: String,
     pub datasets: Vec<String>,
     pub temperatures: Vec<f32>,
@@ -474,6 +476,7 @@ fn encode_set(
 /// Runs the whole benchmark. `progress` is advanced once per prompt × mode.
 pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> Result<SpecBenchReport> {
     settings.validate()?;
+    let run_info = super::RunInfo::now();
     let modes = settings.modes();
     let drafters: Vec<Option<DrafterSpec>> =
         modes.iter().map(|m| m.drafter.as_deref().map(DrafterSpec::parse).transpose()).collect::<Result<_>>()?;
@@ -624,6 +627,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
         });
     }
     Ok(SpecBenchReport {
+        run: run_info,
         threads,
         datasets: settings.datasets.clone(),
         temperatures: settings.temperatures.clone(),

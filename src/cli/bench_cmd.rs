@@ -222,6 +222,7 @@ fn run_ar(args: BenchArgs) -> Result<()> {
                 profiles.push((format!("{model} {}", loaded.model.weight_format.name()), p.clone()));
             }
             results.push(serde_json::json!({
+                "run": crate::bench::RunInfo::now(),
                 "model": model, "weights": loaded.model.weight_format.name(), "threads": threads,
                 "settings": {"prefill_tokens": settings.prefill_tokens, "decode_tokens": settings.decode_tokens,
                     "verify_depth": settings.verify_depth, "repeats": settings.repeats,

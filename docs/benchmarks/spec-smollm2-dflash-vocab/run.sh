@@ -29,7 +29,7 @@ $SPECULA train dflash --target smollm2-135m --data $DATA --out $RUNS/s12 \
     --lr 3e-4 --checkpoint-every 300 --log-every 20 --val-examples 64 --seed 12
 $SPECULA bench --mode spec -m smollm2-135m --dataset gsm8k-100 --dataset humaneval --dataset mt-bench \
     --dataset math500 --limit 20 --max-tokens 256 --temperatures 0 --draft-len 7 --draft-tree off \
-    --drafter dflash:"$BASE",max=7 --drafter dflash:$RUNS/vocab-16k/drafter,max=7 \
-    --drafter dflash:$RUNS/s12/drafter,max=7 --out-dir "$OUT"
+    --drafter dflash:"$BASE",draft-max=7 --drafter dflash:$RUNS/vocab-16k/drafter,draft-max=7 \
+    --drafter dflash:$RUNS/s12/drafter,draft-max=7 --out-dir "$OUT"
 # The trained weights (runs/s12/drafter) are what drafters/smollm2-135m-dflash holds. τ is the measure here: the run
 # shared the machine with a test suite, so its tok/s and speedups are not comparable.

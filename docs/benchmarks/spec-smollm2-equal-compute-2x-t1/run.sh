@@ -7,6 +7,6 @@ for c in bc363be; do w=runs/smollm2-dflash-$c; mkdir -p $w
 # EAGLE-3: runs/smollm2-e3eq-2x/drafter, made by the command in docs/training.md.
 # Measured on a 2-core AMD EPYC (Zen 4, AVX-512); tok/s there, τ anywhere.
 specula bench --mode spec -m smollm2-135m \
-  --drafter dflash:runs/smollm2-dflash-bc363be,max=7 --drafter eagle3:runs/smollm2-e3eq-2x/drafter,max=7 \
+  --drafter dflash:runs/smollm2-dflash-bc363be,draft-max=7 --drafter eagle3:runs/smollm2-e3eq-2x/drafter,draft-max=7 \
   --draft-len 7 --dataset gsm8k-100 --dataset humaneval --dataset mt-bench --dataset math500 \
   --limit 20 --max-tokens 256 --temperatures 1 --seed 0 --out-dir docs/benchmarks/spec-smollm2-equal-compute-2x-t1

@@ -6,6 +6,6 @@ for c in 8e76d4d; do w=runs/smollm2-dflash-$c; mkdir -p $w
 # EAGLE-3: drafters/smollm2-135m-eagle3 (made by the command in docs/training.md).
 # Measured on a 2-core AMD EPYC (Zen 4, AVX-512); tok/s there, τ anywhere.
 specula bench --mode spec -m smollm2-135m --drafter ngram \
-  --drafter dflash:runs/smollm2-dflash-8e76d4d,max=7 --drafter eagle3:drafters/smollm2-135m-eagle3,max=7 \
+  --drafter dflash:runs/smollm2-dflash-8e76d4d,draft-max=7 --drafter eagle3:drafters/smollm2-135m-eagle3,draft-max=7 \
   --draft-len 7 --dataset gsm8k-100 --dataset humaneval --dataset mt-bench --dataset math500 \
   --limit 20 --max-tokens 256 --temperatures 1 --seed 0 --out-dir docs/benchmarks/spec-smollm2-equal-compute-t1

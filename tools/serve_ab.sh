@@ -5,7 +5,7 @@
 # Prints completion and total (prompt + completion) tok/s and their ratio to that prefill.
 # usage: OUT=dir [C=8] [ROUNDS=3] [EXTRA="--no-speculate"] tools/serve_ab.sh BIN_A BIN_B ...
 set -u
-OUT=${OUT:-/tmp/serve-ab}; C=${C:-8}; ROUNDS=${ROUNDS:-3}; EXTRA=${EXTRA-"--no-speculate"}
+OUT=${OUT:-runs/serve-ab}; C=${C:-8}; ROUNDS=${ROUNDS:-3}; EXTRA=${EXTRA-"--no-speculate"}
 PORT=${PORT:-8091}
 mkdir -p "$OUT"
 for r in $(seq 1 "$ROUNDS"); do

@@ -4,7 +4,7 @@
 # at 1, 4 and 8 clients. Writes the loadtest JSON per drafter, data set and round to $OUT.
 # usage: [B=target/release/specula] [OUT=dir] [ROUNDS=3] tools/serve_drafter_ab.sh ngram auto
 set -u
-B=${B:-target/release/specula}; OUT=${OUT:-/tmp/serve-drafter-ab}; ROUNDS=${ROUNDS:-3}; PORT=${PORT:-8093}
+B=${B:-target/release/specula}; OUT=${OUT:-runs/serve-drafter-ab}; ROUNDS=${ROUNDS:-3}; PORT=${PORT:-8093}
 mkdir -p "$OUT"
 for r in $(seq 1 "$ROUNDS"); do
   for d in "$@"; do

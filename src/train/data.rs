@@ -976,8 +976,8 @@ mod tests {
 
     #[test]
     fn prompts_file_spec_parses() {
-        let s = PromptSource::parse_file("fastchat-dummy=/tmp/x.json").unwrap();
-        assert_eq!(s, PromptSource::File { key: "fastchat-dummy".into(), path: "/tmp/x.json".into() });
+        let s = PromptSource::parse_file("fastchat-dummy=prompts/x.json").unwrap();
+        assert_eq!(s, PromptSource::File { key: "fastchat-dummy".into(), path: "prompts/x.json".into() });
         assert!(PromptSource::parse_file("nokey").is_err());
         assert!(PromptSource::parse_file("=x").is_err());
     }

@@ -2,11 +2,11 @@
 does (trim_blocks, lstrip_blocks, a `tojson` without ASCII escaping), for fixed conversations
 and template keyword arguments, as the fixture of the chat-template tests.
 
-    /var/tmp/dflash-venv/bin/python tools/chat_template_reference/render.py \
+    ~/.venvs/dflash/bin/python tools/chat_template_reference/render.py \
         tests/fixtures/chat-templates/qwen3.jinja tests/fixtures/chat-templates/qwen3-expected.json
-    /var/tmp/dflash-venv/bin/python tools/chat_template_reference/render.py \
+    ~/.venvs/dflash/bin/python tools/chat_template_reference/render.py \
         tests/fixtures/chat-templates/gemma3.jinja tests/fixtures/chat-templates/gemma3-expected.json "<bos>"
-    /var/tmp/dflash-venv/bin/python tools/chat_template_reference/render.py \
+    ~/.venvs/dflash/bin/python tools/chat_template_reference/render.py \
         tests/fixtures/chat-templates/llama3.1.jinja tests/fixtures/chat-templates/llama3.1-expected.json \
         "<|begin_of_text|>"
 

@@ -1,7 +1,7 @@
 """A tiny random Llama with Llama 3 RoPE scaling and the logits Hugging Face transformers
 computes for it, as the fixture of `tests/model_families.rs` (tests/fixtures/llama3-rope/).
 
-    /var/tmp/dflash-venv/bin/python tools/llama3_rope_reference/make_fixture.py tests/fixtures/llama3-rope
+    ~/.venvs/dflash/bin/python tools/llama3_rope_reference/make_fixture.py tests/fixtures/llama3-rope
 
 The scaling's original context (64) is short enough that, with head_dim 16 and base 500000,
 one frequency is kept, one is blended and six are slowed by the factor: every branch of the

@@ -1,8 +1,8 @@
 """Greedy completions with top-3 log-probs from llama.cpp's Python binding (xllamacpp), in the
 format of the reference files (tests/fixtures/llamacpp-greedy/*.json), for prompts of one's own.
 
-    python3 -m venv /tmp/xll && /tmp/xll/bin/pip install xllamacpp==2026.10.11549
-    /tmp/xll/bin/python tools/llamacpp_reference/greedy.py MODEL.gguf PROMPTS.txt N_TOKENS OUT.json [THREADS [N_CTX]]
+    python3 -m venv ~/.venvs/xll && ~/.venvs/xll/bin/pip install xllamacpp==2026.10.11549
+    ~/.venvs/xll/bin/python tools/llamacpp_reference/greedy.py MODEL.gguf PROMPTS.txt N_TOKENS OUT.json [THREADS [N_CTX]]
 
 PROMPTS.txt has one completion prompt per line. Settings as the reference files' engine:
 its defaults, n_ctx 512 unless given, temperature 0, no prompt cache. The output feeds

@@ -6,8 +6,8 @@ binding. With its defaults this script reproduces them exactly; passing a settin
 flash_attn_type=0, attention without flash attention) shows how much llama.cpp's own log-probs
 move with that one switch.
 
-    python3 -m venv /tmp/xll && /tmp/xll/bin/pip install xllamacpp==2026.10.11549
-    /tmp/xll/bin/python tools/llamacpp_reference/reproduce.py MODEL.gguf REFERENCE.json [THREADS] [param=value ...]
+    python3 -m venv ~/.venvs/xll && ~/.venvs/xll/bin/pip install xllamacpp==2026.10.11549
+    ~/.venvs/xll/bin/python tools/llamacpp_reference/reproduce.py MODEL.gguf REFERENCE.json [THREADS] [param=value ...]
 
 for example MODEL.gguf = ~/.cache/specula/models/smollm2-135m.gguf (`specula fetch smollm2-135m`)
 and REFERENCE.json = tests/fixtures/llamacpp-greedy/SmolLM2-135M-Instruct.Q4_1.json.

@@ -5,8 +5,8 @@ package, so these questions come from the procedural generators of `reasoning-gy
 arithmetic, algebra, number theory, geometry, probability and short word problems, each made
 from a fixed seed. `gsm_symbolic` is left out: its templates are GSM8K's test problems.
 
-    python3 -m venv /tmp/rg && /tmp/rg/bin/pip install reasoning-gym==0.1.25
-    /tmp/rg/bin/python tools/prompt_sets/make_reasoning_gym_math.py data/prompts/reasoning-gym-math.jsonl
+    python3 -m venv ~/.venvs/rg && ~/.venvs/rg/bin/pip install reasoning-gym==0.1.25
+    ~/.venvs/rg/bin/python tools/prompt_sets/make_reasoning_gym_math.py data/prompts/reasoning-gym-math.jsonl
 
 The same file every run (the script fixes Python's string hashing, which `polynomial_multiplication`
 depends on). One JSON object per line: `id` (task/index), `task`, `question`, `answer` (the generator's).

@@ -86,9 +86,13 @@ fn positive_count_arg(text: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("expected a whole number ≥ 1, got `{text}`"))
 }
 
-/// llama.cpp's two-letter single-dash flags, which clap would read as a short flag and its
-/// value (`-np 4` as `-n p`), rewritten to their long spellings.
+/// llama-server's two-letter single-dash flags, which clap would read as a short flag and its
+/// value (`-np 4` as `-n p`), rewritten to their long spellings in `serve` command lines.
 fn llama_cpp_spellings(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    if args.get(1).and_then(|a| a.to_str()) != Some("serve") {
+        return args;
+    }
     args.into_iter()
         .map(|arg| match arg.to_str() {
             Some("-np") => "--parallel".into(),

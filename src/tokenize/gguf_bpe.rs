@@ -46,13 +46,8 @@ const DEEPSEEK_LLM_REGEXES: &[&str] = &[
     SINGLE_DIGIT_REGEX,
 ];
 /// DeepSeek Coder (v1): newlines, letter runs, punctuation runs, CJK/Hangul runs, single digits.
-const DEEPSEEK_CODER_REGEXES: &[&str] = &[
-    r#"[\r\n]"#,
-    r#"\s?\p{L}+"#,
-    r#"\s?\p{P}+"#,
-    r#"[一-龥ࠀ-一가-퟿]+"#,
-    SINGLE_DIGIT_REGEX,
-];
+const DEEPSEEK_CODER_REGEXES: &[&str] =
+    &[r#"[\r\n]"#, r#"\s?\p{L}+"#, r#"\s?\p{P}+"#, r#"[一-龥ࠀ-一가-퟿]+"#, SINGLE_DIGIT_REGEX];
 /// DeepSeek V3 / R1: up to three digits, CJK/kana runs, then words with one leading symbol.
 const DEEPSEEK_V3_REGEXES: &[&str] = &[
     r#"\p{N}{1,3}"#,
@@ -247,12 +242,20 @@ impl PreTokenizerKind {
             .collect()
     }
 
-    /// The words `text` is cut into before BPE, as text (what the regexes produce; special
-    /// tokens are not looked for here).
-    pub fn split(self, text: &str) -> Result<Vec<String>> {
-        let sequence = Sequence::new(self.splits()?);
+    /// The regex sequence alone, to see the words text is cut into before BPE.
+    pub fn word_splitter(self) -> Result<WordSplitter> {
+        Ok(WordSplitter(Sequence::new(self.splits()?)))
+    }
+}
+
+/// A pre-tokenizer's regexes, compiled once (see [`PreTokenizerKind::word_splitter`]).
+pub struct WordSplitter(Sequence);
+
+impl WordSplitter {
+    /// The words `text` is cut into before BPE, as text (special tokens are not looked for here).
+    pub fn split(&self, text: &str) -> Result<Vec<String>> {
         let mut pretokenized = PreTokenizedString::from(text);
-        sequence.pre_tokenize(&mut pretokenized).map_err(|e| anyhow!("pre-tokenizing: {e}"))?;
+        self.0.pre_tokenize(&mut pretokenized).map_err(|e| anyhow!("pre-tokenizing: {e}"))?;
         Ok(pretokenized
             .get_splits(OffsetReferential::Original, OffsetType::Byte)
             .into_iter()
@@ -982,11 +985,11 @@ pub(crate) mod tests {
 
     #[test]
     fn case_aware_splits_cut_at_lower_to_upper_changes() {
-        let words = PreTokenizerKind::Tekken.split("helloWorld HTTPServer 2024").unwrap();
+        let words = PreTokenizerKind::Tekken.word_splitter().unwrap().split("helloWorld HTTPServer 2024").unwrap();
         assert_eq!(words, ["hello", "World", " HTTPServer", " ", "2", "0", "2", "4"]);
-        let words = PreTokenizerKind::Gpt4o.split("I'LL say 12345").unwrap();
+        let words = PreTokenizerKind::Gpt4o.word_splitter().unwrap().split("I'LL say 12345").unwrap();
         assert_eq!(words, ["I'LL", " say", " ", "123", "45"]);
-        let words = PreTokenizerKind::Llama3.split("I'LL say 12345").unwrap();
+        let words = PreTokenizerKind::Llama3.word_splitter().unwrap().split("I'LL say 12345").unwrap();
         assert_eq!(words, ["I", "'LL", " say", " ", "123", "45"]);
     }
 

@@ -14,7 +14,9 @@ pub mod hf_json;
 
 pub use chat_template::{parse_template_kwargs, ChatMessage, ChatTemplate, TemplateKwargs, TemplateOrigin};
 pub use detok_stream::StreamDecoder;
-pub use gguf_bpe::{read_gguf_header, PreTokenizerKind, PreTokenizerSpec, TokenKind, Tokenizer, VocabModel, PRE_TOKENIZERS};
+pub use gguf_bpe::{
+    read_gguf_header, PreTokenizerKind, PreTokenizerSpec, TokenKind, Tokenizer, VocabModel, PRE_TOKENIZERS,
+};
 
 /// Model files and llama.cpp ground truth shared by this module's tests.
 #[cfg(test)]

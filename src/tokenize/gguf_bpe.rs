@@ -17,16 +17,49 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, SplitDelimiterBehavior};
 
 use super::gguf_spm::{SpmEncoder, SPACE_MARK};
 
-/// GPT-2 style word split (llama.cpp's gpt2/smollm expression).
+/// GPT-2's word split (llama.cpp's `gpt-2`, `olmo`, `mpt`, ... expression).
 const GPT2_WORD_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
-/// Every digit is its own word (applied before the GPT-2 split for SmolLM).
+/// Every digit is its own word (applied before the GPT-2 split for StarCoder, SmolLM, ...).
 const SINGLE_DIGIT_REGEX: &str = r"\p{N}";
 /// Qwen2 word split; llama.cpp's case-insensitive-free rewrite of the tokenizer.json regex.
 const QWEN2_WORD_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Llama 3 (and cl100k) word split, as in Llama 3's tokenizer.json: digit runs of at most three.
+const LLAMA3_WORD_REGEX: &str = r#"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"#;
+/// Mistral's tekken split (tekken.json `config.pattern`): words split at lower→upper case changes.
+/// llama.cpp rewrites the `\p{Lu}`/`\p{Ll}` classes for its own regex engine; the
+/// original is used here because the engine here supports it and it is what the model saw.
+const TEKKEN_WORD_REGEX: &str = r#"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"#;
+/// GPT-4o (o200k) split: tekken's case-aware words, plus contractions and three-digit runs.
+const GPT4O_WORD_REGEX: &str = r#"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"#;
+/// DeepSeek LLM (v1/v2): newlines, Latin/Greek/Cyrillic-ish letters, ASCII and full-width
+/// punctuation, trailing whitespace, CJK/Hangul runs, then single digits; from its tokenizer.json.
+const DEEPSEEK_LLM_REGEXES: &[&str] = &[
+    r#"[\r\n]"#,
+    r#"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+"#,
+    r#"\s?[!-/:-~！-／：-～‘-‟　-。]+"#,
+    r#"\s+$"#,
+    r#"[一-龥ࠀ-一가-퟿]+"#,
+    SINGLE_DIGIT_REGEX,
+];
+/// DeepSeek Coder (v1): newlines, letter runs, punctuation runs, CJK/Hangul runs, single digits.
+const DEEPSEEK_CODER_REGEXES: &[&str] =
+    &[r#"[\r\n]"#, r#"\s?\p{L}+"#, r#"\s?\p{P}+"#, r#"[一-龥ࠀ-一가-퟿]+"#, SINGLE_DIGIT_REGEX];
+/// DeepSeek V3 / R1: up to three digits, CJK/kana runs, then words with one leading symbol.
+const DEEPSEEK_V3_REGEXES: &[&str] = &[
+    r#"\p{N}{1,3}"#,
+    r#"[一-龥぀-ゟ゠-ヿ]+"#,
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+/// Falcon: punctuation runs, the GPT-2 split, then three-digit groups (llama.cpp's expressions).
+const FALCON_REGEXES: &[&str] = &[r"[\p{P}\$\+<=>\^~\|`]+", GPT2_WORD_REGEX, r"[0-9][0-9][0-9]"];
+/// BLOOM / Poro / GPT-3 Finnish: anything up to whitespace or sentence punctuation.
+const BLOOM_WORD_REGEX: &str = r" ?[^(\s|.,!?…。，、।۔،)]+";
+/// Seed-Coder: Qwen2's split without `\r\n` in punctuation runs.
+const SEED_CODER_WORD_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Token texts llama.cpp treats as end-of-generation whatever the GGUF says.
 const EOG_TOKEN_TEXTS: &[&str] = &[
@@ -58,32 +91,242 @@ const EOT_TOKEN_TEXTS: &[&str] = &[
     "<end_of_utterance>",
 ];
 
-/// The pre-tokenizers this crate knows, named by `tokenizer.ggml.pre`.
+/// The byte-level BPE pre-tokenizers this crate knows. Each stands for one entry of
+/// [`PRE_TOKENIZERS`], which holds its `tokenizer.ggml.pre` names, regexes and flags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreTokenizerKind {
-    /// `smollm`: single digits, then the GPT-2 word split.
-    SmolLm,
-    /// `qwen2`: the Qwen2 word split (single digits included).
+    /// GPT-2's split (`gpt-2`, `olmo`, `mpt`, `phi-2`, `jais`, ...).
+    Gpt2,
+    /// Single digits, then GPT-2's split (`starcoder`, `command-r`, `smollm`, `refact`, ...).
+    StarCoder,
+    /// Qwen2's split with single digits (`qwen2`, `stablelm2`, `deepseek-r1-qwen`, ...).
     Qwen2,
+    /// Llama 3's split, whole-word vocabulary lookup, BOS added (`llama-bpe`, `falcon3`, `pixtral`, ...).
+    Llama3,
+    /// Llama 3's split with plain merges and no BOS (`dbrx`, `smaug-bpe`).
+    Dbrx,
+    /// Mistral's tekken split, whole-word vocabulary lookup, BOS added (`tekken`).
+    Tekken,
+    /// GPT-4o's (o200k) split (`gpt-4o`, `llama4`, `minimax-m2`).
+    Gpt4o,
+    /// DeepSeek LLM v1/v2 (`deepseek-llm`).
+    DeepseekLlm,
+    /// DeepSeek Coder v1 (`deepseek-coder`).
+    DeepseekCoder,
+    /// DeepSeek V3 / R1 (`deepseek-v3`).
+    DeepseekV3,
+    /// Falcon 1 (`falcon`).
+    Falcon,
+    /// BLOOM-style splits at whitespace and sentence punctuation (`bloom`, `poro-chat`, `gpt3-finnish`).
+    Bloom,
+    /// BLOOM's split, then single digits (`viking`).
+    Viking,
+    /// Seed-Coder (`seed-coder`).
+    SeedCoder,
 }
+
+/// What a pre-tokenizer does: the regexes that cut text into words, and llama.cpp's
+/// per-pre-tokenizer flags.
+pub struct PreTokenizerSpec {
+    pub kind: PreTokenizerKind,
+    /// `tokenizer.ggml.pre` values llama.cpp maps to this behaviour.
+    pub names: &'static [&'static str],
+    /// Applied one after another, each to the pieces the previous one produced; matches and
+    /// the text between them both become pieces.
+    pub regexes: &'static [&'static str],
+    /// A word that is itself a vocabulary token becomes that token without merging, as
+    /// tiktoken does (llama.cpp's `ignore_merges`).
+    pub ignore_merges: bool,
+    /// Whether BOS is added when the GGUF has no `tokenizer.ggml.add_bos_token`.
+    pub add_bos_default: bool,
+}
+
+/// Every supported `tokenizer.ggml.pre` value, with what it does (llama.cpp's
+/// `llama-vocab.cpp` name mapping; regexes as in the models' own tokenizer files).
+pub const PRE_TOKENIZERS: &[PreTokenizerSpec] = {
+    use PreTokenizerKind as K;
+    &[
+        PreTokenizerSpec {
+            kind: K::Llama3,
+            names: &[
+                "llama3",
+                "llama-v3",
+                "llama-bpe",
+                "falcon3",
+                "falcon-h1",
+                "pixtral",
+                "midm-2.0",
+                "lfm2",
+                "jina-v5-nano",
+            ],
+            regexes: &[LLAMA3_WORD_REGEX],
+            ignore_merges: true,
+            add_bos_default: true,
+        },
+        PreTokenizerSpec {
+            kind: K::Dbrx,
+            names: &["dbrx", "smaug-bpe"],
+            regexes: &[LLAMA3_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Tekken,
+            names: &["tekken"],
+            regexes: &[TEKKEN_WORD_REGEX],
+            ignore_merges: true,
+            add_bos_default: true,
+        },
+        PreTokenizerSpec {
+            kind: K::Gpt4o,
+            names: &["gpt-4o", "llama4", "minimax-m2"],
+            regexes: &[GPT4O_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::DeepseekLlm,
+            names: &["deepseek-llm"],
+            regexes: DEEPSEEK_LLM_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::DeepseekCoder,
+            names: &["deepseek-coder"],
+            regexes: DEEPSEEK_CODER_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::DeepseekV3,
+            names: &["deepseek-v3", "hunyuan-dense"],
+            regexes: DEEPSEEK_V3_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Qwen2,
+            names: &["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"],
+            regexes: &[QWEN2_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::StarCoder,
+            names: &["starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"],
+            regexes: &[SINGLE_DIGIT_REGEX, GPT2_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Gpt2,
+            names: &[
+                "gpt-2",
+                "phi-2",
+                "jina-es",
+                "jina-de",
+                "jina-v2-es",
+                "jina-v2-de",
+                "gigachat",
+                "a.x-4.0",
+                "mellum",
+                "mpt",
+                "olmo",
+                "jais",
+                "trillion",
+                "granite-docling",
+                "exaone4",
+            ],
+            regexes: &[GPT2_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Falcon,
+            names: &["falcon"],
+            regexes: FALCON_REGEXES,
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Bloom,
+            names: &["bloom", "poro-chat", "gpt3-finnish"],
+            regexes: &[BLOOM_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::Viking,
+            names: &["viking"],
+            regexes: &[BLOOM_WORD_REGEX, SINGLE_DIGIT_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+        PreTokenizerSpec {
+            kind: K::SeedCoder,
+            names: &["seed-coder"],
+            regexes: &[SEED_CODER_WORD_REGEX],
+            ignore_merges: false,
+            add_bos_default: false,
+        },
+    ]
+};
 
 impl PreTokenizerKind {
     /// Maps a `tokenizer.ggml.pre` value; `None` for anything not supported.
     pub fn from_gguf_name(name: &str) -> Option<Self> {
-        match name {
-            "smollm" => Some(Self::SmolLm),
-            // llama.cpp maps these names to the same Qwen2 expression.
-            "qwen2" | "deepseek-r1-qwen" => Some(Self::Qwen2),
-            _ => None,
-        }
+        PreTokenizerSpec::find(name).map(|spec| spec.kind)
     }
 
-    /// Regexes applied one after another, each to the pieces the previous one produced.
-    fn regexes(self) -> &'static [&'static str] {
-        match self {
-            Self::SmolLm => &[SINGLE_DIGIT_REGEX, GPT2_WORD_REGEX],
-            Self::Qwen2 => &[QWEN2_WORD_REGEX],
-        }
+    /// This pre-tokenizer's entry in [`PRE_TOKENIZERS`].
+    pub fn spec(self) -> &'static PreTokenizerSpec {
+        PRE_TOKENIZERS.iter().find(|spec| spec.kind == self).expect("every kind has a table entry")
+    }
+
+    /// Every supported `tokenizer.ggml.pre` value, in table order.
+    pub fn supported_names() -> Vec<&'static str> {
+        PRE_TOKENIZERS.iter().flat_map(|spec| spec.names.iter().copied()).collect()
+    }
+
+    /// The regex sequence as a `tokenizers` pre-tokenizer (no byte-level mapping).
+    fn splits(self) -> Result<Vec<PreTokenizerWrapper>> {
+        self.spec()
+            .regexes
+            .iter()
+            .map(|regex| {
+                Split::new(SplitPattern::Regex((*regex).to_string()), SplitDelimiterBehavior::Isolated, false)
+                    .map(PreTokenizerWrapper::Split)
+                    .map_err(|e| anyhow!("compiling pre-tokenizer regex `{regex}`: {e}"))
+            })
+            .collect()
+    }
+
+    /// The regex sequence alone, to see the words text is cut into before BPE.
+    pub fn word_splitter(self) -> Result<WordSplitter> {
+        Ok(WordSplitter(Sequence::new(self.splits()?)))
+    }
+}
+
+/// A pre-tokenizer's regexes, compiled once (see [`PreTokenizerKind::word_splitter`]).
+pub struct WordSplitter(Sequence);
+
+impl WordSplitter {
+    /// The words `text` is cut into before BPE, as text (special tokens are not looked for here).
+    pub fn split(&self, text: &str) -> Result<Vec<String>> {
+        let mut pretokenized = PreTokenizedString::from(text);
+        self.0.pre_tokenize(&mut pretokenized).map_err(|e| anyhow!("pre-tokenizing: {e}"))?;
+        Ok(pretokenized
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(word, _, _)| word.to_string())
+            .collect())
+    }
+}
+
+impl PreTokenizerSpec {
+    fn find(name: &str) -> Option<&'static Self> {
+        PRE_TOKENIZERS.iter().find(|spec| spec.names.contains(&name))
     }
 }
 
@@ -260,8 +503,15 @@ impl GgufVocab {
         };
         // llama.cpp's defaults when the keys are absent: gpt2 vocabularies use id 11 for
         // both and add no BOS; SentencePiece ones use 1 and 2 and add BOS.
+        // Llama 3 and tekken vocabularies add BOS by default; the GGUF key overrides it.
+        let bpe_adds_bos = match model {
+            VocabModel::Bpe => metadata_opt_string(content, "tokenizer.ggml.pre")?
+                .and_then(|name| PreTokenizerSpec::find(&name))
+                .is_some_and(|spec| spec.add_bos_default),
+            VocabModel::Spm => true,
+        };
         let (bos_default, eos_default, add_bos_default) = match model {
-            VocabModel::Bpe => (11, 11, false),
+            VocabModel::Bpe => (11, 11, bpe_adds_bos),
             VocabModel::Spm => (1, 2, true),
         };
         let bos = token_id("tokenizer.ggml.bos_token_id", Some(bos_default).filter(|&id| id < n_tokens))?;
@@ -333,7 +583,10 @@ impl Tokenizer {
         let pre_name = metadata_string(content, "tokenizer.ggml.pre")
             .context("the GGUF names no pre-tokenizer (tokenizer.ggml.pre); refusing to guess one")?;
         let pre = PreTokenizerKind::from_gguf_name(&pre_name).ok_or_else(|| {
-            anyhow!("unsupported pre-tokenizer `{pre_name}` (tokenizer.ggml.pre); supported: smollm, qwen2")
+            anyhow!(
+                "unsupported pre-tokenizer `{pre_name}` (tokenizer.ggml.pre); supported: {}",
+                PreTokenizerKind::supported_names().join(", ")
+            )
         })?;
         let merges = string_array(content, "tokenizer.ggml.merges")?
             .into_iter()
@@ -351,16 +604,12 @@ impl Tokenizer {
         let bpe_vocab: Vocab = text_to_id.iter().map(|(t, &id)| (t.clone(), id)).collect();
         let bpe = BPE::builder()
             .vocab_and_merges(bpe_vocab, merges)
+            .ignore_merges(pre.spec().ignore_merges)
             .build()
             .map_err(|e| anyhow!("building the BPE model from GGUF vocab and merges: {e}"))?;
 
         let mut encoder = tokenizers::Tokenizer::new(bpe);
-        let mut pre_tokenizers = Vec::new();
-        for regex in pre.regexes() {
-            let split = Split::new(SplitPattern::Regex((*regex).to_string()), SplitDelimiterBehavior::Isolated, false)
-                .map_err(|e| anyhow!("compiling pre-tokenizer regex `{regex}`: {e}"))?;
-            pre_tokenizers.push(PreTokenizerWrapper::Split(split));
-        }
+        let mut pre_tokenizers = pre.splits()?;
         // Words are already split; ByteLevel only maps bytes to the byte-level alphabet.
         pre_tokenizers.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)));
         encoder.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(pre_tokenizers))));
@@ -723,12 +972,85 @@ pub(crate) mod tests {
 
     #[test]
     fn refuses_unknown_pre_tokenizer_and_model() {
-        let err = Tokenizer::from_gguf(&toy_content("gpt2", Some("llama-bpe"), None)).unwrap_err();
-        assert!(err.to_string().contains("unsupported pre-tokenizer `llama-bpe`"), "{err}");
+        let err = Tokenizer::from_gguf(&toy_content("gpt2", Some("not-a-pre-tokenizer"), None)).unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains("unsupported pre-tokenizer `not-a-pre-tokenizer`"), "{message}");
+        // The message lists every supported name, straight from the table.
+        for name in PreTokenizerKind::supported_names() {
+            assert!(message.contains(name), "{name} missing from: {message}");
+        }
+        assert!(message.contains("llama-bpe") && message.contains("tekken") && message.contains("gpt-4o"));
         let err = Tokenizer::from_gguf(&toy_content("gpt2", None, None)).unwrap_err();
         assert!(format!("{err:#}").contains("tokenizer.ggml.pre"), "{err:#}");
         let err = Tokenizer::from_gguf(&toy_content("t5", Some("smollm"), None)).unwrap_err();
         assert!(err.to_string().contains("unsupported tokenizer model `t5`"), "{err}");
+    }
+
+    #[test]
+    fn every_table_name_is_unique_and_every_regex_compiles() {
+        let names = PreTokenizerKind::supported_names();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), names.len(), "a name appears twice in PRE_TOKENIZERS");
+        for spec in PRE_TOKENIZERS {
+            assert_eq!(spec.kind.spec().names, spec.names, "{:?} has two table entries", spec.kind);
+            for name in spec.names {
+                assert_eq!(PreTokenizerKind::from_gguf_name(name), Some(spec.kind));
+                Tokenizer::from_gguf(&toy_content("gpt2", Some(name), None)).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn llama3_and_tekken_add_bos_unless_the_gguf_says_otherwise() {
+        let mut content = toy_content("gpt2", Some("llama-bpe"), None);
+        content.metadata.remove("tokenizer.ggml.add_bos_token");
+        assert!(Tokenizer::from_gguf(&content).unwrap().add_bos());
+        content.metadata.insert("tokenizer.ggml.pre".into(), Value::String("tekken".into()));
+        assert!(Tokenizer::from_gguf(&content).unwrap().add_bos());
+        content.metadata.insert("tokenizer.ggml.pre".into(), Value::String("gpt-4o".into()));
+        assert!(!Tokenizer::from_gguf(&content).unwrap().add_bos());
+        content.metadata.insert("tokenizer.ggml.pre".into(), Value::String("llama-bpe".into()));
+        content.metadata.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(false));
+        assert!(!Tokenizer::from_gguf(&content).unwrap().add_bos());
+    }
+
+    #[test]
+    fn ignore_merges_takes_a_whole_word_token_the_merges_cannot_reach() {
+        // "hi" is a vocabulary token but no merge builds it ("!h"+"i" and "h"+"e" exist, "h i"
+        // does not): Llama 3 takes it whole, GPT-2-style vocabularies spell it out.
+        let mut content = toy_content("gpt2", Some("llama-bpe"), None);
+        let Some(Value::Array(tokens)) = content.metadata.get_mut("tokenizer.ggml.tokens") else { unreachable!() };
+        tokens.push(Value::String("hi".into()));
+        let Some(Value::Array(types)) = content.metadata.get_mut("tokenizer.ggml.token_type") else { unreachable!() };
+        types.push(Value::I32(1));
+        let llama3 = Tokenizer::from_gguf(&content).unwrap();
+        assert_eq!(texts(&llama3, &llama3.encode("hi", false).unwrap()), ["hi"]);
+        content.metadata.insert("tokenizer.ggml.pre".into(), Value::String("dbrx".into()));
+        let dbrx = Tokenizer::from_gguf(&content).unwrap();
+        assert_eq!(texts(&dbrx, &dbrx.encode("hi", false).unwrap()), ["h", "i"]);
+    }
+
+    #[test]
+    fn bad_merges_are_errors_not_panics() {
+        let mut content = toy_content("gpt2", Some("llama-bpe"), None);
+        content.metadata.insert("tokenizer.ggml.merges".into(), Value::Array(vec![Value::String("nospace".into())]));
+        let err = Tokenizer::from_gguf(&content).unwrap_err();
+        assert!(err.to_string().contains("malformed BPE merge"), "{err}");
+        content.metadata.insert("tokenizer.ggml.merges".into(), Value::Array(vec![Value::String("q \u{2603}".into())]));
+        let err = Tokenizer::from_gguf(&content).unwrap_err();
+        assert!(format!("{err:#}").contains("BPE model"), "{err:#}");
+    }
+
+    #[test]
+    fn case_aware_splits_cut_at_lower_to_upper_changes() {
+        let words = PreTokenizerKind::Tekken.word_splitter().unwrap().split("helloWorld HTTPServer 2024").unwrap();
+        assert_eq!(words, ["hello", "World", " HTTPServer", " ", "2", "0", "2", "4"]);
+        let words = PreTokenizerKind::Gpt4o.word_splitter().unwrap().split("I'LL say 12345").unwrap();
+        assert_eq!(words, ["I'LL", " say", " ", "123", "45"]);
+        let words = PreTokenizerKind::Llama3.word_splitter().unwrap().split("I'LL say 12345").unwrap();
+        assert_eq!(words, ["I", "'LL", " say", " ", "123", "45"]);
     }
 
     #[test]
@@ -811,7 +1133,7 @@ pub(crate) mod tests {
         assert_eq!(tok.id_of("<|im_end|>"), Some(2));
         assert_eq!(tok.eot_id(), Some(2));
         assert!(tok.is_stop(2) && tok.is_stop(0), "stop ids {:?}", tok.stop_ids());
-        assert_eq!(tok.pre_tokenizer(), Some(PreTokenizerKind::SmolLm));
+        assert_eq!(tok.pre_tokenizer(), Some(PreTokenizerKind::StarCoder));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Tokenizers and chat templates.
 //!
 //! - [`gguf_bpe`]: tokenizers built from GGUF metadata, matching llama.cpp: byte-level BPE
-//!   with its pre-tokenizers (`smollm`, `qwen2`), SentencePiece-style vocabularies
+//!   with its pre-tokenizers (the table in [`gguf_bpe::PRE_TOKENIZERS`]), SentencePiece-style vocabularies
 //!   ([`gguf_spm`]), and special-token parsing.
 //! - [`chat_template`]: the GGUF's Jinja chat template rendered with minijinja.
 //! - [`detok_stream`]: incremental detokenisation that never splits a UTF-8 character.
@@ -14,7 +14,9 @@ pub mod hf_json;
 
 pub use chat_template::{parse_template_kwargs, ChatMessage, ChatTemplate, TemplateKwargs, TemplateOrigin};
 pub use detok_stream::StreamDecoder;
-pub use gguf_bpe::{read_gguf_header, PreTokenizerKind, TokenKind, Tokenizer, VocabModel};
+pub use gguf_bpe::{
+    read_gguf_header, PreTokenizerKind, PreTokenizerSpec, TokenKind, Tokenizer, VocabModel, PRE_TOKENIZERS,
+};
 
 /// Model files and llama.cpp ground truth shared by this module's tests.
 #[cfg(test)]

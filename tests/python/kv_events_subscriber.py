@@ -83,8 +83,9 @@ def main():
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(endpoint)
     sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-    # A subscription takes a moment to reach the publisher; messages before it are not sent.
-    time.sleep(1.0)
+    # A subscription takes a moment to reach the publisher, which sends nothing to a
+    # subscriber before it arrives (the server publishes nothing until the first request).
+    time.sleep(2.0)
     print("READY", flush=True)
 
     stdin_closed = threading.Event()

@@ -36,9 +36,10 @@
 //! servers (of one version), which is all a router needs, as it keys its index by the
 //! hashes it receives and by the token ids in `BlockStored`.
 //!
-//! Newer vLLM releases dropped `array_like` from these structs (events as MessagePack maps);
-//! the array form above is the one subscribers written against vLLM's published releases
-//! decode.
+//! The newest vLLM sources declare these structs without `array_like` (a batch and its events
+//! as MessagePack maps keyed by field name, the tag under "type"). specula sends the array
+//! form, which vLLM sent for as long as it had these fields; a subscriber decoding only the
+//! map form would need that form added here.
 //!
 //! The endpoint follows vLLM's rule: one with `*`, `::` or `ipc://` is bound, any other is
 //! connected to (the subscriber binds). The pool's events reach this publisher through a

@@ -38,7 +38,7 @@
 //!
 //! The newest vLLM sources declare these structs without `array_like` (a batch and its events
 //! as MessagePack maps keyed by field name, the tag under "type"). specula sends the array
-//! form, which vLLM sent for as long as it had these fields; a subscriber decoding only the
+//! form, the one vLLM introduced these events with; a subscriber decoding only the
 //! map form would need that form added here.
 //!
 //! The endpoint follows vLLM's rule: one with `*`, `::` or `ipc://` is bound, any other is

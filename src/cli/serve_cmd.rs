@@ -101,6 +101,15 @@ pub struct ServeArgs {
     /// Without it nothing is written to disk.
     #[arg(long)]
     suffix_cache_file: Option<std::path::PathBuf>,
+    /// Publish KV-cache events (prefix blocks stored and evicted) as vLLM does, for
+    /// prefix-aware routers: a ZeroMQ endpoint such as `tcp://*:5557` (bound; a host without
+    /// a wildcard is connected to). Off by default. See docs/server.md.
+    #[arg(long, value_name = "ENDPOINT")]
+    kv_events: Option<String>,
+    /// vLLM's KV-cache events settings as JSON, instead of --kv-events:
+    /// `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}`.
+    #[arg(long, value_name = "JSON", conflicts_with = "kv_events")]
+    kv_events_config: Option<String>,
 }
 
 /// The drafter to serve with when neither --drafter nor --speculative-config names one.
@@ -198,6 +207,10 @@ fn start_engine(
         trace: false,
         suffix_cache: None,
         max_model_len: args.model.max_model_len(),
+        kv_events: crate::server::kv_events::start_kv_event_publisher(
+            args.kv_events.as_deref(),
+            args.kv_events_config.as_deref(),
+        )?,
     };
     let suffix_identity = format!("{}:{}", model_id, loaded.tokenizer.vocab_size());
     let mut config = config;

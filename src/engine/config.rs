@@ -1,5 +1,6 @@
 //! The engine's settings, and the counters it publishes.
 
+use super::kv_events::KvEventSender;
 use crate::kv::KvDtype;
 use crate::speculative::suffix::cache::SuffixCache;
 use crate::speculative::{DraftLen, DraftTree, DrafterSpec, StepCost, MAX_DRAFT};
@@ -38,6 +39,9 @@ pub struct EngineConfig {
     /// The most tokens (prompt + output) one request may have, below the model's own context
     /// (llama.cpp's `--ctx-size`, vLLM's `--max-model-len`); None = the model's context.
     pub max_model_len: Option<usize>,
+    /// Where the pool reports prefix blocks published and evicted (vLLM's KV-cache events,
+    /// for prefix-aware routers); None = not reported.
+    pub kv_events: Option<KvEventSender>,
 }
 
 impl EngineConfig {
@@ -64,6 +68,7 @@ impl Default for EngineConfig {
             trace: false,
             suffix_cache: None,
             max_model_len: None,
+            kv_events: None,
         }
     }
 }
@@ -114,4 +119,6 @@ pub struct EngineSnapshot {
     pub suffix_cache_bytes: usize,
     pub suffix_cache_sequences: usize,
     pub suffix_cache_evicted: u64,
+    /// KV-cache events dropped because their publisher lagged.
+    pub kv_events_dropped: u64,
 }

@@ -13,6 +13,7 @@
 use super::active::{Active, DraftChoice, EventSink, PromptLogprobs};
 pub use super::config::{EngineConfig, EngineSnapshot};
 use super::fleet::FleetAcceptance;
+use super::kv_events::KvEventSender;
 use super::request::{EngineEvent, EngineRequest, StepTrace, TokenChunk};
 use super::scheduler::{SchedSeq, Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};
 use super::sequence::{FinishReason, Sequence};
@@ -58,6 +59,8 @@ pub struct EngineCore<'a> {
     fleet: FleetAcceptance,
     /// The context a sequence may grow to: the model's, or the configured limit below it.
     context_len: usize,
+    /// The pool's event stream, for its drop counter.
+    kv_events: Option<KvEventSender>,
 }
 
 /// What the forward phase produced for the verify phase.
@@ -82,6 +85,9 @@ impl<'a> EngineCore<'a> {
         cost: Option<Arc<StepCost>>,
         queued: Arc<AtomicUsize>,
     ) -> Self {
+        if let Some(events) = &config.kv_events {
+            pool.set_event_sink(Arc::new(events.clone()));
+        }
         let stats = pool.stats();
         let target_context = target.model.config.context_len;
         let sched = Scheduler::new(SchedulerConfig {
@@ -104,6 +110,7 @@ impl<'a> EngineCore<'a> {
             queued,
             fleet: FleetAcceptance::default(),
             context_len: config.context_len(target_context),
+            kv_events: config.kv_events.clone(),
         }
     }
 
@@ -121,6 +128,7 @@ impl<'a> EngineCore<'a> {
         s.kv_free_blocks = stats.free_blocks;
         s.kv_cached_blocks = stats.cached_blocks;
         s.kv_block_size = stats.block_size;
+        s.kv_events_dropped = self.kv_events.as_ref().map_or(0, KvEventSender::dropped);
         s
     }
 

@@ -18,6 +18,7 @@ mod core;
 mod fleet;
 mod generate;
 mod handle;
+mod kv_events;
 mod loaded;
 mod request;
 mod scheduler;
@@ -30,6 +31,7 @@ pub use active::EventSink;
 pub use fleet::FleetAcceptance;
 pub use generate::{generate, GenerateOptions, Generation};
 pub use handle::Engine;
+pub use kv_events::{KvEventSender, KV_EVENT_QUEUE};
 pub use loaded::LoadedModel;
 pub use request::{
     Completion, EngineEvent, EngineRequest, StepTrace, SubmitError, TokenChunk, TokenLogprob, TokenSource, Usage,

@@ -4,7 +4,9 @@
 
 mod attention;
 mod block_kernels;
+mod events;
 mod pool;
 
 pub use attention::{paged_attention, tree_path, AttentionSeq, NO_PARENT};
+pub use events::{KvEvent, KvEventSink};
 pub use pool::{KvBuffer, KvDtype, KvLayout, KvPool, KvPoolStats, PoolExhausted, PoolStorage, SeqCache};

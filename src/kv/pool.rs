@@ -5,6 +5,7 @@
 //! would write, and outputs do not change.
 
 use super::block_kernels::KvView;
+use super::events::{KvEvent, KvEventSink};
 use half::{f16, slice::HalfFloatSliceExt};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
@@ -120,6 +121,8 @@ pub struct PoolStorage {
     free: Vec<u32>,
     n_blocks: usize,
     prefix: PrefixIndex,
+    /// Where publishing and evicting prefix blocks is reported (None: nowhere).
+    events: Option<Arc<dyn KvEventSink>>,
 }
 
 /// Which blocks hold a published prompt prefix, and who holds each block.
@@ -173,20 +176,28 @@ impl PoolStorage {
         self.free.len() + self.prefix.evictable.len()
     }
 
-    /// A block for one sequence: a free one, or else the least recently released published one.
-    fn take_block(&mut self) -> Option<u32> {
+    /// A block for one sequence: a free one, or else the least recently released published one
+    /// (its key is added to `evicted`).
+    fn take_block(&mut self, evicted: &mut Vec<u64>) -> Option<u32> {
         let b = match self.free.pop() {
             Some(b) => b,
             None => {
                 let (_, b) = self.prefix.evictable.pop_first()?;
                 if let Some((key, _)) = self.prefix.published[b as usize].take() {
                     self.prefix.by_key.remove(&key);
+                    evicted.push(key);
                 }
                 b
             }
         };
         self.prefix.refs[b as usize] = 1;
         Some(b)
+    }
+
+    fn emit(&self, event: KvEvent) {
+        if let Some(sink) = &self.events {
+            sink.emit(event);
+        }
     }
 
     /// One holder lets go of `b`.
@@ -259,8 +270,15 @@ impl KvPool {
             free: (0..n_blocks as u32).rev().collect(),
             n_blocks,
             prefix: PrefixIndex::new(n_blocks),
+            events: None,
         };
         Self { inner: Arc::new(Mutex::new(storage)) }
+    }
+
+    /// Reports every block published into, or evicted from, the prefix index to `sink` from
+    /// now on (vLLM's KV-cache events).
+    pub fn set_event_sink(&self, sink: Arc<dyn KvEventSink>) {
+        self.lock().events = Some(sink);
     }
 
     pub fn layout(&self) -> KvLayout {
@@ -334,11 +352,15 @@ impl SeqCache {
         if needed > storage.available() {
             return Err(PoolExhausted { needed, free: storage.available(), total: storage.n_blocks, block_size: bs });
         }
+        let mut evicted = Vec::new();
         for _ in 0..needed {
             // Cannot fail: checked above.
-            if let Some(b) = storage.take_block() {
+            if let Some(b) = storage.take_block(&mut evicted) {
                 self.blocks.push(b);
             }
+        }
+        if !evicted.is_empty() {
+            storage.emit(KvEvent::BlocksRemoved { hashes: evicted });
         }
         Ok(())
     }
@@ -384,16 +406,33 @@ impl SeqCache {
         let mut storage = pool.lock();
         let bs = storage.layout.block_size;
         let full = self.len.min(prompt.len()) / bs;
+        // Blocks published by this call, as runs of consecutive blocks: one event per run.
+        let mut runs: Vec<(Option<u64>, std::ops::Range<usize>)> = Vec::new();
         while self.keys.len() < full {
             let i = self.keys.len();
             let tokens = &prompt[i * bs..(i + 1) * bs];
-            let key = prefix_key(self.keys.last().copied().unwrap_or(0), tokens);
+            let parent = self.keys.last().copied();
+            let key = prefix_key(parent.unwrap_or(0), tokens);
             let b = self.blocks[i];
             if storage.prefix.published[b as usize].is_none() && !storage.prefix.by_key.contains_key(&key) {
                 storage.prefix.published[b as usize] = Some((key, tokens.into()));
                 storage.prefix.by_key.insert(key, b);
+                match runs.last_mut() {
+                    Some((_, run)) if run.end == i => run.end = i + 1,
+                    _ => runs.push((parent, i..i + 1)),
+                }
             }
             self.keys.push(key);
+        }
+        if storage.events.is_some() {
+            for (parent, run) in runs {
+                storage.emit(KvEvent::BlocksStored {
+                    parent,
+                    hashes: self.keys[run.clone()].to_vec(),
+                    token_ids: prompt[run.start * bs..run.end * bs].to_vec(),
+                    block_size: bs,
+                });
+            }
         }
     }
 
@@ -563,6 +602,69 @@ mod tests {
         let mut b = pool.new_sequence();
         assert_eq!(b.attach_prefix(&prompt), 8, "the published block is intact and still found");
         assert_eq!(b.blocks()[1], shared);
+    }
+
+    /// Collects events, as a publisher's channel would.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<KvEvent>>);
+
+    impl KvEventSink for Recorder {
+        fn emit(&self, event: KvEvent) {
+            self.0.lock().unwrap().push(event);
+        }
+    }
+
+    #[test]
+    fn publishing_and_evicting_are_reported() {
+        let pool = KvPool::new(layout(), 16); // 4 blocks of 4 tokens
+        let recorder = Arc::new(Recorder::default());
+        pool.set_event_sink(recorder.clone());
+        let take = || std::mem::take(&mut *recorder.0.lock().unwrap());
+        let prompt: Vec<u32> = (0..10).collect();
+        let mut a = pool.new_sequence();
+        a.reserve(10).unwrap();
+        a.advance(10, 4);
+        a.publish_prefix(&prompt);
+        let (k0, k1) = (prefix_key(0, &prompt[..4]), prefix_key(prefix_key(0, &prompt[..4]), &prompt[4..8]));
+        assert_eq!(
+            take(),
+            [KvEvent::BlocksStored {
+                parent: None,
+                hashes: vec![k0, k1],
+                token_ids: prompt[..8].to_vec(),
+                block_size: 4
+            }]
+        );
+        // Publishing again, or attaching, reports nothing new.
+        a.publish_prefix(&prompt);
+        drop(a);
+        let mut b = pool.new_sequence();
+        let longer: Vec<u32> = (0..13).collect();
+        assert_eq!(b.attach_prefix(&longer), 8);
+        b.reserve(13).unwrap();
+        b.advance(5, 4);
+        b.publish_prefix(&longer);
+        assert_eq!(
+            take(),
+            [KvEvent::BlocksStored {
+                parent: Some(k1),
+                hashes: vec![prefix_key(k1, &longer[8..12])],
+                token_ids: longer[8..12].to_vec(),
+                block_size: 4
+            }]
+        );
+        drop(b);
+        assert!(take().is_empty(), "released blocks stay published");
+        // Filling the pool evicts the three published blocks, oldest release first.
+        let mut c = pool.new_sequence();
+        c.reserve(16).unwrap();
+        let events = take();
+        let [KvEvent::BlocksRemoved { hashes }] = &events[..] else { panic!("{events:?}") };
+        let mut removed = hashes.clone();
+        removed.sort_unstable();
+        let mut stored = vec![k0, k1, prefix_key(k1, &longer[8..12])];
+        stored.sort_unstable();
+        assert_eq!(removed, stored);
     }
 
     #[test]

@@ -216,6 +216,12 @@ impl ServerMetrics {
             format!("{}", e.forward_secs),
         );
         metric(
+            "specula_kv_events_dropped_total",
+            "counter",
+            "KV-cache events dropped because their publisher lagged (--kv-events).",
+            e.kv_events_dropped.to_string(),
+        );
+        metric(
             "specula_preemptions_total",
             "counter",
             "Sequences preempted (KV freed, recomputed later).",

@@ -15,6 +15,7 @@
 
 mod api_error;
 pub mod http_client;
+pub mod kv_events;
 pub mod loadtest;
 mod metrics;
 mod openai_types;

@@ -450,3 +450,159 @@ fn queue_limit_auth_and_graceful_shutdown() {
 fn http_client_connect_fails(addr: &str) -> bool {
     std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_millis(500)).is_err()
 }
+
+/// One sample of a Prometheus text exposition: the metric name, its labels and value.
+struct Sample {
+    name: String,
+    labels: Vec<(String, String)>,
+    value: f64,
+}
+
+/// Parses the exposition text: `# TYPE` lines into name → type, and every sample line.
+fn parse_exposition(text: &str) -> (std::collections::HashMap<String, String>, Vec<Sample>) {
+    let mut types = std::collections::HashMap::new();
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("a TYPE line names a metric and a type");
+            assert!(types.insert(name.to_string(), kind.to_string()).is_none(), "{name} typed twice");
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect("a sample has a value");
+        let (name, labels) = match series.split_once('{') {
+            Some((name, rest)) => {
+                let inner = rest.strip_suffix('}').expect("labels close");
+                let mut labels = Vec::new();
+                let mut chars = inner.chars().peekable();
+                while chars.peek().is_some() {
+                    let key: String = chars.by_ref().take_while(|&c| c != '=').collect();
+                    assert_eq!(chars.next(), Some('"'), "{line}");
+                    let mut value = String::new();
+                    while let Some(c) = chars.next() {
+                        match c {
+                            '\\' => value.push(chars.next().expect("an escape has a character")),
+                            '"' => break,
+                            c => value.push(c),
+                        }
+                    }
+                    labels.push((key, value));
+                    if chars.peek() == Some(&',') {
+                        chars.next();
+                    }
+                }
+                (name.to_string(), labels)
+            }
+            None => (series.to_string(), Vec::new()),
+        };
+        samples.push(Sample { name, labels, value: value.parse().expect("a numeric value") });
+    }
+    (types, samples)
+}
+
+/// The metrics the Gateway API Inference Extension's model-server protocol names (queue,
+/// running requests, KV-cache utilisation, block size) and the ones the vLLM router and
+/// dashboards read, under vLLM's names with its `model_name` label, with the right types and
+/// values that follow the engine's own.
+#[test]
+fn metrics_speak_the_model_server_protocol() {
+    let server = start(ngram_engine(), ServerConfig::new(MODEL_ID));
+    let mut generated = 0;
+    for i in 0..3 {
+        let r = server.post("/v1/completions", &completion_body(&format!("Count: 1, 2, 3, 4, {i}"), 12, false));
+        assert_eq!(r.status, 200);
+        generated += r.json().unwrap()["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    server.wait_idle(Duration::from_secs(10));
+    let (types, samples) = parse_exposition(&server.get("/metrics").text());
+    let sample = |name: &str| -> &Sample {
+        samples.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no sample of {name}"))
+    };
+    let expected = [
+        ("vllm:num_requests_waiting", "gauge"),
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:gpu_cache_usage_perc", "gauge"),
+        ("vllm:cache_config_info", "gauge"),
+        ("vllm:prefix_cache_queries_total", "counter"),
+        ("vllm:prefix_cache_hits_total", "counter"),
+        ("vllm:prompt_tokens_total", "counter"),
+        ("vllm:generation_tokens_total", "counter"),
+        ("vllm:spec_decode_num_drafts_total", "counter"),
+        ("vllm:spec_decode_num_draft_tokens_total", "counter"),
+        ("vllm:spec_decode_num_accepted_tokens_total", "counter"),
+        ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:inter_token_latency_seconds", "histogram"),
+    ];
+    for (name, kind) in expected {
+        assert_eq!(types.get(name).map(String::as_str), Some(kind), "{name}");
+        let series = if kind == "histogram" { format!("{name}_count") } else { name.to_string() };
+        let s = sample(&series);
+        assert!(s.labels.iter().any(|(k, v)| k == "model_name" && v == MODEL_ID), "{name}: {:?}", s.labels);
+    }
+    // Values follow the engine: idle now, three requests' tokens counted.
+    assert_eq!(sample("vllm:num_requests_waiting").value, 0.0);
+    assert_eq!(sample("vllm:num_requests_running").value, 0.0);
+    let usage = sample("vllm:kv_cache_usage_perc").value;
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    assert_eq!(sample("vllm:generation_tokens_total").value, sample("specula_generated_tokens_total").value);
+    assert_eq!(sample("vllm:generation_tokens_total").value, generated as f64);
+    assert_eq!(sample("vllm:time_to_first_token_seconds_count").value, 3.0);
+    assert_eq!(sample("vllm:spec_decode_num_draft_tokens_total").value, sample("specula_draft_tokens_total").value);
+    assert!(sample("vllm:spec_decode_num_drafts_total").value <= sample("specula_verify_steps_total").value);
+    let info = sample("vllm:cache_config_info");
+    assert!(info.labels.iter().any(|(k, v)| k == "block_size" && v == "16"), "{:?}", info.labels);
+    // Histogram buckets are cumulative and end at the count.
+    let buckets: Vec<&Sample> =
+        samples.iter().filter(|s| s.name == "vllm:inter_token_latency_seconds_bucket").collect();
+    assert!(buckets.windows(2).all(|w| w[0].value <= w[1].value));
+    assert_eq!(buckets.last().unwrap().value, sample("vllm:inter_token_latency_seconds_count").value);
+}
+
+/// While the model loads, the listener already answers: alive on `/health`, 503 on `/ready`
+/// and on the API, with `Retry-After`.
+#[test]
+fn a_loading_server_is_alive_but_not_ready() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = rt.spawn(specula::server::serve_while_loading(listener, "foo".into(), async move {
+        let _ = done_rx.await;
+    }));
+    let get = |path: &str| rt.block_on(http_client::request(&addr, "GET", path, &[], b"")).unwrap();
+    let health = get("/health");
+    assert_eq!(health.status, 200);
+    assert_eq!(health.json().unwrap()["status"], "loading");
+    let ready = get("/ready");
+    assert_eq!(ready.status, 503);
+    assert_eq!(ready.json().unwrap()["status"], "loading");
+    let models = get("/v1/models");
+    assert_eq!(models.status, 503);
+    assert_eq!(models.header("retry-after"), Some("1"));
+    assert_eq!(models.json().unwrap()["error"]["code"], "model_loading");
+    done_tx.send(()).unwrap();
+    rt.block_on(server).unwrap().unwrap();
+}
+
+/// `/ready` is 200 while requests are admitted; after the shutdown signal it is 503 at once while
+/// `/health` stays 200 (alive, draining), and new requests are refused.
+#[test]
+fn ready_turns_away_traffic_while_draining() {
+    let server = start_default();
+    let ready = server.get("/ready");
+    assert_eq!(ready.status, 200);
+    assert_eq!(ready.json().unwrap()["status"], "ready");
+    server.handle.as_ref().unwrap().state().shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
+    let ready = server.get("/ready");
+    assert_eq!(ready.status, 503);
+    assert_eq!(ready.json().unwrap()["status"], "draining");
+    let health = server.get("/health");
+    assert_eq!(health.status, 200);
+    assert_eq!(health.json().unwrap()["status"], "draining");
+    let refused = server.post("/v1/completions", &completion_body("Hello", 4, false));
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.json().unwrap()["error"]["code"], "server_shutting_down");
+}

@@ -178,6 +178,61 @@ fn wait_for_clean_exit(server: &mut std::process::Child) {
     assert!(code.success(), "exit status {code:?}");
 }
 
+/// SIGTERM under load drains: `/ready` turns 503 at once while `/health` stays 200, new
+/// requests are refused, every admitted request finishes normally, then the process exits 0.
+#[test]
+fn sigterm_drains_admitted_requests_and_ready_fails_at_once() {
+    let (mut server, _stderr, addr) =
+        spawn_server(&["--drafter", "ngram", "--shutdown-grace-secs", "60", "--kv-tokens", "2048"]);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let get = |path: &str| rt.block_on(http_client::request(&addr, "GET", path, &[], b"")).unwrap();
+    assert_eq!(get("/ready").status, 200);
+    let (ready_after_ms, finishes) = rt.block_on(async {
+        let mut streams = Vec::new();
+        for i in 0..3 {
+            let body = json!({"prompt": format!("Story {i}: once upon a time"), "max_tokens": 48, "stream": true, "ignore_eos": true});
+            let mut s = http_client::send(&addr, "POST", "/v1/completions", &[], body.to_string().as_bytes()).await.unwrap();
+            assert!(s.next_event().await.unwrap().is_some(), "stream {i} started");
+            streams.push(s);
+        }
+        let killed = Instant::now();
+        assert!(Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap().success());
+        let ready_after_ms = loop {
+            let r = http_client::request(&addr, "GET", "/ready", &[], b"").await.unwrap();
+            if r.status == 503 {
+                break killed.elapsed().as_secs_f64() * 1e3;
+            }
+            assert!(killed.elapsed() < Duration::from_secs(10), "/ready still {} after SIGTERM", r.status);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        let health = http_client::request(&addr, "GET", "/health", &[], b"").await.unwrap();
+        assert_eq!(health.status, 200, "alive while draining");
+        let refused = http_client::post_json(&addr, "/v1/completions", &[], &json!({"prompt": "hi", "max_tokens": 2}))
+            .await
+            .unwrap();
+        assert_eq!(refused.status, 503);
+        let mut finishes = Vec::new();
+        for mut s in streams {
+            let mut finish = None;
+            while let Some(data) = s.next_event().await.unwrap() {
+                if data == "[DONE]" {
+                    break;
+                }
+                let v: Value = serde_json::from_str(&data).unwrap();
+                assert!(v.get("error").is_none(), "an admitted request failed: {v}");
+                if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                    finish = Some(f.to_string());
+                }
+            }
+            finishes.push(finish);
+        }
+        (ready_after_ms, finishes)
+    });
+    println!("/ready answered 503 {ready_after_ms:.1} ms after SIGTERM");
+    assert!(finishes.iter().all(|f| f.as_deref() == Some("length")), "{finishes:?}");
+    wait_for_clean_exit(&mut server);
+}
+
 /// The command lines llama.cpp and vLLM users already type work as they expect, checked with
 /// the official `openai` client (tests/python/test_familiar_commands.py): the served name, the
 /// per-request context limit and its 400, `/tokenize` and `/detokenize`.

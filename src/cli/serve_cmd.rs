@@ -3,7 +3,7 @@
 use super::speculative_config::SpeculativeConfig;
 use super::ModelArgs;
 use crate::engine::{Engine, EngineConfig};
-use crate::server::{serve, AppState, ServerConfig};
+use crate::server::{serve, serve_while_loading, AppState, ServerConfig};
 use crate::speculative::suffix::cache::{SuffixCache, SuffixCacheConfig, SuffixScope, DEFAULT_CACHE_MB};
 use crate::speculative::{parse_draft_len, parse_draft_tree, DraftTree, DrafterSpec, MAX_DRAFT};
 use anyhow::{bail, Context, Result};
@@ -128,6 +128,63 @@ pub fn run(args: ServeArgs) -> Result<()> {
         "none" => None,
         spec => Some(DrafterSpec::parse_for_model(spec, args.model.name()).context("--drafter")?),
     };
+    // Listen first: while the model loads, /health answers (alive) and /ready says 503, so a
+    // supervisor can tell a loading replica from a dead one.
+    let addr = SocketAddr::new(args.host, args.port);
+    let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    listener.set_nonblocking(true)?;
+    let local = listener.local_addr()?;
+    let loading_listener = listener.try_clone()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let provisional_id = args.alias.first().cloned().unwrap_or_else(|| args.model.name().to_string());
+    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
+    let loading = rt.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(loading_listener)?;
+        serve_while_loading(listener, provisional_id, async move {
+            let _ = loaded_rx.await;
+        })
+        .await
+    });
+    eprintln!("specula: loading {} (/health and /ready answer on {local} meanwhile)", args.model.name());
+    let started = start_engine(&args, drafter, draft_max);
+    let _ = loaded_tx.send(());
+    rt.block_on(loading).context("the loading server stopped")??;
+    let (engine, state, model_id, suffix_identity) = started?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        if !args.host.is_loopback() {
+            eprintln!("warning: listening on {local}, reachable from other machines{}", if args.api_key.is_none() { " without an API key" } else { "" });
+        }
+        eprintln!(
+            "specula: serving {model_id} on http://{local} (playground: /, API: /v1, metrics: /metrics; context {} tokens, drafter {})",
+            engine.context_limit(),
+            engine.config().drafter.as_ref().map_or("none".to_string(), |d| d.label()),
+        );
+        if let Some(cost) = engine.step_cost() {
+            let points: Vec<String> = cost.points().iter().map(|(r, t)| format!("{r}: {:.1}", t * 1e3)).collect();
+            eprintln!("specula: step cost (rows: ms) {}", points.join(", "));
+        }
+        serve(listener, state, shutdown_signal()).await
+    })?;
+    engine.shutdown();
+    if let (Some(path), Some(cache)) = (&args.suffix_cache_file, engine.suffix_cache()) {
+        match cache.save(path, &suffix_identity) {
+            Ok(()) => eprintln!("specula: suffix cache written to {}", path.display()),
+            Err(e) => eprintln!("specula: error: the suffix cache was not written: {e:#}"),
+        }
+    }
+    eprintln!("specula: stopped");
+    Ok(())
+}
+
+/// Loads the model and drafter and starts the engine (measuring its step cost where a drafter
+/// needs it): everything `/ready` waits for. Returns the engine, the server's state, the
+/// model's id and the suffix cache's identity.
+fn start_engine(
+    args: &ServeArgs,
+    drafter: Option<DrafterSpec>,
+    draft_max: Option<usize>,
+) -> Result<(Arc<Engine>, Arc<AppState>, String, String)> {
     let kv_dtype = crate::kv::KvDtype::parse(&args.model.kv_type).map_err(anyhow::Error::msg)?;
     let loaded = Arc::new(args.model.load()?);
     let (model_id, aliases) = model_names(args.model.name(), &loaded.path, &args.alias);
@@ -199,34 +256,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         },
     };
     let state = AppState::new(engine.clone(), server_config);
-    let addr = SocketAddr::new(args.host, args.port);
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        let local = listener.local_addr()?;
-        if !args.host.is_loopback() {
-            eprintln!("warning: listening on {local}, reachable from other machines{}", if args.api_key.is_none() { " without an API key" } else { "" });
-        }
-        eprintln!(
-            "specula: serving {model_id} on http://{local} (playground: /, API: /v1, metrics: /metrics; context {} tokens, drafter {})",
-            engine.context_limit(),
-            engine.config().drafter.as_ref().map_or("none".to_string(), |d| d.label()),
-        );
-        if let Some(cost) = engine.step_cost() {
-            let points: Vec<String> = cost.points().iter().map(|(r, t)| format!("{r}: {:.1}", t * 1e3)).collect();
-            eprintln!("specula: step cost (rows: ms) {}", points.join(", "));
-        }
-        serve(listener, state, shutdown_signal()).await
-    })?;
-    engine.shutdown();
-    if let (Some(path), Some(cache)) = (&args.suffix_cache_file, engine.suffix_cache()) {
-        match cache.save(path, &suffix_identity) {
-            Ok(()) => eprintln!("specula: suffix cache written to {}", path.display()),
-            Err(e) => eprintln!("specula: error: the suffix cache was not written: {e:#}"),
-        }
-    }
-    eprintln!("specula: stopped");
-    Ok(())
+    Ok((engine, state, model_id, suffix_identity))
 }
 
 /// The id clients name the model by (the first `--alias`, else the registry key, else the file

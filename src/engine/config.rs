@@ -103,6 +103,8 @@ pub struct EngineSnapshot {
     /// Draft tokens verified (a tree's nodes count one each), and those accepted.
     pub drafted: u64,
     pub accepted: u64,
+    /// Verify steps that had a draft (vLLM's `num_drafts`).
+    pub draft_steps: u64,
     /// Verify steps whose draft was a tree.
     pub tree_steps: u64,
     /// Accepted draft tokens by sibling rank (0: the drafter's first choice; 3 and beyond

@@ -587,6 +587,7 @@ impl<'a> EngineCore<'a> {
             let first_accepted = ranks.iter().filter(|(_, taken)| *taken == Some(0)).count();
             self.fleet.record_positions(ranks.len(), first_accepted);
             self.totals.tree_steps += u64::from(draft.is_tree());
+            self.totals.draft_steps += u64::from(!draft.tokens.is_empty());
             for rank in ranks.iter().filter_map(|&(_, taken)| taken) {
                 self.totals.accepted_by_rank[rank.min(3)] += 1;
             }

@@ -140,6 +140,12 @@ impl Engine {
         s
     }
 
+    /// No request queued or running (as of the last step's snapshot).
+    pub fn is_idle(&self) -> bool {
+        let s = self.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        self.queued.load(Ordering::SeqCst) == 0 && s.waiting == 0 && s.running == 0
+    }
+
     /// The engine thread is still running (it ends on `shutdown`, or if a step panicked).
     pub fn is_running(&self) -> bool {
         self.thread.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())

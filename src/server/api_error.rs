@@ -76,6 +76,12 @@ impl ApiError {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message).with_code("server_overloaded")
     }
 
+    /// 503 while the model loads; the client may retry.
+    pub fn loading() -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "The model is loading; retry shortly")
+            .with_code("model_loading")
+    }
+
     pub fn shutting_down() -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "The server is shutting down")
             .with_code("server_shutting_down")

@@ -37,13 +37,20 @@ impl Histogram {
     }
 
     fn write(&self, out: &mut String, name: &str, help: &str) {
+        self.write_labelled(out, name, help, "");
+    }
+
+    /// The histogram with `labels` (`key="value",…`, already escaped) on every sample.
+    fn write_labelled(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let sep = if labels.is_empty() { "" } else { "," };
         for (b, c) in self.bounds.iter().zip(&self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {c}");
         }
+        let braces = if labels.is_empty() { String::new() } else { format!("{{{labels}}}") };
         let _ = writeln!(
             out,
-            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}\n{name}_sum{braces} {}\n{name}_count{braces} {}",
             self.count, self.sum, self.count
         );
     }
@@ -115,8 +122,16 @@ impl ServerMetrics {
         }
     }
 
-    /// The exposition text.
-    pub fn render(&self, e: &EngineSnapshot) -> String {
+    /// The exposition text: specula's own metrics, then the same state under vLLM's names
+    /// with its `model_name` label (what routers and the Inference Extension's endpoint picker
+    /// read).
+    pub fn render(&self, e: &EngineSnapshot, model_name: &str) -> String {
+        let mut out = self.render_specula(e);
+        self.render_vllm(&mut out, e, model_name);
+        out
+    }
+
+    fn render_specula(&self, e: &EngineSnapshot) -> String {
         let mut inner = self.lock();
         let now = Instant::now();
         while inner.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
@@ -276,6 +291,83 @@ impl ServerMetrics {
     }
 }
 
+impl ServerMetrics {
+    /// vLLM's names for what [`Self::render_specula`] reports, as vLLM's V1 engine exports
+    /// them, plus the older name of the KV gauge that earlier endpoint pickers read.
+    fn render_vllm(&self, out: &mut String, e: &EngineSnapshot, model_name: &str) {
+        let inner = self.lock();
+        let labels = format!("model_name=\"{}\"", escape_label(model_name));
+        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}");
+        };
+        metric("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", e.waiting.to_string());
+        metric("vllm:num_requests_running", "gauge", "Requests in the running batch.", e.running.to_string());
+        let usage = if e.kv_total_blocks == 0 {
+            0.0
+        } else {
+            (e.kv_total_blocks - e.kv_free_blocks.min(e.kv_total_blocks)) as f64 / e.kv_total_blocks as f64
+        };
+        metric("vllm:kv_cache_usage_perc", "gauge", "KV cache usage as a fraction (1 = full).", format!("{usage}"));
+        metric(
+            "vllm:gpu_cache_usage_perc",
+            "gauge",
+            "KV cache usage as a fraction (vLLM's older name).",
+            format!("{usage}"),
+        );
+        metric(
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            (e.prefix_cache_hit_tokens + e.prefill_tokens).to_string(),
+        );
+        metric(
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+            e.prefix_cache_hit_tokens.to_string(),
+        );
+        metric("vllm:prompt_tokens_total", "counter", "Prompt tokens prefilled.", e.prefill_tokens.to_string());
+        metric("vllm:generation_tokens_total", "counter", "Tokens generated.", e.generated_tokens.to_string());
+        metric("vllm:num_preemptions_total", "counter", "Preemptions.", e.preemptions.to_string());
+        metric(
+            "vllm:spec_decode_num_drafts_total",
+            "counter",
+            "Verify steps that had a draft.",
+            e.draft_steps.to_string(),
+        );
+        metric(
+            "vllm:spec_decode_num_draft_tokens_total",
+            "counter",
+            "Draft tokens verified (a tree's nodes count one each).",
+            e.drafted.to_string(),
+        );
+        metric(
+            "vllm:spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Draft tokens accepted.",
+            e.accepted.to_string(),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP vllm:cache_config_info KV cache settings.\n# TYPE vllm:cache_config_info gauge\n\
+             vllm:cache_config_info{{{labels},block_size=\"{}\",num_gpu_blocks=\"{}\"}} 1",
+            e.kv_block_size, e.kv_total_blocks
+        );
+        inner.ttft.write_labelled(
+            out,
+            "vllm:time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            &labels,
+        );
+        inner.itl.write_labelled(out, "vllm:inter_token_latency_seconds", "Time between tokens of a stream.", &labels);
+    }
+}
+
+/// A Prometheus label value: backslash, double quote and newline escaped.
+fn escape_label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,7 +401,10 @@ mod tests {
             accepted: 6,
             ..Default::default()
         };
-        let text = m.render(&snap);
+        let text = m.render(&snap, "m\"x");
+        assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\"} 0.3\n"), "{text}");
+        assert!(text.contains("vllm:inter_token_latency_seconds_bucket{model_name=\"m\\\"x\",le=\"0.01\"} 4\n"));
+        assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\"} 1\n"));
         assert!(text.contains("specula_kv_blocks_used 3\n"));
         assert!(text.contains("specula_http_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
         assert!(text.contains("specula_acceptance_length 2.5\n"));

@@ -106,8 +106,10 @@ impl AppState {
     }
 }
 
-/// Serves on `listener` until `shutdown` resolves, then stops accepting, lets in-flight
-/// requests finish for the grace period, ends the rest cleanly, and returns.
+/// Serves on `listener` until `shutdown` resolves. Then it drains: `/ready` answers 503 and new
+/// requests get 503 at once, while the listener stays open and admitted requests run on; once
+/// none is left (or the grace period ends, and the rest are ended with an error event), it
+/// stops accepting connections, waits for the open ones, and returns.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -118,14 +120,34 @@ pub async fn serve(
     let signal = async move {
         shutdown.await;
         st.shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
-        let engine = st.engine.clone();
         let grace = st.config.shutdown_grace;
-        tokio::spawn(async move {
-            tokio::time::sleep(grace).await;
-            engine.abort_all("the server is shutting down");
-        });
+        let deadline = tokio::time::Instant::now() + grace;
+        // Idle twice in a row: a request admitted just now shows in the engine's next snapshot.
+        let mut idle_polls = 0;
+        while tokio::time::Instant::now() < deadline && idle_polls < 2 {
+            idle_polls = if st.engine.is_idle() { idle_polls + 1 } else { 0 };
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        if !st.engine.is_idle() {
+            st.engine.abort_all("the server is shutting down");
+        }
     };
     axum::serve(listener, app).with_graceful_shutdown(signal).await.context("HTTP server failed")?;
+    Ok(())
+}
+
+/// While the model loads: `/health` answers 200 (`"status": "loading"`), `/ready` and every
+/// other route 503 with `Retry-After`, until `loaded` resolves. Then it returns and the listener
+/// can serve [`serve`]'s routes.
+pub async fn serve_while_loading(
+    listener: tokio::net::TcpListener,
+    model_id: String,
+    loaded: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    axum::serve(listener, routes::loading_router(model_id))
+        .with_graceful_shutdown(loaded)
+        .await
+        .context("HTTP server failed")?;
     Ok(())
 }
 

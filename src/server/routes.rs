@@ -34,6 +34,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/", get(playground))
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
@@ -69,9 +70,11 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     // A bug that ended the engine thread leaves a server that refuses everything: say so, so
     // that a supervisor restarts it.
     let engine_stopped = !state.engine.is_running();
-    let status = match (shutting_down, engine_stopped) {
-        (true, _) => "shutting_down",
-        (false, true) => "engine_stopped",
+    // Liveness: a draining server is alive (`/ready` is what turns it away); a stopped engine
+    // is not.
+    let status = match (engine_stopped, shutting_down) {
+        (true, _) => "engine_stopped",
+        (false, true) => "draining",
         (false, false) => "ok",
     };
     let mut body = json!({
@@ -97,11 +100,45 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             "evicted_requests": s.suffix_cache_evicted,
         });
     }
-    json_response(if status == "ok" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
+    json_response(if status == "engine_stopped" { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK }, &body)
+}
+
+/// Readiness, for load balancers and Kubernetes: 200 while requests are admitted, 503 while
+/// draining after a shutdown signal or when the engine has stopped. (`/health` is liveness.)
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let status = if state.shutting_down.load(Ordering::SeqCst) {
+        "draining"
+    } else if !state.engine.is_running() {
+        "engine_stopped"
+    } else {
+        "ready"
+    };
+    let code = if status == "ready" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    json_response(code, &json!({"status": status, "model": state.config.model_id}))
+}
+
+/// The routes answered while the model loads (see `serve_while_loading`).
+pub fn loading_router(model_id: String) -> Router {
+    let health_id = model_id.clone();
+    let ready_id = model_id;
+    Router::new()
+        .route(
+            "/health",
+            get(
+                move || async move { json_response(StatusCode::OK, &json!({"status": "loading", "model": health_id})) },
+            ),
+        )
+        .route(
+            "/ready",
+            get(move || async move {
+                json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"status": "loading", "model": ready_id}))
+            }),
+        )
+        .fallback(|| async { ApiError::loading().into_response() })
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let text = state.metrics.render(&state.engine.snapshot());
+    let text = state.metrics.render(&state.engine.snapshot(), &state.config.model_id);
     let mut resp = text.into_response();
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));

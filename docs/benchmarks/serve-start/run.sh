@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Seconds from `specula serve -m qwen2.5-coder-1.5b` (default drafter) starting to its first
-# /health 200: cold step-cost cache (--remeasure-step-cost: the cache is not read, the quick curve
+# /health 200 (alive: the server listens while it loads) and its first /ready 200 (the engine is
+# started and serves): cold step-cost cache (--remeasure-step-cost: the cache is not read, the quick curve
 # is measured), warm cache, and --drafter none; ROUNDS rounds, the three alternating.
 # Usage: docs/benchmarks/serve-start/run.sh [ROUNDS]   (from the repository root, after
 # `cargo build --release`; SPECULA=path/to/specula to time another binary)
@@ -11,20 +12,23 @@ MODEL=qwen2.5-coder-1.5b
 PORT=${PORT:-18431}
 LOG=$(mktemp)
 
-# Seconds until `path` answers 200 on a server started with the given flags; then stops it.
-time_to() {
-  local path=$1; shift
-  local start end pid
+# Seconds until /health and then /ready answer 200 on a server started with the given flags;
+# then stops it.
+time_to_ready() {
+  local start health="" end pid path=/health
   start=$(date +%s.%N)
   "$BIN" serve -m "$MODEL" --port "$PORT" "$@" 2>"$LOG" &
   pid=$!
-  until [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT$path" || true)" = 200 ]; do
+  while :; do
+    if [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT$path" || true)" = 200 ]; then
+      if [ -z "$health" ]; then health=$(date +%s.%N); path=/ready; continue; fi
+      end=$(date +%s.%N); break
+    fi
     kill -0 "$pid" 2>/dev/null || { echo "server exited:" >&2; cat "$LOG" >&2; exit 1; }
     sleep 0.05
   done
-  end=$(date +%s.%N)
   kill "$pid"; wait "$pid" 2>/dev/null || true
-  echo "$end - $start" | bc
+  echo "$(echo "$health - $start" | bc) $(echo "$end - $start" | bc)"
 }
 
 # Prime the cache: start once and wait until the full curve is timed and written.
@@ -37,10 +41,10 @@ done
 grep "step cost" "$LOG"
 kill "$pid"; wait "$pid" 2>/dev/null || true
 
-echo "round mode seconds_to_health_200"
+echo "round mode health_200_s ready_200_s"
 for round in $(seq "$ROUNDS"); do
-  echo "$round cold $(time_to /health --remeasure-step-cost)"; grep -h "step cost measured quickly" "$LOG" | sed 's/^/  # /'
-  echo "$round warm $(time_to /health)"; grep -h "step cost from the cache" "$LOG" | sed 's/^/  # /'
-  echo "$round none $(time_to /health --drafter none)"
+  echo "$round cold $(time_to_ready --remeasure-step-cost)"; grep -h "step cost measured quickly" "$LOG" | sed 's/^/  # /'
+  echo "$round warm $(time_to_ready)"; grep -h "step cost from the cache" "$LOG" | sed 's/^/  # /'
+  echo "$round none $(time_to_ready --drafter none)"
 done
 rm -f "$LOG"

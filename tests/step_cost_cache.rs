@@ -70,12 +70,12 @@ fn wait_for_full_curve(engine: &Engine) {
 #[test]
 fn a_cold_engine_serves_at_once_refines_when_idle_and_a_warm_one_reads_the_cache() {
     let dir = tempfile::tempdir().unwrap();
-    let config = cached_config(dir.path(), 64);
+    let config = cached_config(dir.path(), 32);
     let key = key_for(&config, dir.path());
     let cold = Engine::start(model(), config.clone()).unwrap();
     assert_eq!(cold.step_cost_origin(), Some(StepCostOrigin::Quick));
     assert_eq!(cold.step_cost().unwrap().points().len(), 5, "1, 2, 4, 8 and 16 rows");
-    // A request submitted now is served with the quick curve (the full one's 12 sizes in 9
+    // A request submitted now is served with the quick curve (the full one's 10 sizes in 9
     // rounds take far longer than 24 tokens), between two timings.
     let tokens = complete(&cold, &prompt(), 24);
     assert_eq!(tokens.len(), 24);
@@ -96,7 +96,7 @@ fn a_cold_engine_serves_at_once_refines_when_idle_and_a_warm_one_reads_the_cache
 
     // Asked to measure again: the cache is not read, and is replaced once timed.
     let again =
-        Engine::start(model(), EngineConfig { remeasure_step_cost: true, ..cached_config(dir.path(), 64) }).unwrap();
+        Engine::start(model(), EngineConfig { remeasure_step_cost: true, ..cached_config(dir.path(), 32) }).unwrap();
     assert_eq!(again.step_cost_origin(), Some(StepCostOrigin::Quick));
     wait_for_full_curve(&again);
     assert_eq!(step_cost_cache::load(dir.path(), &key).unwrap().as_ref(), Some(&*again.step_cost().unwrap()));

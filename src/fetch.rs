@@ -827,6 +827,17 @@ fn write_marker(dest: &Path, sha256: &str) -> Result<()> {
     fs::write(&marker, marker_text(sha256, &meta)).with_context(|| format!("writing {}", marker.display()))
 }
 
+/// The sha256 a fetch verified `path` to have, from its `.verified` marker, while the file's
+/// size and mtime still match the marker (None otherwise: never fetched, or changed since).
+/// Lets callers that key on a model's contents skip hashing a file of gigabytes.
+pub fn verified_sha256(path: &Path) -> Option<String> {
+    let meta = fs::metadata(path).ok().filter(fs::Metadata::is_file)?;
+    let text = fs::read_to_string(sibling(path, ".verified")).ok()?;
+    let sha256 = text.lines().next()?.strip_prefix("sha256 ")?;
+    let valid = sha256.len() == 64 && sha256.bytes().all(|b| b.is_ascii_hexdigit());
+    (valid && text == marker_text(sha256, &meta)).then(|| sha256.to_ascii_lowercase())
+}
+
 /// The marker vouches for the file only while its size and mtime are unchanged.
 fn marker_matches(dest: &Path, size: u64, sha256: &str) -> bool {
     let Ok(meta) = fs::metadata(dest) else {
@@ -922,6 +933,20 @@ mod tests {
         let file = dir.path().join("local.gguf");
         fs::write(&file, b"GGUF").unwrap();
         assert_eq!(resolve_model(file.to_str().unwrap(), false).unwrap(), file);
+    }
+
+    #[test]
+    fn verified_sha256_holds_while_the_file_is_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("model.gguf");
+        let content = b"weights".to_vec();
+        write_verified(&dest, content.len() as u64, &sha_hex(&content), |w| Ok(w.write_all(&content)?)).unwrap();
+        assert_eq!(verified_sha256(&dest), Some(sha_hex(&content)));
+        fs::write(&dest, b"other weights").unwrap();
+        assert_eq!(verified_sha256(&dest), None, "a changed file is no longer vouched for");
+        fs::write(sibling(&dest, ".verified"), "sha256 zz\nsize 1\n").unwrap();
+        assert_eq!(verified_sha256(&dest), None);
+        assert_eq!(verified_sha256(&dir.path().join("absent")), None);
     }
 
     #[test]

@@ -15,6 +15,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod cpu_identity;
 pub mod datasets;
 pub mod engine;
 pub mod fetch;

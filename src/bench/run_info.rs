@@ -1,10 +1,7 @@
 //! Where and when a benchmark ran, recorded at the top of every report it writes.
 
+use crate::cpu_identity::{matmul_threads, CpuIdentity};
 use serde::Serialize;
-
-/// The instruction-set extensions the kernels choose between, as /proc/cpuinfo names them.
-const KERNEL_FLAGS: &[&str] =
-    &["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8"];
 
 /// The `run` object of a report.
 #[derive(Debug, Clone, Serialize)]
@@ -26,34 +23,15 @@ impl RunInfo {
     pub fn now() -> Self {
         let seconds = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let commit = option_env!("SPECULA_BUILD_COMMIT").filter(|c| !c.is_empty()).map(str::to_string);
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let (cpu_model, cpu_flags) = parse_cpuinfo(&cpuinfo);
-        Self { date: rfc3339_utc(seconds), commit, cpu_model, cpu_flags, threads: matmul_threads() }
+        let cpu = CpuIdentity::current();
+        Self {
+            date: rfc3339_utc(seconds),
+            commit,
+            cpu_model: cpu.model,
+            cpu_flags: cpu.kernel_flags,
+            threads: matmul_threads(),
+        }
     }
-}
-
-/// The matmul pool's size: `CANDLE_NUM_THREADS` (which `--threads`, or else the binary's
-/// start-up, sets), else rayon's, as candle itself falls back.
-fn matmul_threads() -> usize {
-    std::env::var("CANDLE_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(candle_core::utils::get_num_threads)
-}
-
-/// The first processor's model name and kernel-relevant flags.
-fn parse_cpuinfo(text: &str) -> (Option<String>, Vec<String>) {
-    let field = |name: &str| {
-        text.lines().find_map(|l| {
-            let (key, value) = l.split_once(':')?;
-            (key.trim() == name).then(|| value.trim().to_string())
-        })
-    };
-    let flags = field("flags").unwrap_or_default();
-    let listed: Vec<&str> = flags.split_whitespace().collect();
-    let cpu_flags = KERNEL_FLAGS.iter().filter(|f| listed.contains(f)).map(|f| f.to_string()).collect();
-    (field("model name").filter(|m| !m.is_empty()), cpu_flags)
 }
 
 /// Seconds since the Unix epoch as `YYYY-MM-DDTHH:MM:SSZ` (the proleptic Gregorian calendar).
@@ -82,16 +60,5 @@ mod tests {
         assert_eq!(rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339_utc(1_796_565_909), "2026-12-06T14:05:09Z");
         assert_eq!(rfc3339_utc(4_107_542_399), "2100-02-28T23:59:59Z");
-    }
-
-    #[test]
-    fn cpuinfo_gives_the_model_and_the_kernel_flags() {
-        let text =
-            "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 fma avx512f avx512_vnni amx_int8 amx_tile\n\
-                    processor\t: 1\nmodel name\t: Other\n";
-        let (model, flags) = parse_cpuinfo(text);
-        assert_eq!(model.as_deref(), Some("Some CPU"));
-        assert_eq!(flags, ["avx2", "fma", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"]);
-        assert_eq!(parse_cpuinfo(""), (None, Vec::new()));
     }
 }

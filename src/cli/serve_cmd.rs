@@ -110,6 +110,11 @@ pub struct ServeArgs {
     /// `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}`.
     #[arg(long, value_name = "JSON", conflicts_with = "kv_events")]
     kv_events_config: Option<String>,
+    /// Measure the step-cost curve (what verifying m tokens costs, for the draft lengths) again
+    /// instead of reading it from the cache (`step-cost/` in the cache directory), and replace
+    /// the cached one.
+    #[arg(long)]
+    remeasure_step_cost: bool,
 }
 
 /// The drafter to serve with when neither --drafter nor --speculative-config names one.
@@ -166,7 +171,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         );
         if let Some(cost) = engine.step_cost() {
             let points: Vec<String> = cost.points().iter().map(|(r, t)| format!("{r}: {:.1}", t * 1e3)).collect();
-            eprintln!("specula: measured step cost (rows: ms) {}", points.join(", "));
+            eprintln!("specula: step cost (rows: ms) {}", points.join(", "));
         }
         serve(listener, state, shutdown_signal()).await
     })?;
@@ -203,6 +208,8 @@ fn start_engine(
         max_draft: draft_max.unwrap_or(MAX_DRAFT),
         draft_tree: args.draft_tree,
         step_cost: None,
+        step_cost_dir: Some(crate::speculative::step_cost_cache::default_dir()),
+        remeasure_step_cost: args.remeasure_step_cost,
         prefix_caching: !args.no_prefix_cache,
         trace: false,
         suffix_cache: None,

@@ -4,6 +4,7 @@ use super::kv_events::KvEventSender;
 use crate::kv::KvDtype;
 use crate::speculative::suffix::cache::SuffixCache;
 use crate::speculative::{DraftLen, DraftTree, DrafterSpec, StepCost, MAX_DRAFT};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Settings of the engine.
@@ -26,8 +27,15 @@ pub struct EngineConfig {
     pub max_draft: usize,
     /// Whether drafters that can draft trees do, and their most nodes per step.
     pub draft_tree: DraftTree,
-    /// Step-cost curve for adaptive drafting; None = measured at start (with a drafter).
+    /// Step-cost curve for adaptive drafting; None = from the cache in `step_cost_dir`, else
+    /// measured (with a drafter): a quick curve at start, the full one in idle time.
     pub step_cost: Option<Arc<StepCost>>,
+    /// Where measured step-cost curves are kept between starts
+    /// (`speculative::step_cost_cache::default_dir()` for the server); None = nothing read or
+    /// written.
+    pub step_cost_dir: Option<PathBuf>,
+    /// Measure the step-cost curve even when the cache has one, and replace it.
+    pub remeasure_step_cost: bool,
     /// Reuse the K/V of full prompt blocks already computed for an earlier request with the
     /// same leading tokens (vLLM's automatic prefix caching). Outputs are unchanged.
     pub prefix_caching: bool,
@@ -64,6 +72,8 @@ impl Default for EngineConfig {
             max_draft: MAX_DRAFT,
             draft_tree: DraftTree::Auto,
             step_cost: None,
+            step_cost_dir: None,
+            remeasure_step_cost: false,
             prefix_caching: true,
             trace: false,
             suffix_cache: None,

@@ -118,6 +118,12 @@ impl<'a> EngineCore<'a> {
         self.sched.is_idle()
     }
 
+    /// Plans later requests and steps with another step-cost curve (a refined one); requests
+    /// already admitted keep theirs.
+    pub fn set_step_cost(&mut self, cost: Option<Arc<StepCost>>) {
+        self.cost = cost;
+    }
+
     /// The pool's state and the counters so far.
     pub fn snapshot(&self) -> EngineSnapshot {
         let stats = self.pool.stats();

@@ -5,12 +5,13 @@
 use super::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
 use super::loaded::LoadedModel;
 use super::request::{EngineEvent, EngineRequest, SubmitError};
+use super::step_cost_source::{self, CurrentStepCost, RefinePlan, Refinement, SharedStepCost, StepCostOrigin};
 use crate::speculative::suffix::cache::{SuffixCache, SuffixCacheConfig};
-use crate::speculative::{build_proposer, Caller, DrafterSpec, StepCost, StepCostSettings};
+use crate::speculative::{build_proposer, Caller, DrafterSpec, StepCost};
 use anyhow::{Context, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -32,12 +33,14 @@ pub struct Engine {
     snapshot: Arc<Mutex<EngineSnapshot>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     kv_capacity: usize,
-    cost: Option<Arc<StepCost>>,
+    /// The curve the engine plans with (with a drafter); the engine thread swaps in the full
+    /// one once it has timed it.
+    cost: SharedStepCost,
 }
 
 impl Engine {
-    /// Builds the KV pool (and, with a drafter, checks it and measures the step-cost curve)
-    /// and starts the engine thread.
+    /// Builds the KV pool (and, with a drafter, checks it and reads or measures the step-cost
+    /// curve) and starts the engine thread.
     pub fn start(model: Arc<LoadedModel>, mut config: EngineConfig) -> Result<Self> {
         if config.suffix_cache.is_none() && config.drafter.as_ref().is_some_and(DrafterSpec::uses_suffix) {
             config.suffix_cache = Some(Arc::new(SuffixCache::new(SuffixCacheConfig::default())));
@@ -45,23 +48,17 @@ impl Engine {
         let pool = model.model.new_kv_pool_typed(config.kv_tokens.max(1), config.kv_dtype);
         let stats = pool.stats();
         let kv_capacity = stats.total_blocks * stats.block_size;
-        let cost = match &config.drafter {
+        let (cost, refine) = match &config.drafter {
             Some(spec) => {
                 // Fail at start, not on the first request, and load a draft model's weights now.
                 build_proposer(spec, model.target(), Caller::default())
                     .with_context(|| format!("drafter {}", spec.label()))?;
-                match &config.step_cost {
-                    Some(c) => Some(c.clone()),
-                    // Blocks up to a full batch of decode rows (the draft budget weighs the
-                    // whole step), and at least a full draft.
-                    None => Some(Arc::new(StepCost::measure(
-                        &model.model,
-                        &StepCostSettings::up_to(config.step_tokens.clamp(config.max_draft + 1, 64)),
-                    )?)),
-                }
+                step_cost_source::at_start(&model, &config)?
             }
-            None => None,
+            None => (CurrentStepCost::default(), None),
         };
+        let planned = cost.cost.clone();
+        let cost = Arc::new(RwLock::new(cost));
         let queued = Arc::new(AtomicUsize::new(0));
         let snapshot = Arc::new(Mutex::new(EngineSnapshot {
             kv_total_blocks: stats.total_blocks,
@@ -71,7 +68,7 @@ impl Engine {
         }));
         let (tx, rx) = std::sync::mpsc::channel();
         let thread = {
-            let (model, config, cost, queued, snapshot) =
+            let (model, config, shared_cost, queued, snapshot) =
                 (model.clone(), config.clone(), cost.clone(), queued.clone(), snapshot.clone());
             std::thread::Builder::new().name("specula-engine".into()).spawn(move || {
                 let core = EngineCore::new(
@@ -79,10 +76,10 @@ impl Engine {
                     model.stop_ids(),
                     pool,
                     &config,
-                    cost,
+                    planned,
                     queued,
                 );
-                run(core, &model, &config, rx, &snapshot)
+                run(core, &model, &config, rx, &snapshot, refine, &shared_cost)
             })?
         };
         Ok(Self { model, config, commands: tx, queued, snapshot, thread: Mutex::new(Some(thread)), kv_capacity, cost })
@@ -123,9 +120,14 @@ impl Engine {
         self.config.suffix_cache.as_ref()
     }
 
-    /// The step-cost curve measured at start (with a drafter).
-    pub fn step_cost(&self) -> Option<&StepCost> {
-        self.cost.as_deref()
+    /// The step-cost curve the engine plans with now (with a drafter).
+    pub fn step_cost(&self) -> Option<Arc<StepCost>> {
+        self.cost.read().unwrap_or_else(|e| e.into_inner()).cost.clone()
+    }
+
+    /// Where that curve came from: `Quick` until the full one is timed in idle time.
+    pub fn step_cost_origin(&self) -> Option<StepCostOrigin> {
+        self.cost.read().unwrap_or_else(|e| e.into_inner()).origin
     }
 
     pub fn snapshot(&self) -> EngineSnapshot {
@@ -170,13 +172,16 @@ impl Drop for Engine {
     }
 }
 
-/// The engine thread: take commands, step while there is work, publish the state.
+/// The engine thread: take commands, step while there is work, publish the state; with nothing
+/// to do, time the rest of the step-cost curve (`refine`) one forward at a time.
 fn run(
     mut core: EngineCore<'_>,
     model: &LoadedModel,
     config: &EngineConfig,
     commands: Receiver<Command>,
     snapshot: &Mutex<EngineSnapshot>,
+    refine: Option<RefinePlan>,
+    shared_cost: &RwLock<CurrentStepCost>,
 ) {
     // Returns false when the thread should stop.
     let handle = |core: &mut EngineCore<'_>, cmd: Command| -> bool {
@@ -205,9 +210,49 @@ fn run(
         }
         true
     };
+    let mut refinement = refine.and_then(|plan| match Refinement::new(model, plan, config) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!("specula: warning: the full step-cost curve cannot be timed: {e:#}; keeping the quick one");
+            None
+        }
+    });
     loop {
         if core.is_idle() {
-            let Ok(cmd) = commands.recv() else { return };
+            let cmd = match refinement.as_mut() {
+                Some(r) => {
+                    match commands.try_recv() {
+                        Ok(cmd) => {
+                            r.interrupted();
+                            cmd
+                        }
+                        Err(TryRecvError::Disconnected) => return,
+                        // Idle: one timing (at most one block's wait for a request arriving now).
+                        Err(TryRecvError::Empty) => {
+                            match r.advance() {
+                                Ok(false) => {}
+                                Ok(true) => {
+                                    let cost = Arc::new(
+                                        refinement.take().map(Refinement::finish).unwrap_or_else(StepCost::linear),
+                                    );
+                                    core.set_step_cost(Some(cost.clone()));
+                                    *shared_cost.write().unwrap_or_else(|e| e.into_inner()) =
+                                        CurrentStepCost { cost: Some(cost), origin: Some(StepCostOrigin::Measured) };
+                                }
+                                Err(e) => {
+                                    eprintln!("specula: warning: timing the step-cost curve failed: {e:#}; keeping the quick one");
+                                    refinement = None;
+                                }
+                            }
+                            continue;
+                        }
+                    }
+                }
+                None => match commands.recv() {
+                    Ok(cmd) => cmd,
+                    Err(_) => return,
+                },
+            };
             if !handle(&mut core, cmd) {
                 return;
             }

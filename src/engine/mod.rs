@@ -23,6 +23,7 @@ mod loaded;
 mod request;
 mod scheduler;
 mod sequence;
+mod step_cost_source;
 mod text_stream;
 
 pub use self::core::{EngineConfig, EngineCore, EngineModel, EngineSnapshot};
@@ -38,4 +39,5 @@ pub use request::{
 };
 pub use scheduler::{SchedSeq, Scheduler, SchedulerConfig, Slot, SlotKind, StepPlan};
 pub use sequence::{FinishReason, Sequence};
+pub use step_cost_source::StepCostOrigin;
 pub use text_stream::TextStream;

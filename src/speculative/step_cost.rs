@@ -5,6 +5,7 @@
 //! (compute-bound), so verifying a block of k + 1 tokens costs `secs(k + 1)`, which is what
 //! every speedup is bounded by: τ / (secs(k + 1) / secs(1)).
 
+use crate::kv::{KvDtype, SeqCache};
 use crate::model::{ForwardBatch, LogitsRows, Transformer};
 use anyhow::{bail, Result};
 use std::time::Instant;
@@ -43,6 +44,13 @@ impl StepCostSettings {
         // 9 rounds: with 3, cost(4) and cost(8) measured on SmolLM2 moved by ±0.1–0.2 from one
         // run to the next, and the adaptive policy's drafting with them.
         Self { depth: 64, sizes, rounds: 9 }
+    }
+
+    /// A quick curve to serve with while the full one is measured in idle time: the sizes
+    /// 1, 2, 4, 8 and 16 that `full` also times (linear between and past them), 3 rounds.
+    pub fn quick(full: &Self) -> Self {
+        let sizes = full.sizes.iter().copied().filter(|m| [1, 2, 4, 8, 16].contains(m)).collect();
+        Self { depth: full.depth, sizes, rounds: 3 }
     }
 
     /// Every size from 1 to `max_rows` (for reports).
@@ -97,13 +105,14 @@ impl StepCost {
     /// Times forwards of each size (logits for every row) on top of a `depth`-token context,
     /// the way a verify step runs them, and rolls back after each.
     pub fn measure(model: &Transformer, settings: &StepCostSettings) -> Result<Self> {
-        if settings.sizes.first() != Some(&1) {
-            bail!("the step-cost sizes must start at 1 row");
-        }
-        let times = time_blocks(model, settings.depth, &settings.sizes, settings.rounds.max(1))?;
-        let measured: Vec<(usize, f64)> =
-            settings.sizes.iter().zip(times).map(|(&m, mut t)| (m, median(&mut t))).collect();
-        Ok(Self { measured: measured.clone(), ..Self::from_points(measured) })
+        let mut timer = StepCostTimer::new(model, settings, KvDtype::F16)?;
+        while !timer.advance()? {}
+        Ok(timer.finish())
+    }
+
+    /// A curve from the medians as measured (smoothed as [`Self::from_points`] does).
+    pub fn from_measured(measured: Vec<(usize, f64)>) -> Self {
+        Self { measured: measured.clone(), ..Self::from_points(measured) }
     }
 
     /// Estimated seconds for `rows` rows: linear between points, extended past the last with
@@ -151,43 +160,113 @@ pub fn timing_filler(vocab: usize, n: usize, salt: usize) -> Vec<u32> {
     (0..n).map(|i| ((vocab / 8 + (i * 7919 + salt * 104_729) % (vocab / 2).max(1)) % vocab) as u32).collect()
 }
 
-/// Times forwards of `sizes[i]` new tokens (logits for all of them) on top of a `depth`-token
-/// context of one sequence, after a warm-up of single-token steps, in `rounds` interleaved
-/// passes over all sizes, so that every size sees the same conditions. Returns each size's
-/// `rounds` timings in seconds.
-fn time_blocks(model: &Transformer, depth: usize, sizes: &[usize], rounds: usize) -> Result<Vec<Vec<f64>>> {
-    let max_m = sizes.iter().copied().max().unwrap_or(1).max(1);
-    let filler = |n: usize, salt: usize| timing_filler(model.config.vocab, n, salt);
-    let pool = model.new_kv_pool(depth + max_m + 16);
-    let mut cache = pool.new_sequence();
-    let context = filler(depth, 0);
-    let mut batch = ForwardBatch::new();
-    batch.push(&context, &mut cache, LogitsRows::None);
-    model.forward(&mut batch)?;
-    drop(batch);
+/// Measures a curve one forward at a time, so that a caller can stop between any two (the
+/// engine times in idle time and serves a request that arrives after at most one block).
+/// Times forwards of each size (logits for every row) on top of a `depth`-token context of one
+/// sequence, after a warm-up of single-token steps, in `rounds` interleaved passes over all
+/// sizes, so that every size sees the same conditions; each size's cost is the median.
+pub struct StepCostTimer<'m> {
+    model: &'m Transformer,
+    settings: StepCostSettings,
+    cache: SeqCache,
+    block: Vec<u32>,
+    /// Warm-up steps still to run before the next timing.
+    warm_up_left: usize,
+    /// Each size's timings so far, in seconds.
+    times: Vec<Vec<f64>>,
+    /// The next timing: pass `round`, size `settings.sizes[size]`.
+    round: usize,
+    size: usize,
+}
 
-    let block = filler(max_m, 1);
-    let mut run = |m: usize| -> Result<f64> {
+impl<'m> StepCostTimer<'m> {
+    /// Prefills the context in a pool of its own (`kv_dtype`, as the engine's) and queues the
+    /// warm-up.
+    pub fn new(model: &'m Transformer, settings: &StepCostSettings, kv_dtype: KvDtype) -> Result<Self> {
+        if settings.sizes.first() != Some(&1) || settings.sizes.windows(2).any(|w| w[0] >= w[1]) {
+            bail!("the step-cost sizes must ascend from 1 row");
+        }
+        let settings = StepCostSettings { rounds: settings.rounds.max(1), ..settings.clone() };
+        let max_m = settings.sizes.last().copied().unwrap_or(1);
+        let pool = model.new_kv_pool_typed(settings.depth + max_m + 16, kv_dtype);
+        let mut cache = pool.new_sequence();
+        let context = timing_filler(model.config.vocab, settings.depth, 0);
+        let mut batch = ForwardBatch::new();
+        batch.push(&context, &mut cache, LogitsRows::None);
+        model.forward(&mut batch)?;
+        drop(batch);
+        Ok(Self {
+            model,
+            block: timing_filler(model.config.vocab, max_m, 1),
+            cache,
+            warm_up_left: WARMUP_STEPS,
+            times: vec![Vec::with_capacity(settings.rounds); settings.sizes.len()],
+            round: 0,
+            size: 0,
+            settings,
+        })
+    }
+
+    /// The model ran other work since the last step (or sat idle): warm up again before the
+    /// next timing, which would otherwise read slow.
+    pub fn interrupted(&mut self) {
+        self.warm_up_left = WARMUP_STEPS;
+    }
+
+    /// Runs one forward (a warm-up step or one timing); true once every timing is done.
+    pub fn advance(&mut self) -> Result<bool> {
+        if self.is_done() {
+            return Ok(true);
+        }
+        if self.warm_up_left > 0 {
+            self.run(1)?;
+            self.warm_up_left -= 1;
+            return Ok(false);
+        }
+        let secs = self.run(self.settings.sizes[self.size])?;
+        self.times[self.size].push(secs);
+        self.size += 1;
+        if self.size == self.settings.sizes.len() {
+            (self.size, self.round) = (0, self.round + 1);
+        }
+        Ok(self.is_done())
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.round >= self.settings.rounds
+    }
+
+    pub fn settings(&self) -> &StepCostSettings {
+        &self.settings
+    }
+
+    /// The curve from the medians (of the passes so far; every size has one once
+    /// [`Self::advance`] returned true).
+    pub fn finish(self) -> StepCost {
+        let measured = self
+            .settings
+            .sizes
+            .iter()
+            .zip(self.times)
+            .filter(|(_, t)| !t.is_empty())
+            .map(|(&m, mut t)| (m, median(&mut t)))
+            .collect();
+        StepCost::from_measured(measured)
+    }
+
+    /// Seconds of one forward of `m` new tokens, rolled back after.
+    fn run(&mut self, m: usize) -> Result<f64> {
+        let depth = self.settings.depth;
         let t = Instant::now();
         let mut batch = ForwardBatch::new();
-        batch.push(&block[..m], &mut cache, LogitsRows::All);
-        let out = model.forward(&mut batch)?;
+        batch.push(&self.block[..m], &mut self.cache, LogitsRows::All);
+        let out = self.model.forward(&mut batch)?;
         let _rows = out.seq_logits(0)?;
         let secs = t.elapsed().as_secs_f64();
         drop(batch);
-        cache.truncate(depth);
+        self.cache.truncate(depth);
         Ok(secs)
-    };
-    for _ in 0..WARMUP_STEPS {
-        run(1)?;
     }
-    let mut times = vec![Vec::with_capacity(rounds); sizes.len()];
-    for _ in 0..rounds {
-        for (i, &m) in sizes.iter().enumerate() {
-            times[i].push(run(m.max(1))?);
-        }
-    }
-    Ok(times)
 }
 
 #[cfg(test)]
@@ -224,5 +303,7 @@ mod tests {
         assert_eq!(s.sizes, vec![1, 2, 3, 4, 6, 8, 12, 16]);
         assert_eq!(StepCostSettings::up_to(20).sizes.last(), Some(&20));
         assert_eq!(StepCostSettings::every(4, 10, 3).sizes, vec![1, 2, 3, 4]);
+        assert_eq!(StepCostSettings::quick(&StepCostSettings::up_to(64)).sizes, vec![1, 2, 4, 8, 16]);
+        assert_eq!(StepCostSettings::quick(&StepCostSettings::up_to(6)).sizes, vec![1, 2, 4]);
     }
 }

@@ -27,17 +27,20 @@ impl CpuIdentity {
 
     /// The first processor's model name and kernel-relevant flags.
     pub fn from_cpuinfo(text: &str) -> Self {
-        let field = |name: &str| {
-            text.lines().find_map(|l| {
-                let (key, value) = l.split_once(':')?;
-                (key.trim() == name).then(|| value.trim().to_string())
-            })
-        };
+        let field = |name: &str| cpuinfo_field(text, name);
         let flags = field("flags").unwrap_or_default();
         let listed: Vec<&str> = flags.split_whitespace().collect();
         let kernel_flags = KERNEL_FLAGS.iter().filter(|f| listed.contains(f)).map(|f| f.to_string()).collect();
         Self { model: field("model name").filter(|m| !m.is_empty()), kernel_flags }
     }
+}
+
+/// The first value of `name` (`model name`, `flags`, …) in the text of /proc/cpuinfo.
+pub fn cpuinfo_field(text: &str, name: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        let (key, value) = l.split_once(':')?;
+        (key.trim() == name).then(|| value.trim().to_string())
+    })
 }
 
 /// The matmul pool's size: `CANDLE_NUM_THREADS` (which `--threads`, or else the binary's

@@ -326,7 +326,7 @@ fn the_factory_builds_dflash_from_a_drafter_string() {
     let case = fixture_cases().into_iter().find(|c| c.ends_with("fitted")).expect("the fitted fixture");
     let expected: Value = serde_json::from_str(&std::fs::read_to_string(case.join("expected.json")).unwrap()).unwrap();
     let loaded = LoadedModel::load(&case.join("target"), Some(WeightFormat::F32), &Device::Cpu).unwrap();
-    let arg = format!("dflash:{},max=3,window=64", case.join("drafter").display());
+    let arg = format!("dflash:{},draft-max=3,window=64", case.join("drafter").display());
     let spec = DrafterSpec::parse(&arg).unwrap();
     assert_eq!(spec.label(), arg);
     let mut p = build_proposer(&spec, loaded.target(), specula::speculative::Caller::default()).unwrap();

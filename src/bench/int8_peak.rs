@@ -187,12 +187,7 @@ impl CpuInfo {
 
     /// From the text of /proc/cpuinfo (its first processor).
     pub fn parse(text: &str) -> Self {
-        let field = |name: &str| {
-            text.lines().find_map(|l| {
-                let (key, value) = l.split_once(':')?;
-                (key.trim() == name).then(|| value.trim().to_string())
-            })
-        };
+        let field = |name: &str| crate::cpu_identity::cpuinfo_field(text, name);
         let model = field("model name").filter(|m| !m.is_empty());
         let flags = field("flags");
         let has = |flag: &str| flags.as_ref().map(|f| f.split_whitespace().any(|x| x == flag));

@@ -30,10 +30,16 @@ pub fn run(args: InspectArgs) -> Result<()> {
     println!("default weights: {}", WeightFormat::default_for(&file, &crate::model::KernelSettings::from_env()).name());
     let tok = Tokenizer::from_gguf(&file.content)?;
     let name = |id: Option<u32>| id.and_then(|i| tok.token_text(i).map(|t| format!("{i} {t:?}"))).unwrap_or("-".into());
+    // The file's own pre-tokenizer name, and which split it maps to here.
+    let pre =
+        match (file.content.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()), tok.pre_tokenizer()) {
+            (Some(name), Some(kind)) => format!("{name} ({kind:?} split)"),
+            (_, None) => "none (SentencePiece)".to_string(),
+            (None, Some(kind)) => format!("{kind:?} split"),
+        };
     println!(
-        "tokenizer:     {} tokens, pre {:?}, bos {}, eos {}, add_bos {}",
+        "tokenizer:     {} tokens, pre {pre}, bos {}, eos {}, add_bos {}",
         tok.vocab_size(),
-        tok.pre_tokenizer(),
         name(tok.bos_id()),
         name(tok.eos_id()),
         tok.add_bos()

@@ -4,7 +4,10 @@
 //! stored, shared and evicted. `.ci/run` installs the Python packages; without them the test
 //! says so and does nothing.
 
+mod serve_process;
+
 use serde_json::{json, Value};
+use serve_process::spawn_command;
 use specula::server::http_client;
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader, Read};
@@ -48,24 +51,11 @@ fn kv_events_follow_the_prefix_cache() {
     }
     let port = free_port();
     // 512 tokens: 32 blocks, far fewer than the prompts below publish.
-    let mut server = Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(["serve", "--port", "0", "--drafter", "none", "--kv-tokens", "512"])
-        .args(["--kv-events", &format!("tcp://*:{port}")])
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(server.stderr.take().unwrap());
-    let mut early = String::new();
-    let addr = loop {
-        let mut line = String::new();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "the server exited before listening: {early}");
-        if let Some(rest) = line.split("serving").nth(1).and_then(|l| l.split("http://").nth(1)) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-        early.push_str(&line);
-    };
+    let kv_events = format!("tcp://*:{port}");
+    let (mut server, _stderr, addr, early) = spawn_command(
+        &["serve", "--port", "0", "--drafter", "none", "--kv-tokens", "512", "--kv-events", &kv_events],
+        None,
+    );
     assert!(early.contains(&format!("publishing KV-cache events on tcp://*:{port}")), "{early}");
 
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/kv_events_subscriber.py");

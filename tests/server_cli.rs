@@ -1,10 +1,13 @@
 //! `specula serve` and `specula loadtest` as programs: the server binds a free port, the load
 //! tool drives it and reports, SIGTERM shuts the server down gracefully mid-stream.
 
+mod serve_process;
+
 use serde_json::{json, Value};
+use serve_process::spawn_command;
 use specula::server::http_client;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::io::BufReader;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn specula() -> Command {
@@ -126,37 +129,6 @@ fn spawn_server(args: &[&str]) -> (std::process::Child, BufReader<std::process::
 /// [`spawn_server`], also returning what the server wrote before it listened.
 fn spawn_server_logged(args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStderr>, String, String) {
     spawn_command(&[&["serve", "--port", "0"], args].concat(), None)
-}
-
-/// Runs `specula ARGS` (a `serve` command line) in `cwd`, returning as [`spawn_server_logged`].
-fn spawn_command(
-    args: &[&str],
-    cwd: Option<&std::path::Path>,
-) -> (std::process::Child, BufReader<std::process::ChildStderr>, String, String) {
-    let mut early = String::new();
-    let mut command = specula();
-    if let Some(dir) = cwd {
-        command.current_dir(dir);
-    }
-    let mut server = command
-        .args(args)
-        .env("SPECULA_LOG_FORMAT", "json")
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(server.stderr.take().unwrap());
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(stderr.read_line(&mut line).unwrap() > 0, "the server exited before listening: {early}");
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-        early.push_str(&line);
-    };
-    (server, stderr, addr, early)
 }
 
 /// Sends SIGTERM and waits for a clean exit.

@@ -229,21 +229,7 @@ fn run(
                         Err(TryRecvError::Disconnected) => return,
                         // Idle: one timing (at most one block's wait for a request arriving now).
                         Err(TryRecvError::Empty) => {
-                            match r.advance() {
-                                Ok(false) => {}
-                                Ok(true) => {
-                                    let cost = Arc::new(
-                                        refinement.take().map(Refinement::finish).unwrap_or_else(StepCost::linear),
-                                    );
-                                    core.set_step_cost(Some(cost.clone()));
-                                    *shared_cost.write().unwrap_or_else(|e| e.into_inner()) =
-                                        CurrentStepCost { cost: Some(cost), origin: Some(StepCostOrigin::Measured) };
-                                }
-                                Err(e) => {
-                                    eprintln!("specula: warning: timing the step-cost curve failed: {e:#}; keeping the quick one");
-                                    refinement = None;
-                                }
-                            }
+                            refinement = time_one_forward(refinement, &mut core, shared_cost);
                             continue;
                         }
                     }
@@ -264,5 +250,30 @@ fn run(
         }
         core.step();
         *snapshot.lock().unwrap_or_else(|e| e.into_inner()) = core.snapshot();
+    }
+}
+
+/// One forward of the idle-time step-cost timing. When it was the last, the full curve replaces
+/// the quick one (for the planner and for `Engine::step_cost`) and the refinement ends; so does
+/// a failed forward, keeping the quick curve.
+fn time_one_forward<'m>(
+    mut refinement: Option<Refinement<'m>>,
+    core: &mut EngineCore<'_>,
+    shared_cost: &RwLock<CurrentStepCost>,
+) -> Option<Refinement<'m>> {
+    let r = refinement.as_mut()?;
+    match r.advance() {
+        Ok(false) => refinement,
+        Ok(true) => {
+            let cost = Arc::new(refinement.map(Refinement::finish).unwrap_or_else(StepCost::linear));
+            core.set_step_cost(Some(cost.clone()));
+            *shared_cost.write().unwrap_or_else(|e| e.into_inner()) =
+                CurrentStepCost { cost: Some(cost), origin: Some(StepCostOrigin::Measured) };
+            None
+        }
+        Err(e) => {
+            eprintln!("specula: warning: timing the step-cost curve failed: {e:#}; keeping the quick one");
+            None
+        }
     }
 }

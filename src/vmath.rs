@@ -3,16 +3,31 @@
 //! `f32::exp` does, or a 30-layer model turns last-bit differences into visible log-prob
 //! shifts (and single steps would stop matching verified blocks).
 
-/// Whether this CPU runs [`x86::Exp8`].
-pub(crate) fn exp8_available() -> bool {
+/// Which vector `exp` this CPU runs: [`x86::Exp8Avx512`], or [`x86::Exp8Avx2`] on CPUs with
+/// AVX2 and FMA but no AVX-512. Both give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpIsa {
+    Avx512,
+    Avx2,
+}
+
+pub(crate) fn exp8_isa() -> Option<ExpIsa> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
-        static OK: OnceLock<bool> = OnceLock::new();
-        *OK.get_or_init(|| is_x86_feature_detected!("avx512f"))
+        static ISA: OnceLock<Option<ExpIsa>> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            if is_x86_feature_detected!("avx512f") {
+                Some(ExpIsa::Avx512)
+            } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                Some(ExpIsa::Avx2)
+            } else {
+                None
+            }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    None
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -33,19 +48,34 @@ pub(crate) mod x86 {
     const C2: u64 = 0x3FE6_2E42_FF0C_52D6; // 0x1.62e42ff0c52d6p-1, by 32^-1
 
     /// glibc's `expf` algorithm (a 32-entry table of 2^(i/32) and a cubic in double
-    /// precision) on eight lanes. Only for inputs that pass [`Exp8::in_range`]: glibc's
-    /// special cases (|x| ≥ 88, NaN) are left to the scalar call. Callers must be compiled
-    /// with AVX-512F (the methods are inlined into them).
-    pub(crate) struct Exp8 {
+    /// precision) on eight lanes. Only for inputs that pass [`in_range`]: glibc's special
+    /// cases (|x| ≥ 88, NaN) are left to the scalar call. Callers must be compiled with the
+    /// implementation's features (the methods are inlined into them).
+    pub(crate) trait Exp8 {
+        unsafe fn new() -> Self;
+        unsafe fn exp(&self, x: __m256) -> __m256;
+    }
+
+    /// Every lane finite and below 88 in magnitude.
+    #[inline(always)]
+    pub(crate) fn in_range(x: __m256) -> bool {
+        unsafe {
+            let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
+            _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(abs, _mm256_set1_ps(88.0))) == 0
+        }
+    }
+
+    /// The table in registers, looked up with two-table permutes. AVX-512F.
+    pub(crate) struct Exp8Avx512 {
         t: [__m512i; 4],
         inv_ln2: __m512d,
         shift: __m512d,
         c: [__m512d; 3],
     }
 
-    impl Exp8 {
+    impl Exp8 for Exp8Avx512 {
         #[inline(always)]
-        pub(crate) unsafe fn new() -> Self {
+        unsafe fn new() -> Self {
             let table = exp_table();
             unsafe {
                 Self {
@@ -61,17 +91,8 @@ pub(crate) mod x86 {
             }
         }
 
-        /// Every lane finite and below 88 in magnitude.
         #[inline(always)]
-        pub(crate) fn in_range(x: __m256) -> bool {
-            unsafe {
-                let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
-                _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(abs, _mm256_set1_ps(88.0))) == 0
-            }
-        }
-
-        #[inline(always)]
-        pub(crate) unsafe fn exp(&self, x: __m256) -> __m256 {
+        unsafe fn exp(&self, x: __m256) -> __m256 {
             unsafe {
                 let z = _mm512_mul_pd(self.inv_ln2, _mm512_cvtps_pd(x));
                 let kd_shifted = _mm512_add_pd(z, self.shift);
@@ -86,6 +107,62 @@ pub(crate) mod x86 {
                 let r2 = _mm512_mul_pd(r, r);
                 let y = _mm512_fmadd_pd(zp, r2, _mm512_fmadd_pd(self.c[2], r, _mm512_set1_pd(1.0)));
                 _mm512_cvtpd_ps(_mm512_mul_pd(y, s))
+            }
+        }
+    }
+
+    /// The same arithmetic on two halves of four doubles, the table looked up with a gather.
+    /// AVX2 and FMA.
+    pub(crate) struct Exp8Avx2 {
+        table: *const i64,
+        inv_ln2: __m256d,
+        shift: __m256d,
+        c: [__m256d; 3],
+    }
+
+    impl Exp8Avx2 {
+        #[inline(always)]
+        unsafe fn exp4(&self, x: __m128) -> __m128 {
+            unsafe {
+                let z = _mm256_mul_pd(self.inv_ln2, _mm256_cvtps_pd(x));
+                let kd_shifted = _mm256_add_pd(z, self.shift);
+                let ki = _mm256_castpd_si256(kd_shifted);
+                let r = _mm256_sub_pd(z, _mm256_sub_pd(kd_shifted, self.shift));
+                let at = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+                let entry = _mm256_i64gather_epi64::<8>(self.table, at);
+                let t = _mm256_add_epi64(entry, _mm256_slli_epi64::<47>(ki));
+                let s = _mm256_castsi256_pd(t);
+                let zp = _mm256_fmadd_pd(self.c[0], r, self.c[1]);
+                let r2 = _mm256_mul_pd(r, r);
+                let y = _mm256_fmadd_pd(zp, r2, _mm256_fmadd_pd(self.c[2], r, _mm256_set1_pd(1.0)));
+                _mm256_cvtpd_ps(_mm256_mul_pd(y, s))
+            }
+        }
+    }
+
+    impl Exp8 for Exp8Avx2 {
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            unsafe {
+                Self {
+                    table: exp_table().as_ptr() as *const i64,
+                    inv_ln2: _mm256_set1_pd(INV_LN2_32),
+                    shift: _mm256_set1_pd(f64::from_bits(SHIFT)),
+                    c: [
+                        _mm256_set1_pd(f64::from_bits(C0) / 32768.0),
+                        _mm256_set1_pd(f64::from_bits(C1) / 1024.0),
+                        _mm256_set1_pd(f64::from_bits(C2) / 32.0),
+                    ],
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn exp(&self, x: __m256) -> __m256 {
+            unsafe {
+                let lo = self.exp4(_mm256_castps256_ps128(x));
+                let hi = self.exp4(_mm256_extractf128_ps::<1>(x));
+                _mm256_set_m128(hi, lo)
             }
         }
     }

@@ -8,6 +8,8 @@
 //! model turns that last-bit difference into visible log-prob shifts), and a query head's
 //! result depends only on its own inputs, never on which other rows or heads share the forward.
 
+#[cfg(target_arch = "x86_64")]
+use crate::vmath::ExpIsa;
 use half::f16;
 
 /// A run of cached K or V elements in their stored type.
@@ -158,9 +160,11 @@ const GROUP_CHUNK: usize = 4;
 pub fn exp_shifted_sum(scores: &mut [f32], max: f32) -> f32 {
     let (mut done, mut sum) = (0, 0f32);
     #[cfg(target_arch = "x86_64")]
-    if avx512() {
-        // SAFETY: the CPU has AVX-512F.
-        (done, sum) = unsafe { x86::exp_shifted_avx512(scores, max) };
+    match crate::vmath::exp8_isa() {
+        // SAFETY: the CPU has the features each function is compiled for.
+        Some(ExpIsa::Avx512) => (done, sum) = unsafe { x86::exp_shifted_avx512(scores, max) },
+        Some(ExpIsa::Avx2) => (done, sum) = unsafe { x86::exp_shifted_avx2(scores, max) },
+        None => {}
     }
     for s in &mut scores[done..] {
         *s = (*s - max).exp();
@@ -171,7 +175,7 @@ pub fn exp_shifted_sum(scores: &mut [f32], max: f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 fn avx512() -> bool {
-    crate::vmath::exp8_available()
+    crate::vmath::exp8_isa() == Some(ExpIsa::Avx512)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -227,7 +231,7 @@ fn dot_portable<T>(a: &[f32], b: &[T], widen: impl Fn(&T) -> f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use crate::vmath::x86::Exp8;
+    use crate::vmath::x86::{in_range, Exp8, Exp8Avx2, Exp8Avx512};
     use core::arch::x86_64::*;
     use half::f16;
 
@@ -647,26 +651,38 @@ mod x86 {
     /// Whole groups of eight from the start; returns how many were done and their sum (eight
     /// lane sums, then added lane 0 to 7). A group with any |x| ≥ 88 or NaN stops it, and the
     /// caller's `f32::exp` takes over from there.
+    #[inline(always)]
+    unsafe fn exp_shifted<E: Exp8>(scores: &mut [f32], max: f32) -> (usize, f32) {
+        unsafe {
+            let exp = E::new();
+            let vmax = _mm256_set1_ps(max);
+            let mut lanes = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= scores.len() {
+                let p = scores.as_mut_ptr().add(i);
+                let x = _mm256_sub_ps(_mm256_loadu_ps(p), vmax);
+                if !in_range(x) {
+                    break;
+                }
+                let e = exp.exp(x);
+                _mm256_storeu_ps(p, e);
+                lanes = _mm256_add_ps(lanes, e);
+                i += 8;
+            }
+            let mut out = [0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), lanes);
+            (i, out.iter().fold(0f32, |a, &b| a + b))
+        }
+    }
+
     #[target_feature(enable = "avx512f")]
     pub unsafe fn exp_shifted_avx512(scores: &mut [f32], max: f32) -> (usize, f32) {
-        let exp = unsafe { Exp8::new() };
-        let vmax = _mm256_set1_ps(max);
-        let mut lanes = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 8 <= scores.len() {
-            let p = unsafe { scores.as_mut_ptr().add(i) };
-            let x = _mm256_sub_ps(unsafe { _mm256_loadu_ps(p) }, vmax);
-            if !Exp8::in_range(x) {
-                break;
-            }
-            let e = unsafe { exp.exp(x) };
-            unsafe { _mm256_storeu_ps(p, e) };
-            lanes = _mm256_add_ps(lanes, e);
-            i += 8;
-        }
-        let mut out = [0f32; 8];
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), lanes) };
-        (i, out.iter().fold(0f32, |a, &b| a + b))
+        unsafe { exp_shifted::<Exp8Avx512>(scores, max) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted_avx2(scores: &mut [f32], max: f32) -> (usize, f32) {
+        unsafe { exp_shifted::<Exp8Avx2>(scores, max) }
     }
 }
 
@@ -687,11 +703,38 @@ mod tests {
         x.extend((0..20_000).map(|i| -(i as f32) * 1e-4));
         x.extend([0.0, -0.0, -87.99, -1e-30, -1e-40, 0.5, 3.0, -1.0]);
         let bulk = x.len() / 8 * 8;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Every vector path this CPU has, whichever `exp_shifted_sum` takes: the same bits as
+        // `f32::exp` and the same sum.
         #[cfg(target_arch = "x86_64")]
-        if avx512() {
-            let mut probe = x[..bulk].to_vec();
-            // SAFETY: the CPU has AVX-512F.
-            assert_eq!(unsafe { x86::exp_shifted_avx512(&mut probe, 0.0) }.0, bulk, "the vector path ran");
+        {
+            let want: Vec<f32> = x[..bulk].iter().map(|v| v.exp()).collect();
+            let mut paths = 0;
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                let mut probe = x[..bulk].to_vec();
+                // SAFETY: the CPU has AVX2 and FMA.
+                let (done, sum) = unsafe { x86::exp_shifted_avx2(&mut probe, 0.0) };
+                assert_eq!(done, bulk, "the AVX2 path ran");
+                if cfg!(target_env = "gnu") {
+                    assert_eq!(bits(&probe), bits(&want), "AVX2 exp");
+                }
+                let mut scalar = x[..bulk].to_vec();
+                assert_eq!(exp_shifted_sum(&mut scalar, 0.0).to_bits(), sum.to_bits(), "AVX2 sum");
+                paths += 1;
+            }
+            if avx512() {
+                let mut probe = x[..bulk].to_vec();
+                // SAFETY: the CPU has AVX-512F.
+                let (done, sum) = unsafe { x86::exp_shifted_avx512(&mut probe, 0.0) };
+                assert_eq!(done, bulk, "the AVX-512 path ran");
+                if cfg!(target_env = "gnu") {
+                    assert_eq!(bits(&probe), bits(&want), "AVX-512 exp");
+                }
+                let mut scalar = x[..bulk].to_vec();
+                assert_eq!(exp_shifted_sum(&mut scalar, 0.0).to_bits(), sum.to_bits(), "AVX-512 sum");
+                paths += 1;
+            }
+            eprintln!("vector exp paths checked: {paths}");
         }
         // Then the cases it leaves to the scalar call.
         x.extend([-88.0, -103.9, -104.0, -1e30, f32::NEG_INFINITY, f32::NAN, 88.5, 0.25]);

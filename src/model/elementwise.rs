@@ -164,9 +164,11 @@ fn silu_mul_scalar(v: f32, u: f32) -> f32 {
 fn silu_mul_slice(g: &[f32], u: &[f32], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if crate::vmath::exp8_available() {
-        // SAFETY: the CPU has AVX-512F.
-        done = unsafe { x86::silu_mul_avx512(g, u, out) };
+    match crate::vmath::exp8_isa() {
+        // SAFETY: the CPU has the features each function is compiled for.
+        Some(crate::vmath::ExpIsa::Avx512) => done = unsafe { x86::silu_mul_avx512(g, u, out) },
+        Some(crate::vmath::ExpIsa::Avx2) => done = unsafe { x86::silu_mul_avx2(g, u, out) },
+        None => {}
     }
     for ((o, &v), &w) in out[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
         *o = silu_mul_scalar(v, w);
@@ -187,9 +189,11 @@ fn gelu_mul_scalar(v: f32, u: f32) -> f32 {
 fn gelu_mul_slice(g: &[f32], u: &[f32], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if crate::vmath::exp8_available() {
-        // SAFETY: the CPU has AVX-512F.
-        done = unsafe { x86::gelu_mul_avx512(g, u, out) };
+    match crate::vmath::exp8_isa() {
+        // SAFETY: the CPU has the features each function is compiled for.
+        Some(crate::vmath::ExpIsa::Avx512) => done = unsafe { x86::gelu_mul_avx512(g, u, out) },
+        Some(crate::vmath::ExpIsa::Avx2) => done = unsafe { x86::gelu_mul_avx2(g, u, out) },
+        None => {}
     }
     for ((o, &v), &w) in out[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
         *o = gelu_mul_scalar(v, w);
@@ -198,22 +202,22 @@ fn gelu_mul_slice(g: &[f32], u: &[f32], out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use crate::vmath::x86::Exp8;
+    use crate::vmath::x86::{in_range, Exp8, Exp8Avx2, Exp8Avx512};
     use core::arch::x86_64::*;
 
     /// Whole groups of eight; a group whose `-v` is out of `Exp8`'s range goes through the
     /// scalar formula. Returns how many elements were done.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
+    #[inline(always)]
+    unsafe fn silu_mul<E: Exp8>(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
         let n = g.len().min(u.len()).min(out.len()) / 8 * 8;
         unsafe {
-            let exp = Exp8::new();
+            let exp = E::new();
             let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
             let mut i = 0;
             while i < n {
                 let v = _mm256_loadu_ps(g.as_ptr().add(i));
                 let neg = _mm256_xor_ps(v, sign);
-                if Exp8::in_range(neg) {
+                if in_range(neg) {
                     let silu = _mm256_div_ps(v, _mm256_add_ps(one, exp.exp(neg)));
                     _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(silu, _mm256_loadu_ps(u.as_ptr().add(i))));
                 } else {
@@ -227,13 +231,23 @@ mod x86 {
         }
     }
 
-    /// As [`silu_mul_avx512`], with the exponent `-2c·v·(1 + 0.044715·v²)`, the same float
-    /// operations as the scalar formula.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn gelu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
+    pub(super) unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
+        unsafe { silu_mul::<Exp8Avx512>(g, u, out) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
+        unsafe { silu_mul::<Exp8Avx2>(g, u, out) }
+    }
+
+    /// As [`silu_mul`], with the exponent `-2c·v·(1 + 0.044715·v²)`, the same float
+    /// operations as the scalar formula.
+    #[inline(always)]
+    unsafe fn gelu_mul<E: Exp8>(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
         let n = g.len().min(u.len()).min(out.len()) / 8 * 8;
         unsafe {
-            let exp = Exp8::new();
+            let exp = E::new();
             let one = _mm256_set1_ps(1.0);
             let (c2, cubic) = (_mm256_set1_ps(-super::GELU_2C), _mm256_set1_ps(super::GELU_CUBIC));
             let mut i = 0;
@@ -241,7 +255,7 @@ mod x86 {
                 let v = _mm256_loadu_ps(g.as_ptr().add(i));
                 let inner = _mm256_add_ps(one, _mm256_mul_ps(_mm256_mul_ps(cubic, v), v));
                 let t = _mm256_mul_ps(_mm256_mul_ps(c2, v), inner);
-                if Exp8::in_range(t) {
+                if in_range(t) {
                     let gelu = _mm256_div_ps(v, _mm256_add_ps(one, exp.exp(t)));
                     _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(gelu, _mm256_loadu_ps(u.as_ptr().add(i))));
                 } else {
@@ -253,6 +267,16 @@ mod x86 {
             }
             n
         }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gelu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
+        unsafe { gelu_mul::<Exp8Avx512>(g, u, out) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gelu_mul_avx2(g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
+        unsafe { gelu_mul::<Exp8Avx2>(g, u, out) }
     }
 }
 
@@ -296,6 +320,38 @@ mod tests {
             rms_norm(&half, &alpha, 1e-6).unwrap().to_vec2::<f32>().unwrap(),
             candle_nn::ops::rms_norm(&half.contiguous().unwrap(), &alpha, 1e-6).unwrap().to_vec2::<f32>().unwrap()
         );
+    }
+
+    /// Each vector path this CPU has (AVX-512, and AVX2 which AVX-512 machines have too)
+    /// gives the scalar formulas' bits, whichever one `gated_mul` takes here.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_vector_path_equals_the_scalar_formulas_bitwise() {
+        let mut next = values(11, 40.0);
+        let n = 4096 + 5;
+        let (mut g, u): (Vec<f32>, Vec<f32>) = ((0..n).map(|_| next()).collect(), (0..n).map(|_| next()).collect());
+        g[3] = 95.0;
+        g[17] = -100.0;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let silu: Vec<f32> = g.iter().zip(&u).map(|(&v, &w)| silu_mul_scalar(v, w)).collect();
+        let gelu: Vec<f32> = g.iter().zip(&u).map(|(&v, &w)| gelu_mul_scalar(v, w)).collect();
+        type Path = unsafe fn(&[f32], &[f32], &mut [f32]) -> usize;
+        let mut paths: Vec<(&str, Path, Path)> = Vec::new();
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            paths.push(("avx2", x86::silu_mul_avx2, x86::gelu_mul_avx2));
+        }
+        if is_x86_feature_detected!("avx512f") {
+            paths.push(("avx512", x86::silu_mul_avx512, x86::gelu_mul_avx512));
+        }
+        for (name, silu_path, gelu_path) in paths {
+            let mut out = vec![0f32; n];
+            // SAFETY: the CPU has the path's features (checked above).
+            let done = unsafe { silu_path(&g, &u, &mut out) };
+            assert_eq!(done, n / 8 * 8, "{name}");
+            assert_eq!(bits(&out[..done]), bits(&silu[..done]), "{name} silu");
+            let done = unsafe { gelu_path(&g, &u, &mut out) };
+            assert_eq!(bits(&out[..done]), bits(&gelu[..done]), "{name} gelu");
+        }
     }
 
     /// GELU-tanh times up: the vector and scalar paths agree bitwise (whole groups of eight and

@@ -1,5 +1,5 @@
 //! The machine's int8 multiply-add peak, measured now: `vpdpbusd` on 10 independent
-//! accumulators (as `tools/int8-peak` of the shared tools does in C), on one thread and on every
+//! accumulators (`vpmaddubsw` on CPUs with AVX2 but no VNNI), on one thread and on every
 //! thread of candle's worker pool, the one the matmuls run on. It is what the profile of
 //! `bench --mode ar --profile` compares the matmuls' achieved int8 throughput with. Also the
 //! CPU's model name and int8 extensions, from /proc/cpuinfo where there is one.
@@ -12,9 +12,10 @@ use std::time::Instant;
 /// byte pair.
 #[derive(Debug, Clone, Serialize)]
 pub struct Int8Peak {
-    /// The instruction timed: `vpdpbusd zmm` (AVX-512 VNNI) or `vpdpbusd ymm` (AVX-VNNI).
+    /// The instruction timed: `vpdpbusd zmm` (AVX-512 VNNI), `vpdpbusd ymm` (AVX-VNNI) or
+    /// `vpmaddubsw ymm` (AVX2).
     pub instruction: &'static str,
-    /// int8 operations per instruction: lanes × 4 byte pairs × 2.
+    /// int8 operations per instruction: lanes × byte pairs per lane × 2.
     pub ops_per_instruction: u64,
     pub one_thread_gops: f64,
     /// Threads of candle's pool, all running the loop at once.
@@ -23,7 +24,7 @@ pub struct Int8Peak {
 }
 
 /// Measures the peak for about `secs` seconds per thread count; `None` on a CPU without
-/// AVX-512 VNNI or AVX-VNNI.
+/// AVX-512 VNNI, AVX-VNNI or AVX2.
 pub fn measure(secs: f64) -> Option<Int8Peak> {
     let kernel = Kernel::detect()?;
     // Calibrate the iteration count (this also brings the core up to its AVX-512 clock).
@@ -63,6 +64,9 @@ const ACCUMULATORS: u64 = 10;
 enum Kernel {
     Zmm,
     Ymm,
+    /// AVX2 without VNNI: `vpmaddubsw`, what the AVX2 kernels multiply with (byte pairs
+    /// summed into i16; the kernels then add those up, which this loop leaves out).
+    Maddubs,
 }
 
 impl Kernel {
@@ -75,6 +79,9 @@ impl Kernel {
             if is_x86_feature_detected!("avx") && is_x86_feature_detected!("avxvnni") {
                 return Some(Kernel::Ymm);
             }
+            if is_x86_feature_detected!("avx2") {
+                return Some(Kernel::Maddubs);
+            }
         }
         None
     }
@@ -83,6 +90,7 @@ impl Kernel {
         match self {
             Kernel::Zmm => "vpdpbusd zmm",
             Kernel::Ymm => "vpdpbusd ymm",
+            Kernel::Maddubs => "vpmaddubsw ymm",
         }
     }
 
@@ -90,6 +98,7 @@ impl Kernel {
         match self {
             Kernel::Zmm => 16 * 4 * 2,
             Kernel::Ymm => 8 * 4 * 2,
+            Kernel::Maddubs => 16 * 2 * 2,
         }
     }
 
@@ -103,6 +112,7 @@ impl Kernel {
                 match self {
                     Kernel::Zmm => x86::dpbusd_zmm(iters),
                     Kernel::Ymm => x86::dpbusd_ymm(iters),
+                    Kernel::Maddubs => x86::maddubs_ymm(iters),
                 }
             }
         }
@@ -150,6 +160,20 @@ mod x86 {
         let b = _mm512_set1_epi8(std::hint::black_box(5));
         let s = ten_chains!(iters, _mm512_set1_epi32, _mm512_dpbusd_epi32, a, b, _mm512_add_epi32);
         _mm512_reduce_add_epi32(s)
+    }
+
+    /// `vpmaddubsw` has no accumulator: each chain feeds its result back as the unsigned
+    /// operand (the bytes of i16 sums), which keeps ten dependent chains as the other loops
+    /// do.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn maddubs_ymm(iters: u64) -> i32 {
+        let b = _mm256_set1_epi8(std::hint::black_box(5));
+        let maddubs = |c: __m256i, _a: (), b: __m256i| _mm256_maddubs_epi16(c, b);
+        let s = ten_chains!(iters, _mm256_set1_epi32, maddubs, (), b, _mm256_add_epi32);
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` holds exactly one 256-bit vector.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), s) };
+        lanes.iter().fold(0i32, |acc, &x| acc.wrapping_add(x))
     }
 
     #[target_feature(enable = "avx2,avxvnni")]
@@ -224,6 +248,25 @@ fn detected_avx512_vnni() -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every x86-64 CPU with AVX2 gets a peak, from the best instruction it has.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn measures_the_best_int8_instruction_there_is() {
+        let Some(peak) = measure(0.02) else {
+            assert!(!is_x86_feature_detected!("avx2"), "an AVX2 CPU gets a peak");
+            return;
+        };
+        let want = if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512f") {
+            "vpdpbusd zmm"
+        } else if is_x86_feature_detected!("avxvnni") {
+            "vpdpbusd ymm"
+        } else {
+            "vpmaddubsw ymm"
+        };
+        assert_eq!(peak.instruction, want);
+        assert!(peak.one_thread_gops > 1.0 && peak.all_threads_gops > 1.0, "{peak:?}");
+    }
 
     #[test]
     fn parses_cpuinfo() {

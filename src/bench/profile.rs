@@ -232,7 +232,9 @@ pub fn render(r: &ProfileReport) -> String {
                 pk.threads,
                 pk.one_thread_gops
             ),
-            (Some(g), None) => format!("{g:.1} G int8 ops/s (no vpdpbusd on this CPU to compare with)"),
+            (Some(g), None) => {
+                format!("{g:.1} G int8 ops/s (no int8 dot-product instruction on this CPU to compare with)")
+            }
         };
         let _ = writeln!(out, "- m={}: matmuls: {line}", b.m);
     }

@@ -292,6 +292,42 @@ fn pack_nibbles(values: &[u8], qs: &mut [u8], tile: usize, lane: usize) {
     }
 }
 
+/// The tiles of a matrix of `n` rows in a few contiguous ranges, for packing in parallel: a
+/// tile's packed bytes lie together in every array, so each range's work writes slices of
+/// its own.
+fn tile_ranges(n: usize) -> Vec<std::ops::Range<usize>> {
+    let tiles = n / TILE_N;
+    let parts = (4 * candle_core::utils::get_num_threads()).clamp(1, tiles.max(1));
+    (0..parts).map(|t| tiles * t / parts..tiles * (t + 1) / parts).collect()
+}
+
+/// `work(part)` for every part, on candle's worker pool (the threads the matmuls use: its
+/// workers spin between jobs, so threads of another pool would share cores with them).
+fn pack_in_parallel<T: Send>(parts: impl Iterator<Item = T>, work: impl Fn(T) + Sync) {
+    let slots: Vec<std::sync::Mutex<Option<T>>> = parts.map(|p| std::sync::Mutex::new(Some(p))).collect();
+    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
+        for slot in &slots[range] {
+            // Each slot is taken once; a poisoned lock only means another part panicked.
+            if let Some(part) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                work(part);
+            }
+        }
+    });
+}
+
+/// `v` cut at `ranges` of tiles, `per_tile` elements to a tile.
+fn tile_parts<'a, T>(v: &'a mut [T], per_tile: usize, ranges: &[std::ops::Range<usize>]) -> Vec<&'a mut [T]> {
+    let mut rest = v;
+    ranges
+        .iter()
+        .map(|r| {
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len() * per_tile);
+            rest = tail;
+            part
+        })
+        .collect()
+}
+
 impl PackedMatrix {
     /// Packs a `[n, k]` tensor of a type [`supports`] takes; `None` when [`supports`] says no or the CPU
     /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
@@ -301,6 +337,7 @@ impl PackedMatrix {
             return Ok(None);
         }
         let data = q.data()?;
+        let data: &[u8] = &data;
         let kb = k / BLOCK;
         let (blocks, block_bytes) = match q.dtype() {
             GgmlDType::Q8_0 => (kb, Q8_0_BYTES),
@@ -332,24 +369,34 @@ impl PackedMatrix {
             let qs_at = bytes - BLOCK / 2;
             let mut qs = vec![0u8; n * k / 2];
             let (mut d, mut m, mut qh) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb], vec![0u32; n * kb]);
-            for row in 0..n {
-                let (nt, lane) = (row / TILE_N, row % TILE_N);
-                for b in 0..kb {
-                    let block = &data[(row * kb + b) * bytes..][..bytes];
-                    let at = (nt * kb + b) * TILE_N + lane;
-                    d[at] = f16_at(block, 0);
-                    if let Some(i) = m_at {
-                        m[at] = f16_at(block, i);
-                    }
-                    if let Some(i) = qh_at {
-                        qh[at] = u32::from_le_bytes([block[i], block[i + 1], block[i + 2], block[i + 3]]);
-                    }
-                    let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
-                    for (j, &byte) in block[qs_at..].iter().enumerate() {
-                        qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
+            let ranges = tile_ranges(n);
+            let parts = ranges
+                .iter()
+                .zip(tile_parts(&mut qs, TILE_N * k / 2, &ranges))
+                .zip(tile_parts(&mut d, TILE_N * kb, &ranges))
+                .zip(tile_parts(&mut m, TILE_N * kb, &ranges))
+                .zip(tile_parts(&mut qh, TILE_N * kb, &ranges));
+            pack_in_parallel(parts, |((((tiles, qs), d), m), qh)| {
+                for row in tiles.start * TILE_N..tiles.end * TILE_N {
+                    // `nt` counts from this part's first tile.
+                    let (nt, lane) = (row / TILE_N - tiles.start, row % TILE_N);
+                    for b in 0..kb {
+                        let block = &data[(row * kb + b) * bytes..][..bytes];
+                        let at = (nt * kb + b) * TILE_N + lane;
+                        d[at] = f16_at(block, 0);
+                        if let Some(i) = m_at {
+                            m[at] = f16_at(block, i);
+                        }
+                        if let Some(i) = qh_at {
+                            qh[at] = u32::from_le_bytes([block[i], block[i + 1], block[i + 2], block[i + 3]]);
+                        }
+                        let tile = (nt * kb + b) * TILE_N * BLOCK / 2;
+                        for (j, &byte) in block[qs_at..].iter().enumerate() {
+                            qs[tile + (j / 4 * TILE_N + lane) * 4 + j % 4] = byte;
+                        }
                     }
                 }
-            }
+            });
             match q.dtype() {
                 GgmlDType::Q4_0 => Packed::Q4_0 { qs, d },
                 GgmlDType::Q4_1 => Packed::Q4_1 { qs, d, m },
@@ -364,22 +411,33 @@ impl PackedMatrix {
             let mut qs = vec![0u8; n * k / 2];
             let (mut sc, mut m, mut qh) = (vec![0u8; n * kb], vec![0u8; n * kb], vec![0u32; n * kb]);
             let (mut d, mut dmin_neg) = (vec![f16::ZERO; n * sb_n], vec![f16::ZERO; n * sb_n]);
-            for row in 0..n {
-                let (nt, lane) = (row / TILE_N, row % TILE_N);
-                for s in 0..sb_n {
-                    let block = &data[(row * sb_n + s) * bytes..][..bytes];
-                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
-                    dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
-                    let (values, scales) = values_of(block);
-                    for (j, &(scale, min)) in scales.iter().enumerate() {
-                        let b = s * BLOCKS_PER_SUPER + j;
-                        let at = (nt * kb + b) * TILE_N + lane;
-                        let vals = &values[j * BLOCK..(j + 1) * BLOCK];
-                        (sc[at], m[at], qh[at]) = (scale, min, fifth_bits(vals));
-                        pack_nibbles(vals, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+            let ranges = tile_ranges(n);
+            let parts = ranges
+                .iter()
+                .zip(tile_parts(&mut qs, TILE_N * k / 2, &ranges))
+                .zip(tile_parts(&mut sc, TILE_N * kb, &ranges))
+                .zip(tile_parts(&mut m, TILE_N * kb, &ranges))
+                .zip(tile_parts(&mut qh, TILE_N * kb, &ranges))
+                .zip(tile_parts(&mut d, TILE_N * sb_n, &ranges))
+                .zip(tile_parts(&mut dmin_neg, TILE_N * sb_n, &ranges));
+            pack_in_parallel(parts, |((((((tiles, qs), sc), m), qh), d), dmin_neg)| {
+                for row in tiles.start * TILE_N..tiles.end * TILE_N {
+                    let (nt, lane) = (row / TILE_N - tiles.start, row % TILE_N);
+                    for s in 0..sb_n {
+                        let block = &data[(row * sb_n + s) * bytes..][..bytes];
+                        d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
+                        dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
+                        let (values, scales) = values_of(block);
+                        for (j, &(scale, min)) in scales.iter().enumerate() {
+                            let b = s * BLOCKS_PER_SUPER + j;
+                            let at = (nt * kb + b) * TILE_N + lane;
+                            let vals = &values[j * BLOCK..(j + 1) * BLOCK];
+                            (sc[at], m[at], qh[at]) = (scale, min, fifth_bits(vals));
+                            pack_nibbles(vals, qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                        }
                     }
                 }
-            }
+            });
             if five {
                 Packed::Q5K { qs, qh, sc, m, d, dmin_neg }
             } else {
@@ -388,43 +446,60 @@ impl PackedMatrix {
         } else if q.dtype() == GgmlDType::Q8_0 {
             let mut qs = vec![0u8; n * k];
             let mut d = vec![f16::ZERO; n * kb];
-            for row in 0..n {
-                let (nt, lane) = (row / TILE_N, row % TILE_N);
-                for b in 0..kb {
-                    let block = &data[(row * kb + b) * Q8_0_BYTES..][..Q8_0_BYTES];
-                    let tile = (nt * kb + b) * TILE_N * BLOCK;
-                    d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
-                    for (i, &w) in block[2..].iter().enumerate() {
-                        qs[tile + (i / 4 * TILE_N + lane) * 4 + i % 4] = (w as i8 as i16 + 128) as u8;
+            let ranges = tile_ranges(n);
+            let parts = ranges.iter().zip(tile_parts(&mut qs, TILE_N * k, &ranges)).zip(tile_parts(
+                &mut d,
+                TILE_N * kb,
+                &ranges,
+            ));
+            pack_in_parallel(parts, |((tiles, qs), d)| {
+                for row in tiles.start * TILE_N..tiles.end * TILE_N {
+                    let (nt, lane) = (row / TILE_N - tiles.start, row % TILE_N);
+                    for b in 0..kb {
+                        let block = &data[(row * kb + b) * Q8_0_BYTES..][..Q8_0_BYTES];
+                        let tile = (nt * kb + b) * TILE_N * BLOCK;
+                        d[(nt * kb + b) * TILE_N + lane] = f16_at(block, 0);
+                        for (i, &w) in block[2..].iter().enumerate() {
+                            qs[tile + (i / 4 * TILE_N + lane) * 4 + i % 4] = (w as i8 as i16 + 128) as u8;
+                        }
                     }
                 }
-            }
+            });
             Packed::Q8_0 { qs, d }
         } else {
             let mut qs = vec![0u8; n * k / 2];
             let mut qh = vec![0u8; n * k / 4];
             let mut sc = vec![0i8; n * kb * 2];
             let mut d = vec![f16::ZERO; n * sb_n];
-            for row in 0..n {
-                let (nt, lane) = (row / TILE_N, row % TILE_N);
-                for s in 0..sb_n {
-                    let block = &data[(row * sb_n + s) * Q6K_BYTES..][..Q6K_BYTES];
-                    d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 208);
-                    let (values, scales) = q6k_values(block);
-                    for j in 0..BLOCKS_PER_SUPER {
-                        let b = s * BLOCKS_PER_SUPER + j;
-                        let vals = &values[j * BLOCK..(j + 1) * BLOCK];
-                        pack_nibbles(vals, &mut qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
-                        for (input, v) in vals.iter().enumerate() {
-                            let (g, i) = (input / 4, input % 4);
-                            let at = (nt * kb + b) * TILE_N * BLOCK / 4 + ((g / 4) * TILE_N + lane) * 4 + i;
-                            qh[at] |= (v >> 4) << (2 * (g % 4));
+            let ranges = tile_ranges(n);
+            let parts = ranges
+                .iter()
+                .zip(tile_parts(&mut qs, TILE_N * k / 2, &ranges))
+                .zip(tile_parts(&mut qh, TILE_N * k / 4, &ranges))
+                .zip(tile_parts(&mut sc, TILE_N * kb * 2, &ranges))
+                .zip(tile_parts(&mut d, TILE_N * sb_n, &ranges));
+            pack_in_parallel(parts, |((((tiles, qs), qh), sc), d)| {
+                for row in tiles.start * TILE_N..tiles.end * TILE_N {
+                    let (nt, lane) = (row / TILE_N - tiles.start, row % TILE_N);
+                    for s in 0..sb_n {
+                        let block = &data[(row * sb_n + s) * Q6K_BYTES..][..Q6K_BYTES];
+                        d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 208);
+                        let (values, scales) = q6k_values(block);
+                        for j in 0..BLOCKS_PER_SUPER {
+                            let b = s * BLOCKS_PER_SUPER + j;
+                            let vals = &values[j * BLOCK..(j + 1) * BLOCK];
+                            pack_nibbles(vals, qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                            for (input, v) in vals.iter().enumerate() {
+                                let (g, i) = (input / 4, input % 4);
+                                let at = (nt * kb + b) * TILE_N * BLOCK / 4 + ((g / 4) * TILE_N + lane) * 4 + i;
+                                qh[at] |= (v >> 4) << (2 * (g % 4));
+                            }
+                            sc[((nt * kb + b) * 2) * TILE_N + lane] = scales[2 * j];
+                            sc[((nt * kb + b) * 2 + 1) * TILE_N + lane] = scales[2 * j + 1];
                         }
-                        sc[((nt * kb + b) * 2) * TILE_N + lane] = scales[2 * j];
-                        sc[((nt * kb + b) * 2 + 1) * TILE_N + lane] = scales[2 * j + 1];
                     }
                 }
-            }
+            });
             Packed::Q6K { qs, qh, sc, d }
         };
         Ok(Some(Self { n, k, weights, levels, amx }))

@@ -93,6 +93,12 @@ fn bad_arguments() {
     assert_clean_error(&["generate", "-m", &model, "-p", "hi", "--top-p", "0"], "top_p");
     assert_clean_error(&["generate", "-m", &model, "-p", "hi", "--weights", "q3"], "unknown weight format");
     assert_clean_error(&["generate", "-m", &model, "--prompt-ids", "1,999999"], "outside the vocabulary");
+    // Checked before the model is loaded: the missing file is never reached.
+    assert_clean_error(
+        &["generate", "-m", "/nonexistent/model.gguf", "-p", "hi", "--drafter", "bogus"],
+        "unknown drafter",
+    );
+    assert_clean_error(&["generate", "-m", "/nonexistent/model.gguf"], "no prompt");
 }
 
 /// A tensor dimension set to 2^63 in SmolLM2's header: the element count wraps to 0 in

@@ -58,8 +58,8 @@ pub struct GenerateArgs {
     /// the same tokenizer), `dflash:DIR` or `eagle3:DIR` (learned drafters that read the target's
     /// hidden states), two joined by `+` (`ngram+dflash:DIR`: the second drafts where the
     /// first finds nothing), or `auto` (prompt lookup, with the repository's DFlash drafter for
-    /// the model behind it where there is one). Output is what decoding without one gives; only
-    /// the speed changes.
+    /// the model behind it where there is one), or `none` (the default: no drafter). Output is
+    /// what decoding without one gives; only the speed changes.
     #[arg(long)]
     drafter: Option<String>,
     /// Draft tokens per step with --drafter: a number, or `auto` (measure this model's verify
@@ -81,11 +81,22 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let loaded = args.model.load()?;
-    let prompt = match (&args.prompt, &args.prompt_ids) {
+    // What can be checked without the model is checked before loading it (seconds for a 1.5B).
+    let spec = args
+        .drafter
+        .as_deref()
+        .filter(|d| *d != "none")
+        .map(|d| DrafterSpec::parse_for_model(d, args.model.name()))
+        .transpose()
+        .context("--drafter")?;
+    let (text, ids) = match (&args.prompt, &args.prompt_ids) {
         (Some(_), Some(_)) => bail!("give either --prompt or --prompt-ids, not both"),
         (None, None) => bail!("no prompt: give --prompt TEXT or --prompt-ids 1,2,3"),
-        (None, Some(ids)) => ids.clone(),
+        (text, ids) => (text, ids),
+    };
+    let loaded = args.model.load()?;
+    let prompt = match (text, ids) {
+        (_, Some(ids)) => ids.clone(),
         (Some(text), None) if args.chat => {
             let mut messages = Vec::new();
             if let Some(s) = &args.system {
@@ -99,6 +110,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             loaded.encode_chat_with(&messages, &kwargs)?
         }
         (Some(text), None) => loaded.encode_prompt(text)?,
+        (None, None) => bail!("no prompt"),
     };
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -126,12 +138,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     params.validate()?;
     let pool = args.model.kv_pool(&loaded.model)?;
-    let spec = args
-        .drafter
-        .as_deref()
-        .map(|d| DrafterSpec::parse_for_model(d, args.model.name()))
-        .transpose()
-        .context("--drafter")?;
     let mut proposer: Option<Box<dyn Proposer>> = match &spec {
         Some(spec) => Some(build_proposer(spec, loaded.target(), Caller::default())?),
         None => None,

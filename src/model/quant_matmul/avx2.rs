@@ -750,3 +750,68 @@ pub(super) unsafe fn q5k_rows<const ROWS: usize>(
         },
     );
 }
+
+/// One level of one block of 32 activations, as the AVX-512 `quantize_level` does it in four
+/// 256-bit quarters: `d = max|x|/127`, `q = round(x/d)` (ties to even) no lower than −127,
+/// written as bytes; returns `d`, Σq, Σq over the first 16, and `q` as floats.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_level(x: [__m256; 4], out: *mut i8) -> (f32, i32, i32, [__m256; 4]) {
+    unsafe {
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = x.map(|v| _mm256_andnot_ps(sign, v));
+        let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+        let (d, id) = super::block_scale(amax);
+        let vid = _mm256_set1_ps(id);
+        let floor = _mm256_set1_epi32(-127);
+        let q = x.map(|v| _mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, vid)), floor));
+        // i32 → i16 → i8 with signed saturation; the packs interleave 128-bit lanes, which
+        // the final permute puts back in order.
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(out as *mut __m256i, bytes);
+        let lanes = |v: __m256i| {
+            let mut l = [0i32; 8];
+            _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, v);
+            l.iter().sum::<i32>()
+        };
+        let sum_lo = lanes(_mm256_add_epi32(q[0], q[1]));
+        let total = sum_lo + lanes(_mm256_add_epi32(q[2], q[3]));
+        (d, total, sum_lo, q.map(|v| _mm256_cvtepi32_ps(v)))
+    }
+}
+
+/// The portable `quantize_range` on AVX2, with the same results.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
+    let n = x.len() / BLOCK;
+    assert!(q.len() >= n * BLOCK && (!two_level || r.len() >= n * BLOCK) && blocks.len() >= n);
+    unsafe {
+        for b in 0..n {
+            let xs = x.as_ptr().add(b * BLOCK);
+            let v: [__m256; 4] = core::array::from_fn(|i| _mm256_loadu_ps(xs.add(8 * i)));
+            let (d, sum, sum_lo, qf) = quantize_level(v, q.as_mut_ptr().add(b * BLOCK));
+            if !two_level {
+                *blocks.get_unchecked_mut(b) = ActBlock { d, sum, sum_lo, s: d * sum as f32, ..ActBlock::default() };
+                continue;
+            }
+            // x − q·d with one rounding.
+            let vd = _mm256_set1_ps(d);
+            let rest: [__m256; 4] = core::array::from_fn(|i| _mm256_fnmadd_ps(qf[i], vd, v[i]));
+            let (d_r, sum_r, sum_r_lo, _) = quantize_level(rest, r.as_mut_ptr().add(b * BLOCK));
+            *blocks.get_unchecked_mut(b) = ActBlock {
+                d,
+                d_r,
+                sum,
+                sum_r,
+                sum_lo,
+                sum_r_lo,
+                s: d_r.mul_add(sum_r as f32, d * sum as f32),
+                taken: 0,
+            };
+        }
+    }
+}

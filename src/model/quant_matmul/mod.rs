@@ -910,16 +910,8 @@ fn quantize_range(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock]
     #[cfg(target_arch = "x86_64")]
     if isa() == Some(Isa::Avx2) {
         // SAFETY: the features were detected.
-        return unsafe { quantize_range_avx2(x, q, r, blocks, two_level) };
+        return unsafe { avx2::quantize_range(x, q, r, blocks, two_level) };
     }
-    quantize_range_portable(x, q, r, blocks, two_level)
-}
-
-/// The portable loops compiled for AVX2: rounding and fused multiply-adds become
-/// instructions instead of library calls; the results are the same.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_range_avx2(x: &[f32], q: &mut [i8], r: &mut [i8], blocks: &mut [ActBlock], two_level: bool) {
     quantize_range_portable(x, q, r, blocks, two_level)
 }
 

@@ -256,6 +256,21 @@ fn vector_and_portable_quantisation_agree_bitwise_down_to_subnormals() {
                 .collect::<Vec<_>>()
         };
         assert_eq!(bits(&fast.2), bits(&slow.2), "{magnitude}");
+        // The AVX2 path too, which AVX-512 machines skip above.
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            let mut avx2 = (vec![0i8; x.len()], vec![0i8; x.len()], vec![ActBlock::default(); n]);
+            for two_level in [true, false] {
+                quantize_range_portable(&x, &mut slow.0, &mut slow.1, &mut slow.2, two_level);
+                // SAFETY: the features were detected.
+                unsafe { avx2::quantize_range(&x, &mut avx2.0, &mut avx2.1, &mut avx2.2, two_level) };
+                assert_eq!(avx2.0, slow.0, "AVX2 {magnitude} {two_level}");
+                if two_level {
+                    assert_eq!(avx2.1, slow.1, "AVX2 {magnitude}");
+                }
+                assert_eq!(bits(&avx2.2), bits(&slow.2), "AVX2 {magnitude} {two_level}");
+            }
+        }
     }
 }
 

@@ -9,7 +9,7 @@
 //! halves the multiply instructions for 4-bit weights: on AVX2 those multiplies are what a
 //! batch of rows waits for. Integer sums are exact either way, and the float operations are the
 //! AVX-512 kernels' in the same order, so both give the portable loops' results bit for bit.
-//! Activations are quantised by the portable code.
+//! Activations are quantised here too ([`quantize_range`]), with the AVX-512 path's arithmetic.
 
 use super::{
     ActBlock, ActivationLevels, Packed, PackedMatrix, QuantizedRows, BLOCK, BLOCKS_PER_SUPER, MAX_ROWS, SUPER_BLOCK,

@@ -703,38 +703,31 @@ mod tests {
         x.extend((0..20_000).map(|i| -(i as f32) * 1e-4));
         x.extend([0.0, -0.0, -87.99, -1e-30, -1e-40, 0.5, 3.0, -1.0]);
         let bulk = x.len() / 8 * 8;
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         // Every vector path this CPU has, whichever `exp_shifted_sum` takes: the same bits as
         // `f32::exp` and the same sum.
         #[cfg(target_arch = "x86_64")]
         {
-            let want: Vec<f32> = x[..bulk].iter().map(|v| v.exp()).collect();
-            let mut paths = 0;
+            type Path = unsafe fn(&mut [f32], f32) -> (usize, f32);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let mut paths: Vec<(&str, Path)> = Vec::new();
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                let mut probe = x[..bulk].to_vec();
-                // SAFETY: the CPU has AVX2 and FMA.
-                let (done, sum) = unsafe { x86::exp_shifted_avx2(&mut probe, 0.0) };
-                assert_eq!(done, bulk, "the AVX2 path ran");
-                if cfg!(target_env = "gnu") {
-                    assert_eq!(bits(&probe), bits(&want), "AVX2 exp");
-                }
-                let mut scalar = x[..bulk].to_vec();
-                assert_eq!(exp_shifted_sum(&mut scalar, 0.0).to_bits(), sum.to_bits(), "AVX2 sum");
-                paths += 1;
+                paths.push(("AVX2", x86::exp_shifted_avx2));
             }
             if avx512() {
-                let mut probe = x[..bulk].to_vec();
-                // SAFETY: the CPU has AVX-512F.
-                let (done, sum) = unsafe { x86::exp_shifted_avx512(&mut probe, 0.0) };
-                assert_eq!(done, bulk, "the AVX-512 path ran");
-                if cfg!(target_env = "gnu") {
-                    assert_eq!(bits(&probe), bits(&want), "AVX-512 exp");
-                }
-                let mut scalar = x[..bulk].to_vec();
-                assert_eq!(exp_shifted_sum(&mut scalar, 0.0).to_bits(), sum.to_bits(), "AVX-512 sum");
-                paths += 1;
+                paths.push(("AVX-512", x86::exp_shifted_avx512));
             }
-            eprintln!("vector exp paths checked: {paths}");
+            let want: Vec<f32> = x[..bulk].iter().map(|v| v.exp()).collect();
+            for (name, path) in paths {
+                let mut probe = x[..bulk].to_vec();
+                // SAFETY: the CPU has the path's features (checked above).
+                let (done, sum) = unsafe { path(&mut probe, 0.0) };
+                assert_eq!(done, bulk, "the {name} path ran");
+                if cfg!(target_env = "gnu") {
+                    assert_eq!(bits(&probe), bits(&want), "{name} exp");
+                }
+                let mut chosen = x[..bulk].to_vec();
+                assert_eq!(exp_shifted_sum(&mut chosen, 0.0).to_bits(), sum.to_bits(), "{name} sum");
+            }
         }
         // Then the cases it leaves to the scalar call.
         x.extend([-88.0, -103.9, -104.0, -1e30, f32::NEG_INFINITY, f32::NAN, 88.5, 0.25]);

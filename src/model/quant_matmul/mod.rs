@@ -328,6 +328,23 @@ fn tile_parts<'a, T>(v: &'a mut [T], per_tile: usize, ranges: &[std::ops::Range<
         .collect()
 }
 
+/// [`pack_nibbles`] of block `j` of a Q4_K super-block, straight from its bytes: block `j`'s 32
+/// inputs are the low (`j` even) or high (`j` odd) nibbles of bytes `32·(j/2)..` of the
+/// quants, and packed byte `i` pairs inputs `i` and `i + 16`, four bytes to a row of a group.
+/// The same bytes as unpacking to values first, without the 256-value detour (most of a
+/// load's time).
+fn repack_q4k_block(block: &[u8], j: usize, qs: &mut [u8], tile: usize, lane: usize) {
+    let bytes = &block[16 + j / 2 * BLOCK..][..BLOCK];
+    let shift = 4 * (j % 2);
+    for g in 0..BLOCK / 8 {
+        let word: [u8; 4] = std::array::from_fn(|t| {
+            let i = g * 4 + t;
+            ((bytes[i] >> shift) & 0x0F) | (((bytes[i + 16] >> shift) & 0x0F) << 4)
+        });
+        qs[tile + (g * TILE_N + lane) * 4..][..4].copy_from_slice(&word);
+    }
+}
+
 impl PackedMatrix {
     /// Packs a `[n, k]` tensor of a type [`supports`] takes; `None` when [`supports`] says no or the CPU
     /// cannot run the kernels (so a `PackedMatrix` exists only where `matmul` is safe).
@@ -427,6 +444,15 @@ impl PackedMatrix {
                         let block = &data[(row * sb_n + s) * bytes..][..bytes];
                         d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 0);
                         dmin_neg[(nt * sb_n + s) * TILE_N + lane] = -f16_at(block, 2);
+                        if !five {
+                            for j in 0..BLOCKS_PER_SUPER {
+                                let b = s * BLOCKS_PER_SUPER + j;
+                                let at = (nt * kb + b) * TILE_N + lane;
+                                (sc[at], m[at]) = q4k_scale_min(j, &block[4..16]);
+                                repack_q4k_block(block, j, qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
+                            }
+                            continue;
+                        }
                         let (values, scales) = values_of(block);
                         for (j, &(scale, min)) in scales.iter().enumerate() {
                             let b = s * BLOCKS_PER_SUPER + j;

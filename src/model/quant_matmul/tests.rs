@@ -379,3 +379,29 @@ fn other_types_and_shapes_are_refused() {
         !supports(GgmlDType::Q3K, 32, 256) && !supports(GgmlDType::Q2K, 32, 256) && !supports(GgmlDType::F16, 32, 64)
     );
 }
+
+/// Packing a Q4_K block straight from its bytes gives what unpacking its values first does,
+/// for every block of a super-block and every lane.
+#[test]
+fn q4k_blocks_repack_as_their_values_pack() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..50 {
+        let block: Vec<u8> = (0..Q4K_BYTES)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        let (values, _) = q4k_values(&block);
+        for j in 0..BLOCKS_PER_SUPER {
+            for lane in [0, 5, TILE_N - 1] {
+                let (mut want, mut got) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 2]);
+                pack_nibbles(&values[j * BLOCK..(j + 1) * BLOCK], &mut want, 0, lane);
+                repack_q4k_block(&block, j, &mut got, 0, lane);
+                assert_eq!(got, want, "block {j} lane {lane}");
+            }
+        }
+    }
+}

@@ -268,7 +268,9 @@ fn fifth_bits(values: &[u8]) -> u32 {
     values.iter().enumerate().fold(0, |w, (j, &v)| w | (((v >> 4) as u32 & 1) << j))
 }
 
-/// The 256 quantised values (0..64, to be taken − 32) and 16 scales of a Q6_K super-block.
+/// The 256 quantised values (0..64, to be taken − 32) and 16 scales of a Q6_K super-block: the
+/// layout spelled out, which the packing ([`repack_q6k_block`]) is tested against.
+#[cfg(test)]
 fn q6k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [i8; 16]) {
     let (ql, qh) = (&block[..128], &block[128..192]);
     let mut values = [0u8; SUPER_BLOCK];
@@ -342,6 +344,30 @@ fn repack_q4k_block(block: &[u8], j: usize, qs: &mut [u8], tile: usize, lane: us
             ((bytes[i] >> shift) & 0x0F) | (((bytes[i + 16] >> shift) & 0x0F) << 4)
         });
         qs[tile + (g * TILE_N + lane) * 4..][..4].copy_from_slice(&word);
+    }
+}
+
+/// Block `j` of a Q6_K super-block packed straight from its bytes, as [`pack_nibbles`] and
+/// the two-bit `qh` groups take [`q6k_values`]' values: input `l` of the block has its low
+/// nibble in `ql[64·(j/4) + 32·(j%2) + l]` (the high nibble there when `j%4 ≥ 2`) and its top
+/// two bits at bit pair `j%4` of `qh[32·(j/4) + l]`. `qs` and `qh` come with the offsets of
+/// the block's tile.
+fn repack_q6k_block(block: &[u8], j: usize, qs: (&mut [u8], usize), qh: (&mut [u8], usize), lane: usize) {
+    let (half, quarter) = (j / 4, j % 4);
+    let ql = &block[half * 64 + (quarter % 2) * BLOCK..][..BLOCK];
+    let high = &block[128 + half * BLOCK..][..BLOCK];
+    let shift = if quarter < 2 { 0 } else { 4 };
+    let low = |l: usize| (ql[l] >> shift) & 0x0F;
+    let top = |l: usize| (high[l] >> (2 * quarter)) & 3;
+    let ((qs, qs_at), (qh, qh_at)) = (qs, qh);
+    for g in 0..BLOCK / 8 {
+        let word: [u8; 4] = std::array::from_fn(|t| low(g * 4 + t) | (low(g * 4 + t + 16) << 4));
+        qs[qs_at + (g * TILE_N + lane) * 4..][..4].copy_from_slice(&word);
+    }
+    // Groups 4h..4h+4 of four inputs: byte i holds input (4h + g)·4 + i's top bits at pair g.
+    for h in 0..2 {
+        let word: [u8; 4] = std::array::from_fn(|i| (0..4).fold(0, |w, g| w | (top((4 * h + g) * 4 + i) << (2 * g))));
+        qh[qh_at + (h * TILE_N + lane) * 4..][..4].copy_from_slice(&word);
     }
 }
 
@@ -510,18 +536,13 @@ impl PackedMatrix {
                     for s in 0..sb_n {
                         let block = &data[(row * sb_n + s) * Q6K_BYTES..][..Q6K_BYTES];
                         d[(nt * sb_n + s) * TILE_N + lane] = f16_at(block, 208);
-                        let (values, scales) = q6k_values(block);
                         for j in 0..BLOCKS_PER_SUPER {
                             let b = s * BLOCKS_PER_SUPER + j;
-                            let vals = &values[j * BLOCK..(j + 1) * BLOCK];
-                            pack_nibbles(vals, qs, (nt * kb + b) * TILE_N * BLOCK / 2, lane);
-                            for (input, v) in vals.iter().enumerate() {
-                                let (g, i) = (input / 4, input % 4);
-                                let at = (nt * kb + b) * TILE_N * BLOCK / 4 + ((g / 4) * TILE_N + lane) * 4 + i;
-                                qh[at] |= (v >> 4) << (2 * (g % 4));
-                            }
-                            sc[((nt * kb + b) * 2) * TILE_N + lane] = scales[2 * j];
-                            sc[((nt * kb + b) * 2 + 1) * TILE_N + lane] = scales[2 * j + 1];
+                            let (qs_at, qh_at) =
+                                ((nt * kb + b) * TILE_N * BLOCK / 2, (nt * kb + b) * TILE_N * BLOCK / 4);
+                            repack_q6k_block(block, j, (qs, qs_at), (qh, qh_at), lane);
+                            sc[((nt * kb + b) * 2) * TILE_N + lane] = block[192 + 2 * j] as i8;
+                            sc[((nt * kb + b) * 2 + 1) * TILE_N + lane] = block[192 + 2 * j + 1] as i8;
                         }
                     }
                 }

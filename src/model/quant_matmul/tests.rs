@@ -405,3 +405,35 @@ fn q4k_blocks_repack_as_their_values_pack() {
         }
     }
 }
+
+/// The same for Q6_K: nibbles, top bits and lanes as the values' packing gives them.
+#[test]
+fn q6k_blocks_repack_as_their_values_pack() {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..50 {
+        let block: Vec<u8> = (0..Q6K_BYTES)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        let (values, scales) = q6k_values(&block);
+        for j in 0..BLOCKS_PER_SUPER {
+            assert_eq!((scales[2 * j], scales[2 * j + 1]), (block[192 + 2 * j] as i8, block[193 + 2 * j] as i8));
+            for lane in [0, 5, TILE_N - 1] {
+                let vals = &values[j * BLOCK..(j + 1) * BLOCK];
+                let (mut qs_want, mut qh_want) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 4]);
+                pack_nibbles(vals, &mut qs_want, 0, lane);
+                for (input, v) in vals.iter().enumerate() {
+                    let (g, i) = (input / 4, input % 4);
+                    qh_want[((g / 4) * TILE_N + lane) * 4 + i] |= (v >> 4) << (2 * (g % 4));
+                }
+                let (mut qs, mut qh) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 4]);
+                repack_q6k_block(&block, j, (&mut qs, 0), (&mut qh, 0), lane);
+                assert_eq!((qs, qh), (qs_want, qh_want), "block {j} lane {lane}");
+            }
+        }
+    }
+}

@@ -411,14 +411,18 @@ impl PackedMatrix {
             };
             let qs_at = bytes - BLOCK / 2;
             let mut qs = vec![0u8; n * k / 2];
-            let (mut d, mut m, mut qh) = (vec![f16::ZERO; n * kb], vec![f16::ZERO; n * kb], vec![0u32; n * kb]);
+            // Minima and fifth bits only for the types that have them (empty otherwise).
+            let (m_per_tile, qh_per_tile) =
+                (if m_at.is_some() { TILE_N * kb } else { 0 }, if qh_at.is_some() { TILE_N * kb } else { 0 });
+            let mut d = vec![f16::ZERO; n * kb];
+            let (mut m, mut qh) = (vec![f16::ZERO; n / TILE_N * m_per_tile], vec![0u32; n / TILE_N * qh_per_tile]);
             let ranges = tile_ranges(n);
             let parts = ranges
                 .iter()
                 .zip(tile_parts(&mut qs, TILE_N * k / 2, &ranges))
                 .zip(tile_parts(&mut d, TILE_N * kb, &ranges))
-                .zip(tile_parts(&mut m, TILE_N * kb, &ranges))
-                .zip(tile_parts(&mut qh, TILE_N * kb, &ranges));
+                .zip(tile_parts(&mut m, m_per_tile, &ranges))
+                .zip(tile_parts(&mut qh, qh_per_tile, &ranges));
             pack_in_parallel(parts, |((((tiles, qs), d), m), qh)| {
                 for row in tiles.start * TILE_N..tiles.end * TILE_N {
                     // `nt` counts from this part's first tile.
@@ -452,7 +456,9 @@ impl PackedMatrix {
             let (bytes, values_of): (usize, SuperBlockValues) =
                 if five { (Q5K_BYTES, q5k_values) } else { (Q4K_BYTES, q4k_values) };
             let mut qs = vec![0u8; n * k / 2];
-            let (mut sc, mut m, mut qh) = (vec![0u8; n * kb], vec![0u8; n * kb], vec![0u32; n * kb]);
+            // Fifth bits only for Q5_K (empty for Q4_K).
+            let qh_per_tile = if five { TILE_N * kb } else { 0 };
+            let (mut sc, mut m, mut qh) = (vec![0u8; n * kb], vec![0u8; n * kb], vec![0u32; n / TILE_N * qh_per_tile]);
             let (mut d, mut dmin_neg) = (vec![f16::ZERO; n * sb_n], vec![f16::ZERO; n * sb_n]);
             let ranges = tile_ranges(n);
             let parts = ranges
@@ -460,7 +466,7 @@ impl PackedMatrix {
                 .zip(tile_parts(&mut qs, TILE_N * k / 2, &ranges))
                 .zip(tile_parts(&mut sc, TILE_N * kb, &ranges))
                 .zip(tile_parts(&mut m, TILE_N * kb, &ranges))
-                .zip(tile_parts(&mut qh, TILE_N * kb, &ranges))
+                .zip(tile_parts(&mut qh, qh_per_tile, &ranges))
                 .zip(tile_parts(&mut d, TILE_N * sb_n, &ranges))
                 .zip(tile_parts(&mut dmin_neg, TILE_N * sb_n, &ranges));
             pack_in_parallel(parts, |((((((tiles, qs), sc), m), qh), d), dmin_neg)| {

@@ -406,7 +406,9 @@ impl SeqCache {
         let mut storage = pool.lock();
         let bs = storage.layout.block_size;
         let full = self.len.min(prompt.len()) / bs;
-        // Blocks published by this call, as runs of consecutive blocks: one event per run.
+        // Blocks published by this call, as runs of consecutive blocks: one event per run
+        // (tracked only when someone listens).
+        let listening = storage.events.is_some();
         let mut runs: Vec<(Option<u64>, std::ops::Range<usize>)> = Vec::new();
         while self.keys.len() < full {
             let i = self.keys.len();
@@ -418,13 +420,14 @@ impl SeqCache {
                 storage.prefix.published[b as usize] = Some((key, tokens.into()));
                 storage.prefix.by_key.insert(key, b);
                 match runs.last_mut() {
+                    _ if !listening => {}
                     Some((_, run)) if run.end == i => run.end = i + 1,
                     _ => runs.push((parent, i..i + 1)),
                 }
             }
             self.keys.push(key);
         }
-        if storage.events.is_some() {
+        if listening {
             for (parent, run) in runs {
                 storage.emit(KvEvent::BlocksStored {
                     parent,

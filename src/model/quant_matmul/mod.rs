@@ -235,10 +235,9 @@ fn q4k_scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
     }
 }
 
-/// A k-quant super-block's 256 values and its 8 blocks' (scale, minimum) pairs.
-type SuperBlockValues = fn(&[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER]);
-
-/// The 256 quantised values (0..16) and 8 (scale, minimum) pairs of a Q4_K super-block.
+/// The 256 quantised values (0..16) and 8 (scale, minimum) pairs of a Q4_K super-block: the
+/// layout spelled out, which the packing ([`repack_q4k_block`]) is tested against.
+#[cfg(test)]
 fn q4k_values(block: &[u8]) -> ([u8; SUPER_BLOCK], [(u8, u8); BLOCKS_PER_SUPER]) {
     let qs = &block[16..];
     let mut values = [0u8; SUPER_BLOCK];
@@ -453,8 +452,7 @@ impl PackedMatrix {
         } else if matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q5K) {
             // Q5_K is Q4_K's super-block with the values' fifth bits beside.
             let five = q.dtype() == GgmlDType::Q5K;
-            let (bytes, values_of): (usize, SuperBlockValues) =
-                if five { (Q5K_BYTES, q5k_values) } else { (Q4K_BYTES, q4k_values) };
+            let bytes = if five { Q5K_BYTES } else { Q4K_BYTES };
             let mut qs = vec![0u8; n * k / 2];
             // Fifth bits only for Q5_K (empty for Q4_K).
             let qh_per_tile = if five { TILE_N * kb } else { 0 };
@@ -485,7 +483,7 @@ impl PackedMatrix {
                             }
                             continue;
                         }
-                        let (values, scales) = values_of(block);
+                        let (values, scales) = q5k_values(block);
                         for (j, &(scale, min)) in scales.iter().enumerate() {
                             let b = s * BLOCKS_PER_SUPER + j;
                             let at = (nt * kb + b) * TILE_N + lane;

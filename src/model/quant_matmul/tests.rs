@@ -380,20 +380,25 @@ fn other_types_and_shapes_are_refused() {
     );
 }
 
+/// `len` reproducible bytes: any bit pattern, as a file's blocks may hold.
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = 0x2545_f491_4f6c_dd1d ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
 /// Packing a Q4_K block straight from its bytes gives what unpacking its values first does,
 /// for every block of a super-block and every lane.
 #[test]
 fn q4k_blocks_repack_as_their_values_pack() {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    for _ in 0..50 {
-        let block: Vec<u8> = (0..Q4K_BYTES)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect();
+    for seed in 0..50 {
+        let block = random_bytes(Q4K_BYTES, seed);
         let (values, _) = q4k_values(&block);
         for j in 0..BLOCKS_PER_SUPER {
             for lane in [0, 5, TILE_N - 1] {
@@ -409,16 +414,8 @@ fn q4k_blocks_repack_as_their_values_pack() {
 /// The same for Q6_K: nibbles, top bits and lanes as the values' packing gives them.
 #[test]
 fn q6k_blocks_repack_as_their_values_pack() {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    for _ in 0..50 {
-        let block: Vec<u8> = (0..Q6K_BYTES)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect();
+    for seed in 0..50 {
+        let block = random_bytes(Q6K_BYTES, seed);
         let (values, scales) = q6k_values(&block);
         for j in 0..BLOCKS_PER_SUPER {
             assert_eq!((scales[2 * j], scales[2 * j + 1]), (block[192 + 2 * j] as i8, block[193 + 2 * j] as i8));

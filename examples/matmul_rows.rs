@@ -46,7 +46,7 @@ fn main() -> Result<()> {
         print!(" {name:>18}");
     }
     println!();
-    for m in [1usize, 2, 4, 8, 9, 10, 12, 16, 24, 32] {
+    for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32] {
         let x: Vec<f32> = (0..m * k).map(|i| ((i * 40503) % 997) as f32 / 498.5 - 1.0).collect();
         let x = Tensor::from_vec(x, (m, k), &dev)?;
         let mut best = vec![f64::MAX; kernels.len()];

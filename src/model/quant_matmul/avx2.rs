@@ -121,8 +121,12 @@ unsafe fn q4_1_nibbles(w: *const u8) -> [TileI32; 8] {
 /// `2·PER·w_max·127 ≤ 32767`: 8 for 4-bit weights, 4 for 5-bit, 2 for 6-bit, 1 for Q8_0.
 /// The sums are exact either way, so the result is too. With `signs` (Q8_0), the weights
 /// are `|w|` and each activation byte takes `w`'s sign.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+///
+/// Always inlined, and so without `target_feature` (Rust refuses the two together): it only
+/// runs inside the AVX2 kernels, whose features its intrinsics take on once inlined. Left to
+/// the inliner, Q8_0's `dot_block` (`PER` 1, the longest body) stayed a call for passes of 1–6
+/// rows, and those Q8_0 matmuls ran 1.5–2.3× slower (`examples/matmul_rows.rs`).
+#[inline(always)]
 unsafe fn dot_groups<const PER: usize>(init: TileI32, w: &TileBlock, a: *const i32, from: usize, to: usize) -> TileI32 {
     unsafe {
         let ones = _mm256_set1_epi16(1);
@@ -148,9 +152,8 @@ unsafe fn dot_groups<const PER: usize>(init: TileI32, w: &TileBlock, a: *const i
     }
 }
 
-/// Σ over the 8 groups of 4 inputs, from `init`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+/// Σ over the 8 groups of 4 inputs, from `init` (always inlined, as [`dot_groups`]).
+#[inline(always)]
 unsafe fn dot_block<const PER: usize>(init: TileI32, w: &TileBlock, a: *const i32) -> TileI32 {
     unsafe { dot_groups::<PER>(init, w, a, 0, 8) }
 }

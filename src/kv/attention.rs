@@ -191,6 +191,51 @@ mod tests {
             .collect()
     }
 
+    /// Rows alone and in blocks of several sizes get the same bits, with and without a sliding
+    /// window. (Tree rows against their chain twins: `tests/forward_equivalence.rs`.)
+    #[test]
+    fn a_row_alone_and_in_a_block_get_the_same_bits() {
+        let (hd, n_kv, group, bs, len) = (64, 3, 3, 16, 53);
+        let n_heads = n_kv * group;
+        let row_len = n_heads * hd;
+        let layout = KvLayout { dtype: KvDtype::F16, n_layers: 1, n_kv_heads: n_kv, head_dim: hd, block_size: bs };
+        let pool = KvPool::new(layout, 64);
+        let mut cache = pool.new_sequence();
+        let mut storage = pool.lock();
+        cache.reserve_locked(&mut storage, len).unwrap();
+        for p in 0..len {
+            storage.write(0, cache.blocks(), p, &values(p as u64, n_kv * hd), &values(500 + p as u64, n_kv * hd));
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        let run = |q: &[f32], seq: &AttentionSeq, window: Option<usize>| {
+            let mut out = vec![0f32; q.len()];
+            paged_attention(&storage, 0, q, n_heads, std::slice::from_ref(seq), 0.125, window, &mut out);
+            out
+        };
+        for window in [None, Some(20), Some(5)] {
+            for new in [2, 5, 16, 23] {
+                let q = values(9 + new as u64, new * row_len);
+                let block = AttentionSeq {
+                    row_start: 0,
+                    n_rows: new,
+                    cached: len - new,
+                    blocks: cache.blocks(),
+                    parents: None,
+                };
+                let together = run(&q, &block, window);
+                for r in 0..new {
+                    let one = AttentionSeq { n_rows: 1, cached: len - new + r, ..block.clone() };
+                    let alone = run(&q[r * row_len..(r + 1) * row_len], &one, window);
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&together[r * row_len..(r + 1) * row_len]),
+                        "{window:?}, {new} rows, row {r}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn windowed_rows_attend_to_their_last_positions_only() {
         let (hd, n_heads, bs, len) = (16, 2, 4, 11);

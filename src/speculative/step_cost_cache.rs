@@ -21,7 +21,7 @@ use std::time::UNIX_EPOCH;
 
 /// Bump when the kernels or the measuring change, so that curves measured before are not
 /// reused.
-pub const MEASUREMENT_VERSION: u32 = 1;
+pub const MEASUREMENT_VERSION: u32 = 2;
 
 /// Cache files larger than this are not read (a curve is a few hundred bytes).
 const MAX_FILE_BYTES: u64 = 64 * 1024;

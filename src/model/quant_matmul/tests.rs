@@ -393,44 +393,47 @@ fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Packing a Q4_K block straight from its bytes gives what unpacking its values first does,
-/// for every block of a super-block and every lane.
-#[test]
-fn q4k_blocks_repack_as_their_values_pack() {
+/// `check(block, j, lane)` for 50 random super-blocks of `bytes` bytes, each of their blocks
+/// `j` and lanes at both ends of a tile and inside it.
+fn each_block_and_lane(bytes: usize, mut check: impl FnMut(&[u8], usize, usize)) {
     for seed in 0..50 {
-        let block = random_bytes(Q4K_BYTES, seed);
-        let (values, _) = q4k_values(&block);
+        let block = random_bytes(bytes, seed);
         for j in 0..BLOCKS_PER_SUPER {
             for lane in [0, 5, TILE_N - 1] {
-                let (mut want, mut got) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 2]);
-                pack_nibbles(&values[j * BLOCK..(j + 1) * BLOCK], &mut want, 0, lane);
-                repack_q4k_block(&block, j, &mut got, 0, lane);
-                assert_eq!(got, want, "block {j} lane {lane}");
+                check(&block, j, lane);
             }
         }
     }
 }
 
+/// Packing a Q4_K block straight from its bytes gives what unpacking its values first does,
+/// for every block of a super-block and every lane.
+#[test]
+fn q4k_blocks_repack_as_their_values_pack() {
+    each_block_and_lane(Q4K_BYTES, |block, j, lane| {
+        let (values, _) = q4k_values(block);
+        let (mut want, mut got) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 2]);
+        pack_nibbles(&values[j * BLOCK..(j + 1) * BLOCK], &mut want, 0, lane);
+        repack_q4k_block(block, j, &mut got, 0, lane);
+        assert_eq!(got, want, "block {j} lane {lane}");
+    });
+}
+
 /// The same for Q6_K: nibbles, top bits and lanes as the values' packing gives them.
 #[test]
 fn q6k_blocks_repack_as_their_values_pack() {
-    for seed in 0..50 {
-        let block = random_bytes(Q6K_BYTES, seed);
-        let (values, scales) = q6k_values(&block);
-        for j in 0..BLOCKS_PER_SUPER {
-            assert_eq!((scales[2 * j], scales[2 * j + 1]), (block[192 + 2 * j] as i8, block[193 + 2 * j] as i8));
-            for lane in [0, 5, TILE_N - 1] {
-                let vals = &values[j * BLOCK..(j + 1) * BLOCK];
-                let (mut qs_want, mut qh_want) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 4]);
-                pack_nibbles(vals, &mut qs_want, 0, lane);
-                for (input, v) in vals.iter().enumerate() {
-                    let (g, i) = (input / 4, input % 4);
-                    qh_want[((g / 4) * TILE_N + lane) * 4 + i] |= (v >> 4) << (2 * (g % 4));
-                }
-                let (mut qs, mut qh) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 4]);
-                repack_q6k_block(&block, j, (&mut qs, 0), (&mut qh, 0), lane);
-                assert_eq!((qs, qh), (qs_want, qh_want), "block {j} lane {lane}");
-            }
+    each_block_and_lane(Q6K_BYTES, |block, j, lane| {
+        let (values, scales) = q6k_values(block);
+        assert_eq!((scales[2 * j], scales[2 * j + 1]), (block[192 + 2 * j] as i8, block[193 + 2 * j] as i8));
+        let vals = &values[j * BLOCK..(j + 1) * BLOCK];
+        let (mut qs_want, mut qh_want) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 4]);
+        pack_nibbles(vals, &mut qs_want, 0, lane);
+        for (input, v) in vals.iter().enumerate() {
+            let (g, i) = (input / 4, input % 4);
+            qh_want[((g / 4) * TILE_N + lane) * 4 + i] |= (v >> 4) << (2 * (g % 4));
         }
-    }
+        let (mut qs, mut qh) = (vec![0u8; TILE_N * BLOCK / 2], vec![0u8; TILE_N * BLOCK / 4]);
+        repack_q6k_block(block, j, (&mut qs, 0), (&mut qh, 0), lane);
+        assert_eq!((qs, qh), (qs_want, qh_want), "block {j} lane {lane}");
+    });
 }

@@ -22,7 +22,7 @@ use crate::kv::{KvPool, PoolExhausted};
 use crate::model::{ForwardBatch, ForwardOutput, LogitsRows, Transformer};
 use crate::sample::token_logprob;
 use crate::speculative::metrics::rank_outcomes;
-use crate::speculative::planner::DraftBid;
+use crate::speculative::planner::{DraftBid, DraftCost};
 use crate::speculative::verify::penalize_verification_rows;
 use crate::speculative::{verify, AdaptiveState, Draft, DraftLen, DraftTree, Proposer, StepCost, MAX_DRAFT};
 use crate::tokenize::Tokenizer;
@@ -189,6 +189,7 @@ impl<'a> EngineCore<'a> {
                     if max_nodes.is_some() {
                         policy.enable_trees();
                     }
+                    policy.set_fleet_priors(self.fleet.verify_excess(), self.fleet.catch_up_secs_per_token());
                     DraftChoice::Adaptive(policy)
                 }
                 None => DraftChoice::None,
@@ -344,20 +345,21 @@ impl<'a> EngineCore<'a> {
                         (source, p.pending_catch_up(&a.seq.tokens))
                     });
                     let want = policy.choose_for(source, &a.metrics, pending).min(room);
+                    if let Some(excess) = policy.take_excess_sample() {
+                        self.fleet.record_excess(excess);
+                    }
                     // A tree only where the best draft of this size has a runner-up in it.
                     if a.trees.is_some() {
                         a.trees = Some(policy.tree_pays(want));
                     }
-                    // A one-pass drafter's time is spread over the length its policy chose.
-                    let draft = policy.draft_cost();
-                    let secs_per_token = draft.of(want) / want.max(1) as f64 * policy.step_secs();
                     let (own_accepted, own_tried) = policy.acceptance_counts();
                     let alpha = self.fleet.alpha_for(own_accepted, own_tried);
                     DraftBid {
                         alpha,
                         tree: policy.rank_rates(),
                         max_len: want,
-                        secs_per_token,
+                        draft_secs: DraftCost { r: policy.draft_cost().r * policy.step_secs(), ..policy.draft_cost() },
+                        verify_excess: policy.verify_excess(),
                         exact: policy.is_probing() && want > 0,
                     }
                 }

@@ -1,6 +1,7 @@
-//! Acceptance seen across all requests: the prior for each new request's own estimate.
+//! What the engine has seen across all requests (acceptance, drafting and catch-up time, verify
+//! excess): the priors for each new request's own estimates.
 
-use crate::speculative::planner::{best_len, DraftCost};
+use crate::speculative::planner::{best_len, pays, DraftCost};
 use crate::speculative::policy::alpha_estimate;
 use crate::speculative::{DraftCostShape, StepCost};
 
@@ -23,11 +24,17 @@ pub struct FleetAcceptance {
     /// Decayed catch-up seconds and caught-up tokens.
     catch_up_secs: f64,
     caught_up: f64,
+    /// Decayed sum and count of requests' verify-excess observations (a drafting step's time
+    /// over what the curve and the request's own plain steps predict).
+    excess_sum: f64,
+    excesses: f64,
 }
 
 impl FleetAcceptance {
     /// Half-life of about 350 draft positions: follows a change of traffic within seconds.
     const DECAY: f64 = 0.998;
+    /// Half-life of about 35 excess observations (each a solo drafting step).
+    const EXCESS_DECAY: f64 = 0.98;
     /// Weight, in tried positions, the fleet estimate gets in a request's own estimate.
     const PRIOR_WEIGHT: f64 = 4.0;
 
@@ -71,9 +78,27 @@ impl FleetAcceptance {
         }
     }
 
+    /// Folds in one request's observed verify excess.
+    pub fn record_excess(&mut self, ratio: f64) {
+        self.excess_sum = self.excess_sum * Self::EXCESS_DECAY + ratio;
+        self.excesses = self.excesses * Self::EXCESS_DECAY + 1.0;
+    }
+
+    /// How much dearer verify blocks have been than the curve says, over recent requests (1,
+    /// as the curve, until observed; pulled towards 1 with the weight of two observations).
+    pub fn verify_excess(&self) -> f64 {
+        (self.excess_sum + 2.0) / (self.excesses + 2.0)
+    }
+
+    /// Seconds a drafter took to catch up on a missed token, over recent requests.
+    pub fn catch_up_secs_per_token(&self) -> Option<f64> {
+        (self.caught_up > 0.0).then(|| self.catch_up_secs / self.caught_up)
+    }
+
     /// Whether a new request should start with a probe: never-tried drafters always do;
-    /// otherwise only when the fleet's acceptance and draft cost make drafting pay by more
-    /// than catching up on the prompt costs, spread over the request's output.
+    /// otherwise only when the fleet's acceptance, draft cost and verify excess make drafting
+    /// pay (by the planner's margin) over catching up on the prompt, spread over the request's
+    /// output.
     pub fn start_with_probe(
         &self,
         cost: &StepCost,
@@ -90,7 +115,7 @@ impl FleetAcceptance {
         let draft =
             DraftCost { shape, r: per_unit(self.draft_secs, DraftCost::units(shape, self.drafted, self.drafts)) };
         let catch_up = per_unit(self.catch_up_secs, self.caught_up) * prompt as f64 / max_tokens.max(1) as f64;
-        best_len(cost, max_draft, self.alpha(), draft, 1.0).1 > 1.0 + catch_up
+        pays(1.0 + catch_up, best_len(cost, max_draft, self.alpha(), draft, self.verify_excess()).1)
     }
 
     /// A request's α: its own decayed counts, with the fleet estimate as prior.
@@ -145,5 +170,12 @@ mod tests {
         }
         good.record_costs(0, 0.0, 100, 0.05);
         assert!(good.start_with_probe(&steep, DraftCostShape::PerToken, 15, 100, 128));
+        // The same drafter where verify blocks have cost three times what the curve says: not.
+        for _ in 0..100 {
+            good.record_excess(3.0);
+        }
+        assert!(good.verify_excess() > 2.9 && good.verify_excess() < 3.0, "{}", good.verify_excess());
+        assert!(!good.start_with_probe(&steep, DraftCostShape::PerToken, 15, 100, 128));
+        assert_eq!(good.catch_up_secs_per_token(), Some(0.05 / 100.0));
     }
 }

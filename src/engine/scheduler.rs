@@ -434,7 +434,7 @@ mod tests {
         let mut f = fake(0, 5);
         f.cached = 4;
         f.blocks = 1;
-        f.bid = DraftBid { alpha: 0.9, max_len: 6, secs_per_token: 0.0, exact: false, tree: None };
+        f.bid = DraftBid { alpha: 0.9, max_len: 6, ..DraftBid::default() };
         s.running.push(f);
         let plan = s.schedule(10, 11, Some(&costs));
         let SlotKind::Decode { draft } = plan.slots[0].kind else { panic!("{plan:?}") };

@@ -1,25 +1,28 @@
 //! The draft planner: how many draft nodes (tokens of a chain, nodes of a tree) each decoding
-//! sequence verifies per step. Every decision here weighs the same thing: what a node is
-//! expected to commit ([`node_gains`], from acceptance measured per depth and sibling rank)
-//! against what its row costs on the measured verify-cost curve, plus the drafter's own time.
+//! sequence verifies per step. Every decision here weighs the same thing with one formula
+//! ([`step_rate`]) and one threshold ([`MIN_GAIN`]): what a node is expected to commit
+//! ([`node_gains`], from acceptance measured per depth and sibling rank) against what its row
+//! costs on the measured verify-cost curve, times how much dearer verifying has been in this
+//! decode than the curve says, plus the drafter's own time.
 //!
-//! - One request ([`best_len_of_gains`]): the k maximising `(1 + Σ gains[..k]) /
-//!   (x·cost(k+1) + d(k))`, drafting only when that beats plain decoding by the policy's
-//!   margin (`super::policy`, which keeps the statistics these are computed from).
-//! - A batch ([`allocate_drafts`]): nodes go one at a time to the sequence whose next node
-//!   gains most, while they raise the step's expected tokens per second.
+//! - One request ([`planned_len`]): the k maximising `(1 + Σ gains[..k]) /
+//!   (x·cost(k+1) + d(k))`, when that beats plain decoding by [`MIN_GAIN`]. The statistics
+//!   behind α, the gains, d and x are `super::policy`'s.
+//! - A batch ([`allocate_drafts`]): drafts go one at a time to the sequence whose longer draft
+//!   raises the step's expected tokens per second most, while that rise is at least
+//!   [`MIN_GAIN`]. A batch of one gets the request's own choice.
 //!
 //! Batches: a step's time grows with its rows. On a CPU the curve is flat for a few rows (one
-//! weight read serves them all) and then linear (compute-bound). Draft nodes are handed out
-//! greedily, best first, while they raise the step's expected tokens per second above what the
-//! same step would give without them. So when the batch is large enough for the step to be
-//! compute-bound, speculation switches itself off, and throughput never falls below plain
-//! continuous batching (up to the accuracy of the cost model and of the acceptance estimates).
+//! weight read serves them all) and then linear (compute-bound). So when the batch is large
+//! enough for the step to be compute-bound, speculation switches itself off, and throughput
+//! never falls below plain continuous batching (up to the accuracy of the cost model and of
+//! the acceptance estimates).
 
 use super::proposer::DraftCostShape;
 use super::step_cost::StepCost;
 
-/// A drafter's time for a draft, in target decode steps: `r` per token or per draft.
+/// A drafter's time for a draft: `r` per token or per draft, in target decode steps (or in
+/// seconds, where a field says so).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct DraftCost {
     pub shape: DraftCostShape,
@@ -146,8 +149,30 @@ pub fn best_len_of_gains(cost: &StepCost, gains: &[f64], draft: DraftCost, verif
     best
 }
 
+/// Smallest predicted rise in expected committed tokens per second that a draft must bring,
+/// for a request alone and for each grant in a batch alike. Every input of the prediction is
+/// an estimate from a few recent steps and the cost model leaves out per-row work outside the
+/// forward (sampling and verifying each row), while a wrong guess costs a whole verify block:
+/// drafts predicted to gain less than this were measured to lose (DFlash on SmolLM2 at a
+/// predicted 1.00–1.02×: 0.97× plain; 4 clients on SmolLM2 at +1.5%: −12% served).
+pub const MIN_GAIN: f64 = 0.05;
+
+/// Whether going from `before` to `after` expected tokens per second is worth a draft.
+pub fn pays(before: f64, after: f64) -> bool {
+    after >= before * (1.0 + MIN_GAIN)
+}
+
+/// The draft size a request alone would verify: [`best_len_of_gains`]' k when it [`pays`],
+/// else 0. [`allocate_drafts`] gives a lone sequence the same.
+pub fn planned_len(cost: &StepCost, gains: &[f64], draft: DraftCost, verify_excess: f64) -> usize {
+    match best_len_of_gains(cost, gains, draft, verify_excess) {
+        (k, s) if pays(1.0, s) => k,
+        _ => 0,
+    }
+}
+
 /// What a decoding sequence asks for this step.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DraftBid {
     /// Estimated acceptance of one draft position given the earlier ones were accepted.
     pub alpha: f64,
@@ -157,8 +182,12 @@ pub struct DraftBid {
     /// The most draft tokens it can use (its own policy's choice, bounded by max_tokens and
     /// the context); 0 = no speculation this step.
     pub max_len: usize,
-    /// Drafter time per drafted token.
-    pub secs_per_token: f64,
+    /// The drafter's time in seconds (per token or per draft, as its shape says): in a batch a
+    /// request's own decode step is a share of a shared forward, so drafts are priced in
+    /// absolute time against the curve's.
+    pub draft_secs: DraftCost,
+    /// How much dearer a verify block is in this request's decode than the curve says.
+    pub verify_excess: f64,
     /// A fixed draft length (`--draft-len N`), or an adaptive policy's probe: granted as far as
     /// rows and blocks allow, without weighing its cost. A probe must not be weighed: it is how
     /// a request learns that acceptance has changed, and weighing it by the acceptance it is
@@ -166,16 +195,41 @@ pub struct DraftBid {
     pub exact: bool,
 }
 
-/// Smallest predicted rise in the step's tokens per second that a draft token must bring. The
-/// cost model leaves out per-row work outside the forward (sampling and verifying each row)
-/// and is measured on a noisy machine; a token predicted to gain less than this was measured
-/// to lose (4 clients on SmolLM2: +1.5% predicted, −12% served).
-const BATCH_MIN_GAIN: f64 = 0.03;
+impl Default for DraftBid {
+    fn default() -> Self {
+        Self { alpha: 0.0, tree: None, max_len: 0, draft_secs: DraftCost::default(), verify_excess: 1.0, exact: false }
+    }
+}
+
+/// A step's expected committed tokens per second, for draft lengths `lens`: the one formula
+/// every draft decision weighs. Each sequence commits its decode token plus what its draft
+/// nodes are expected to; the step costs the curve's time for all its rows, times the drafting
+/// sequences' verify excess (mean over their draft rows), plus the drafters' time. For a lone
+/// sequence, relative to plain decoding, this is [`speedup_of_gains`].
+fn step_rate(cost: &StepCost, bids: &[DraftBid], gains: &[Vec<f64>], lens: &[usize]) -> f64 {
+    let mut tokens = bids.len() as f64;
+    let mut drafting = 0.0;
+    let (mut draft_rows, mut excess_rows) = (0.0, 0.0);
+    for ((b, g), &k) in bids.iter().zip(gains).zip(lens) {
+        tokens += g[..k.min(g.len())].iter().sum::<f64>();
+        drafting += b.draft_secs.of(k);
+        draft_rows += k as f64;
+        excess_rows += k as f64 * b.verify_excess;
+    }
+    let excess = if draft_rows > 0.0 { excess_rows / draft_rows } else { 1.0 };
+    let rows = bids.len() + lens.iter().sum::<usize>();
+    tokens / (excess * cost.secs(rows) + drafting).max(1e-12)
+}
 
 /// Draft lengths for one step: `bids[i]` belongs to the i-th decoding sequence (each already
 /// has its one decode row). `can_grow(i, k)` says whether sequence i may have k draft tokens
 /// (row budget, KV blocks); it is asked in order of growth and may keep its own accounting.
 /// Exact bids are served first; the others only with a cost model to weigh them.
+///
+/// Drafts are granted one at a time: of every sequence's possible longer drafts, the one that
+/// gives the step the highest [`step_rate`], as long as it [`pays`] against the step without
+/// it. A draft's whole length is weighed at once, so a one-pass drafter's time is not charged
+/// to its first node alone, and a lone sequence gets exactly [`planned_len`].
 pub fn allocate_drafts(
     cost: Option<&StepCost>,
     bids: &[DraftBid],
@@ -189,43 +243,45 @@ pub fn allocate_drafts(
     }
     let Some(cost) = cost else { return lens };
     let mut open: Vec<bool> = bids.iter().map(|b| !b.exact && b.max_len > 0 && b.alpha > 0.0).collect();
-    // What each bid's next node is expected to commit, node by node.
+    // What each bid's nodes are expected to commit, node by node (an exact bid's at its α).
     let gains: Vec<Vec<f64>> = bids
         .iter()
         .zip(&open)
-        .map(|(b, &open)| if open { node_gains(b.alpha, b.tree.as_ref(), b.max_len) } else { Vec::new() })
+        .map(|(b, &open)| {
+            if open || (b.exact && b.alpha > 0.0) {
+                node_gains(b.alpha, b.tree.as_ref(), b.max_len)
+            } else {
+                Vec::new()
+            }
+        })
         .collect();
-    let mut rows = bids.len() + lens.iter().sum::<usize>();
-    let mut tokens = rows as f64;
-    let mut extra_secs: f64 = bids.iter().zip(&lens).map(|(b, &k)| b.secs_per_token * k as f64).sum();
     loop {
-        // The open bid whose next draft token is most likely to be accepted.
-        let mut best: Option<(usize, f64)> = None;
-        for i in 0..bids.len() {
-            if !open[i] {
-                continue;
+        let now = step_rate(cost, bids, &gains, &lens);
+        let mut best: Option<(usize, usize, f64)> = None;
+        let mut trial = lens.clone();
+        for i in (0..bids.len()).filter(|&i| open[i]) {
+            for k in lens[i] + 1..=gains[i].len() {
+                trial[i] = k;
+                let rate = step_rate(cost, bids, &gains, &trial);
+                if best.is_none_or(|(_, _, r)| rate > r * (1.0 + 1e-9)) {
+                    best = Some((i, k, rate));
+                }
             }
-            let Some(&gain) = gains[i].get(lens[i]) else { continue };
-            if best.is_none_or(|(_, g)| gain > g) {
-                best = Some((i, gain));
-            }
+            trial[i] = lens[i];
         }
-        let Some((i, gain)) = best else { break };
-        let now = tokens / (cost.secs(rows) + extra_secs).max(1e-12);
-        let then = (tokens + gain) / (cost.secs(rows + 1) + extra_secs + bids[i].secs_per_token).max(1e-12);
-        if then <= now * (1.0 + BATCH_MIN_GAIN) {
-            // Every other open bid gains less for the same cost: done.
+        let Some((i, k, rate)) = best else { break };
+        if !pays(now, rate) {
+            // No longer draft of any sequence is worth its rows: done.
             break;
         }
-        if !can_grow(i, lens[i] + 1) {
-            open[i] = false;
-            continue;
+        while lens[i] < k {
+            if !can_grow(i, lens[i] + 1) {
+                open[i] = false;
+                break;
+            }
+            lens[i] += 1;
         }
-        lens[i] += 1;
-        rows += 1;
-        tokens += gain;
-        extra_secs += bids[i].secs_per_token;
-        if lens[i] >= bids[i].max_len {
+        if lens[i] >= gains[i].len() {
             open[i] = false;
         }
     }
@@ -235,7 +291,7 @@ pub fn allocate_drafts(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::speculative::StepCost;
+    use crate::speculative::{DraftCostShape, StepCost};
 
     #[test]
     fn node_gains_of_chains_and_trees() {
@@ -263,7 +319,7 @@ mod tests {
     }
 
     fn bid(alpha: f64, max_len: usize) -> DraftBid {
-        DraftBid { alpha, max_len, secs_per_token: 0.0, exact: false, tree: None }
+        DraftBid { alpha, max_len, ..DraftBid::default() }
     }
 
     #[test]
@@ -309,7 +365,7 @@ mod tests {
         let free = allocate_drafts(Some(&cpu_curve()), &[bid(0.8, 8)], &mut |_, _| true)[0];
         let dear = allocate_drafts(
             Some(&cpu_curve()),
-            &[DraftBid { alpha: 0.8, max_len: 8, secs_per_token: 4.0, exact: false, tree: None }],
+            &[DraftBid { draft_secs: DraftCost::per_token(4.0), ..bid(0.8, 8) }],
             &mut |_, _| true,
         )[0];
         assert!(dear < free, "{dear} vs {free}");
@@ -317,17 +373,19 @@ mod tests {
 
     #[test]
     fn a_tree_drafter_with_poor_first_choices_gets_rows_a_chain_would_not() {
-        // First choices right a third of the time: a chain is not worth a row here, a tree
-        // whose second and third choices catch many of the misses is.
-        let chain = allocate_drafts(Some(&cpu_curve()), &[bid(0.35, 8)], &mut |_, _| true)[0];
+        // First choices right a third of the time, on a curve that is flat for one draft row
+        // only: a chain's second node (0.12) is not worth its row, a tree's runner-up at the
+        // first position (0.65 × 0.5) is.
+        let curve = StepCost::from_points(vec![(1, 10.0), (2, 10.5), (3, 12.0), (4, 15.0), (8, 27.0), (16, 51.0)]);
+        let chain = allocate_drafts(Some(&curve), &[bid(0.35, 8)], &mut |_, _| true)[0];
         let tree = DraftBid { tree: Some([0.5, 0.4, 0.3]), ..bid(0.35, 8) };
-        let tree = allocate_drafts(Some(&cpu_curve()), &[tree], &mut |_, _| true)[0];
-        assert!(tree > chain, "tree {tree} vs chain {chain}");
+        let tree = allocate_drafts(Some(&curve), &[tree], &mut |_, _| true)[0];
+        assert_eq!((chain, tree), (1, 2));
     }
 
     #[test]
     fn exact_bids_get_their_length_without_a_cost_model() {
-        let exact = DraftBid { alpha: 0.0, max_len: 5, secs_per_token: 0.0, exact: true, tree: None };
+        let exact = DraftBid { max_len: 5, exact: true, ..DraftBid::default() };
         assert_eq!(allocate_drafts(None, &[exact, bid(0.99, 8)], &mut |_, _| true), vec![5, 0]);
         let mut rows_left = 3;
         let lens = allocate_drafts(None, &[exact], &mut |_, _| {
@@ -335,5 +393,37 @@ mod tests {
             rows_left >= 0
         });
         assert_eq!(lens, vec![3], "bounded by the rows left");
+    }
+    #[test]
+    fn a_lone_sequence_gets_what_the_request_would_choose_alone() {
+        // One formula and one threshold: the batch allocation of a single sequence is the
+        // request's own choice, for chains and trees, per-token and one-pass drafters, on
+        // flat and steep curves, with and without verify excess.
+        let mut rng = crate::sample::SamplerRng::from_seed(5);
+        let curves = [cpu_curve(), StepCost::from_points((1..=16).map(|m| (m, 1.0 + 0.35 * (m - 1) as f64)).collect())];
+        for case in 0..2000 {
+            let cost = &curves[case % 2];
+            let alpha = rng.next_f64();
+            let tree = (case % 3 == 0).then(|| [rng.next_f64() * 0.5, rng.next_f64() * 0.3, rng.next_f64() * 0.2]);
+            let shape = if case % 4 < 2 { DraftCostShape::PerToken } else { DraftCostShape::PerDraft };
+            let draft = DraftCost { shape, r: rng.next_f64() * 0.6 };
+            let verify_excess = 0.8 + rng.next_f64();
+            let max_len = 1 + case % 16;
+            let gains = node_gains(alpha, tree.as_ref(), max_len);
+            let alone = planned_len(cost, &gains, draft, verify_excess);
+            let draft_secs = DraftCost { r: draft.r * cost.secs(1), ..draft };
+            let b = DraftBid { alpha, tree, max_len, draft_secs, verify_excess, exact: false };
+            let lens = allocate_drafts(Some(cost), &[b], &mut |_, _| true);
+            assert_eq!(lens, vec![alone], "case {case}: {b:?}");
+        }
+    }
+
+    #[test]
+    fn a_one_pass_drafter_is_weighed_over_its_whole_draft() {
+        // A pass that costs 0.8 of a step whatever its length, right 80% of the time: one node
+        // does not pay for the pass ((1 + 0.8) / (1.05 + 0.8) < 1), four nodes do
+        // ((1 + 2.36) / (1.33 + 0.8) = 1.58), and a fifth costs more than it brings.
+        let b = DraftBid { draft_secs: DraftCost { shape: DraftCostShape::PerDraft, r: 8.0 }, ..bid(0.8, 8) };
+        assert_eq!(allocate_drafts(Some(&cpu_curve()), &[b], &mut |_, _| true), vec![4]);
     }
 }

@@ -17,10 +17,13 @@
 //! drafting steps' forwards took to what the curve and its own plain steps predict, and scores
 //! `E[k] / (x·cost(k+1) + d(k))`: whatever the curve misses, speculation switches off once it
 //! stops paying.
-//! Every input of that score is an estimate from a few recent steps, and a wrong guess to draft
-//! costs a whole verify block while a right one gains a fraction of a step, so the policy drafts
-//! only when the best k promises at least [`tuning::MIN_GAIN`] more than plain decoding: at a
-//! predicted 1.00–1.02× a DFlash drafter on SmolLM2 ran at 0.97× plain.
+//! A request that drafts from its first step has no plain step to measure `x` against: where
+//! its decision to draft depends on `x`, it times one plain step early
+//! ([`tuning::BASELINE_AFTER`]). A new request starts from the excess (and a drafter's catch-up
+//! time) the engine's other requests measured, which the engine hands over
+//! ([`AdaptiveState::set_fleet_priors`]).
+//! The score and the margin a draft must promise over plain decoding are the planner's
+//! ([`super::planner::planned_len`]): this module keeps the statistics and the probing.
 //! α is an exponentially weighted estimate from recent steps. While it stays at k = 0 it probes
 //! with a short draft now and then (with exponential back-off), otherwise it could never learn
 //! that acceptance has improved; a probe's outcome replaces the stale estimate.
@@ -42,7 +45,9 @@
 //! short. What belongs to the target (its step time, how dear verifying is) is shared.
 
 use super::metrics::SpecMetrics;
-use super::planner::{best_len_of_gains, node_gains, speedup_of_gains, tree_pays, DraftCost, RankRates, TREE_RANKS};
+use super::planner::{
+    best_len_of_gains, node_gains, planned_len, speedup_of_gains, tree_pays, DraftCost, RankRates, TREE_RANKS,
+};
 use super::proposer::DraftCostShape;
 use super::step_cost::{StepCost, MAX_DRAFT};
 use anyhow::{bail, Result};
@@ -131,10 +136,17 @@ mod tuning {
     /// Bounds on one step's observed excess (a step that ran into a page fault or a preempted
     /// core says little about the next).
     pub const EXCESS_RANGE: (f64, f64) = (0.5, 3.0);
+    /// Drafting steps after which a request with no plain step of its own takes one, timed, as
+    /// the base its verify excess is measured on, where the decision to draft depends on that
+    /// excess: where the draft would stop paying were verify blocks [`BASELINE_EXCESS`] times
+    /// dearer than now estimated. Without it a draft model on a Zen 3 with AVX2 only, priced
+    /// on a curve that happened to be measured 10–15% too cheap, kept drafting at 0.92× plain;
+    /// taken by every request, it cost prompt lookup 3–6% on SmolLM2 (its drafts pay at any
+    /// plausible excess, and the measured one cut long drafts that paid).
+    pub const BASELINE_AFTER: u32 = 4;
+    pub const BASELINE_EXCESS: f64 = 1.25;
     /// Share of the idle time since the last draft that a probe's catch-up may cost.
     pub const PROBE_BUDGET: f64 = 0.02;
-    /// Predicted speed-up over plain decoding below which the policy does not draft.
-    pub const MIN_GAIN: f64 = 0.05;
 }
 
 /// What the policy knows about one drafter. A proposer that chooses between drafters step by
@@ -237,6 +249,14 @@ pub struct AdaptiveState {
     excess_weight: f64,
     /// The proposer drafts trees: a draft of k nodes is priced by the tree's gains.
     tree: bool,
+    /// What the engine's other requests measured, until this one measures its own: the verify
+    /// excess (the prior of [`Self::verify_excess`]) and a drafter's catch-up time per token.
+    prior_excess: f64,
+    prior_catch_up_secs: Option<f64>,
+    /// The newest excess observation, not yet handed to the engine's fleet statistics.
+    excess_sample: Option<f64>,
+    /// The one plain step [`tuning::BASELINE_AFTER`] asks for has been taken.
+    baseline_taken: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -290,7 +310,24 @@ impl AdaptiveState {
             excess_sum: 0.0,
             excess_weight: 0.0,
             tree: false,
+            prior_excess: 1.0,
+            prior_catch_up_secs: None,
+            excess_sample: None,
+            baseline_taken: false,
         }
+    }
+
+    /// Starts from what other requests of this drafter measured: how much dearer verify blocks
+    /// were than the curve, and what catching up on a missed token costs (seconds).
+    pub fn set_fleet_priors(&mut self, verify_excess: f64, catch_up_secs_per_token: Option<f64>) {
+        self.prior_excess = verify_excess;
+        self.prior_catch_up_secs = catch_up_secs_per_token;
+    }
+
+    /// The verify excess observed since the last call, for the engine's statistics over all
+    /// requests.
+    pub fn take_excess_sample(&mut self) -> Option<f64> {
+        self.excess_sample.take()
     }
 
     /// Prices drafts as trees from now on (the proposer drafts them).
@@ -341,7 +378,8 @@ impl AdaptiveState {
 
     /// How much dearer a verify block is in this decode than the curve says (1: as the curve).
     pub fn verify_excess(&self) -> f64 {
-        (self.excess_sum + tuning::EXCESS_PRIOR_STEPS) / (self.excess_weight + tuning::EXCESS_PRIOR_STEPS)
+        (self.excess_sum + self.prior_excess * tuning::EXCESS_PRIOR_STEPS)
+            / (self.excess_weight + tuning::EXCESS_PRIOR_STEPS)
     }
 
     /// cost(m)/cost(1): a verify block of m tokens in decode steps.
@@ -364,16 +402,22 @@ impl AdaptiveState {
     }
 
     /// The k in 0..=max with the best expected speed (shortest on ties), or 0 when even that
-    /// one promises less than [`tuning::MIN_GAIN`] over plain decoding.
+    /// one promises less than [`MIN_GAIN`](super::planner::MIN_GAIN) over plain decoding.
     pub fn best_len(&self) -> usize {
         self.best_len_at(self.alpha())
     }
 
     fn best_len_at(&self, alpha: f64) -> usize {
-        match best_len_of_gains(&self.cost, &self.gains(alpha), self.draft_cost(), self.verify_excess()) {
-            (k, s) if s >= 1.0 + tuning::MIN_GAIN => k,
-            _ => 0,
-        }
+        planned_len(&self.cost, &self.gains(alpha), self.draft_cost(), self.verify_excess())
+    }
+
+    /// Whether to take the one timed plain step ([`tuning::BASELINE_AFTER`]): none yet, and
+    /// drafting would not pay were verify blocks [`tuning::BASELINE_EXCESS`] times dearer.
+    fn needs_baseline(&self) -> bool {
+        let dearer = self.verify_excess() * tuning::BASELINE_EXCESS;
+        !self.baseline_taken
+            && self.solo_plain_secs == 0.0
+            && planned_len(&self.cost, &self.gains(self.alpha()), self.draft_cost(), dearer) == 0
     }
 
     /// α one standard error above the estimate (its weight: the decayed tried positions).
@@ -385,8 +429,13 @@ impl AdaptiveState {
     /// Whether catching up after an idle stretch costs more per missed token than the probe
     /// budget allows, so that a drafter that stops now is not probed again.
     fn resuming_is_dear(&self, m: &SpecMetrics) -> bool {
-        self.step_secs > 0.0
-            && catch_up_secs_per_token(m).is_some_and(|secs| secs > tuning::PROBE_BUDGET * self.step_secs)
+        self.step_secs > 0.0 && self.catch_up_secs(m).is_some_and(|secs| secs > tuning::PROBE_BUDGET * self.step_secs)
+    }
+
+    /// Seconds the drafter takes to catch up on a missed token: this request's measurement,
+    /// else the other requests'.
+    fn catch_up_secs(&self, m: &SpecMetrics) -> Option<f64> {
+        catch_up_secs_per_token(m).or(self.prior_catch_up_secs)
     }
 
     /// Folds in the step(s) since the last call: the drafter they drafted with (if any) is
@@ -418,6 +467,7 @@ impl AdaptiveState {
             let ratio = (verify / (self.solo_plain_secs * self.cost(block))).clamp(lo, hi);
             self.excess_sum = self.excess_sum * tuning::DECAY + ratio;
             self.excess_weight = self.excess_weight * tuning::DECAY + 1.0;
+            self.excess_sample = Some(ratio);
         }
         let one_step = self.step_secs;
         let current = self.current;
@@ -481,7 +531,7 @@ impl AdaptiveState {
 
     /// Whether a probe that must first catch up on `pending` tokens fits the probe budget.
     fn probe_affordable(&self, m: &SpecMetrics, pending: usize) -> bool {
-        match catch_up_secs_per_token(m) {
+        match self.catch_up_secs(m) {
             // Nothing to catch up on, or its price is not known yet.
             _ if pending == 0 || self.step_secs <= 0.0 => true,
             None => true,
@@ -524,6 +574,10 @@ impl AdaptiveState {
             if s.on_streak >= tuning::PROBE_AFTER {
                 s.probe_after = tuning::PROBE_AFTER;
             }
+            if s.on_streak >= tuning::BASELINE_AFTER && self.needs_baseline() {
+                self.baseline_taken = true;
+                return 0;
+            }
             return k;
         }
         let affordable = self.probe_affordable(m, pending_catch_up);
@@ -544,7 +598,7 @@ impl AdaptiveState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::speculative::planner::best_len;
+    use crate::speculative::planner::{best_len, MIN_GAIN};
 
     /// Feeds `steps` steps where every draft is accepted with probability `alpha` (position by
     /// position, deterministic pseudo-randomness), drafting what the policy asks for.
@@ -634,11 +688,11 @@ mod tests {
             (state.best_len(), k, s)
         };
         let (chosen, k, s) = with_alpha(0.36);
-        assert!(k > 0 && s > 1.0 && s < 1.0 + tuning::MIN_GAIN, "best k {k} promises {s}");
+        assert!(k > 0 && s > 1.0 && s < 1.0 + MIN_GAIN, "best k {k} promises {s}");
         assert_eq!(chosen, 0, "a promise of {s} must not switch drafting on");
         // Clearly paying: the same drafter right half the time.
         let (chosen, k, s) = with_alpha(0.5);
-        assert!(s > 1.0 + tuning::MIN_GAIN && chosen == k && k > 0, "k {k} promises {s}, chosen {chosen}");
+        assert!(s > 1.0 + MIN_GAIN && chosen == k && k > 0, "k {k} promises {s}, chosen {chosen}");
     }
 
     #[test]
@@ -836,6 +890,70 @@ mod tests {
         let (_, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.35, 400, &|_| 0.001, &exact);
         let late = chosen[100..].iter().filter(|&&k| k > 0).count();
         assert!(late > 200, "drafted in only {late} of 300 steps");
+    }
+
+    #[test]
+    fn a_marginal_drafter_times_one_plain_step_to_learn_the_excess() {
+        // A draft model right 90% of the time, a draft token at 0.6 of a decode step, on a
+        // curve where each row adds 0.15: on the curve one token pays, (1 + 0.9) / (1.15 +
+        // 0.6) = 1.09, but not at 1.25× that cost (1.9 / (1.44 + 0.6) = 0.93). In fact every
+        // drafting step's forward takes 1.6× what the curve says (1.9 / (1.84 + 0.6) = 0.78):
+        // a request that never decodes plainly can only learn that from a plain step it times.
+        let curve = Arc::new(StepCost::from_points((1..=16).map(|m| (m, 1.0 + 0.15 * (m - 1) as f64)).collect()));
+        let dear = |k: usize| if k == 0 { 1.0 } else { 1.6 * curve.relative(k + 1) };
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, true);
+        let (_, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.9, 300, &|k| 0.006 * k as f64, &dear);
+        let first_plain = chosen.iter().position(|&k| k == 0).expect("a plain step");
+        assert!((3..=10).contains(&first_plain), "{chosen:?}");
+        assert!(state.verify_excess() > 1.3, "{}", state.verify_excess());
+        let late = chosen[100..].iter().filter(|&&k| k > 0).count();
+        assert!(late <= 30, "drafted in {late} of 200 steps: {:?}", &chosen[100..]);
+        // A drafter that pays at any plausible excess (free and right 90% of the time) never
+        // stops to time a plain step.
+        let exact = |k: usize| curve.relative(k + 1);
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, true);
+        let (_, chosen) = run_costed(&mut |m| state.choose(m, 0), 0.9, 300, &|_| 0.0, &exact);
+        assert!(chosen.iter().all(|&k| k > 0), "{chosen:?}");
+    }
+
+    #[test]
+    fn a_new_request_starts_from_what_other_requests_measured() {
+        // A draft model right 90% of the time, a draft token at 0.4 of a decode step, on a
+        // curve where each row adds 0.15: on the curve three tokens pay, (1 + 0.9 + 0.81 +
+        // 0.73) / (1.45 + 1.2) = 1.30. Where the engine's other requests found verify blocks
+        // 1.6× dearer than the curve says, no length does (3.44 / (2.32 + 1.2) = 0.98 at the
+        // best), and a new request does not draft.
+        let curve = Arc::new(StepCost::from_points((1..=16).map(|m| (m, 1.0 + 0.15 * (m - 1) as f64)).collect()));
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, false);
+        state.sources[0].hold = false;
+        state.sources[0].draft_cost_sum = 0.4;
+        state.sources[0].draft_cost_weight = 1.0;
+        state.sources[0].trials = 1000.0;
+        state.sources[0].accepted = 900.0;
+        assert!(state.best_len() > 0);
+        state.set_fleet_priors(1.6, None);
+        assert!((state.verify_excess() - 1.6).abs() < 1e-12);
+        assert_eq!(state.best_len(), 0);
+        // A draft model whose catch-up the fleet has timed (5 ms a token against 10 ms steps)
+        // is not probed on a 100-token prompt it would first have to read.
+        let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, false);
+        state.set_fleet_priors(1.0, Some(0.005));
+        let mut m = SpecMetrics::default();
+        for step in 0..300 {
+            assert_eq!(state.choose(&m, 100 + step), 0, "step {step}");
+            m.record(0, 0, 1);
+            m.verify_secs += 0.01;
+        }
+        // Without the fleet's timing it would have probed.
+        let mut state = AdaptiveState::new(15, curve, DraftCostShape::PerToken, false);
+        let mut m = SpecMetrics::default();
+        let probed = (0..300).any(|step| {
+            let k = state.choose(&m, 100 + step);
+            m.record(k, 0, 1);
+            m.verify_secs += 0.01;
+            k > 0
+        });
+        assert!(probed);
     }
 
     #[test]

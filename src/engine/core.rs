@@ -189,7 +189,8 @@ impl<'a> EngineCore<'a> {
                     if max_nodes.is_some() {
                         policy.enable_trees();
                     }
-                    policy.set_fleet_priors(self.fleet.verify_excess(), self.fleet.catch_up_secs_per_token());
+                    let fleet = &self.fleet;
+                    policy.set_fleet_priors(|d| fleet.verify_excess(d), fleet.catch_up_secs_per_token());
                     DraftChoice::Adaptive(policy)
                 }
                 None => DraftChoice::None,
@@ -345,8 +346,8 @@ impl<'a> EngineCore<'a> {
                         (source, p.pending_catch_up(&a.seq.tokens))
                     });
                     let want = policy.choose_for(source, &a.metrics, pending).min(room);
-                    if let Some(excess) = policy.take_excess_sample() {
-                        self.fleet.record_excess(excess);
+                    if let Some((drafter, excess)) = policy.take_excess_sample() {
+                        self.fleet.record_excess(drafter, excess);
                     }
                     // A tree only where the best draft of this size has a runner-up in it.
                     if a.trees.is_some() {

@@ -24,10 +24,10 @@ pub struct FleetAcceptance {
     /// Decayed catch-up seconds and caught-up tokens.
     catch_up_secs: f64,
     caught_up: f64,
-    /// Decayed sum and count of requests' verify-excess observations (a drafting step's time
-    /// over what the curve and the request's own plain steps predict).
-    excess_sum: f64,
-    excesses: f64,
+    /// Per drafter (of `A+B`: each), decayed sum and count of requests' verify-excess
+    /// observations (a drafting step's time over what the curve and the request's own plain
+    /// steps predict).
+    excess: Vec<(f64, f64)>,
 }
 
 impl FleetAcceptance {
@@ -78,16 +78,27 @@ impl FleetAcceptance {
         }
     }
 
-    /// Folds in one request's observed verify excess.
-    pub fn record_excess(&mut self, ratio: f64) {
-        self.excess_sum = self.excess_sum * Self::EXCESS_DECAY + ratio;
-        self.excesses = self.excesses * Self::EXCESS_DECAY + 1.0;
+    /// Folds in one request's observed verify excess of a step drafted by `drafter`.
+    pub fn record_excess(&mut self, drafter: usize, ratio: f64) {
+        if drafter >= self.excess.len() {
+            self.excess.resize(drafter + 1, (0.0, 0.0));
+        }
+        let (sum, n) = &mut self.excess[drafter];
+        *sum = *sum * Self::EXCESS_DECAY + ratio;
+        *n = *n * Self::EXCESS_DECAY + 1.0;
     }
 
-    /// How much dearer verify blocks have been than the curve says, over recent requests (1,
-    /// as the curve, until observed; pulled towards 1 with the weight of two observations).
-    pub fn verify_excess(&self) -> f64 {
-        (self.excess_sum + 2.0) / (self.excesses + 2.0)
+    /// How much dearer `drafter`'s verify blocks have been than the curve says, over recent
+    /// requests (1, as the curve, until observed; pulled towards 1 with the weight of two
+    /// observations).
+    pub fn verify_excess(&self, drafter: usize) -> f64 {
+        let (sum, n) = self.excess.get(drafter).copied().unwrap_or_default();
+        (sum + 2.0) / (n + 2.0)
+    }
+
+    /// The least [`Self::verify_excess`] of any drafter: whether a new request's probe could pay.
+    fn least_verify_excess(&self) -> f64 {
+        (0..self.excess.len().max(1)).map(|d| self.verify_excess(d)).fold(f64::INFINITY, f64::min)
     }
 
     /// Seconds a drafter took to catch up on a missed token, over recent requests.
@@ -115,7 +126,7 @@ impl FleetAcceptance {
         let draft =
             DraftCost { shape, r: per_unit(self.draft_secs, DraftCost::units(shape, self.drafted, self.drafts)) };
         let catch_up = per_unit(self.catch_up_secs, self.caught_up) * prompt as f64 / max_tokens.max(1) as f64;
-        pays(1.0 + catch_up, best_len(cost, max_draft, self.alpha(), draft, self.verify_excess()).1)
+        pays(1.0 + catch_up, best_len(cost, max_draft, self.alpha(), draft, self.least_verify_excess()).1)
     }
 
     /// A request's α: its own decayed counts, with the fleet estimate as prior.
@@ -172,9 +183,10 @@ mod tests {
         assert!(good.start_with_probe(&steep, DraftCostShape::PerToken, 15, 100, 128));
         // The same drafter where verify blocks have cost three times what the curve says: not.
         for _ in 0..100 {
-            good.record_excess(3.0);
+            good.record_excess(0, 3.0);
         }
-        assert!(good.verify_excess() > 2.9 && good.verify_excess() < 3.0, "{}", good.verify_excess());
+        assert!(good.verify_excess(0) > 2.9 && good.verify_excess(0) < 3.0, "{}", good.verify_excess(0));
+        assert_eq!(good.verify_excess(1), 1.0, "another drafter's steps are its own");
         assert!(!good.start_with_probe(&steep, DraftCostShape::PerToken, 15, 100, 128));
         assert_eq!(good.catch_up_secs_per_token(), Some(0.05 / 100.0));
     }

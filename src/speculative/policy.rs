@@ -40,9 +40,10 @@
 //!
 //! A proposer that chooses between drafters step by step (`A+B`: prompt lookup where it finds
 //! a match, a learned drafter elsewhere) says before each step which one will draft, and the
-//! policy keeps acceptance, drafting time and probing apart for each: one estimate over both
-//! would price lookup's free, often-right drafts like the learned drafter's and cut them
-//! short. What belongs to the target (its step time, how dear verifying is) is shared.
+//! policy keeps acceptance, drafting time, probing and the verify excess apart for each: one
+//! estimate over both would price lookup's free, often-right drafts like the learned drafter's
+//! and cut them short (DFlash's pass between forwards makes its verify steps dearer, which
+//! lookup's are not). The target's step time is shared.
 
 use super::metrics::SpecMetrics;
 use super::planner::{
@@ -184,6 +185,14 @@ struct SourceState {
     /// No draft until the next scheduled probe (a request told not to start with one, or a
     /// probe that was not affordable).
     hold: bool,
+    /// Decayed sum and weight of observed (solo drafting step's forward time) /
+    /// (solo plain step × cost(block)) for this drafter's steps: how much dearer verifying is
+    /// in this decode than the curve says. Per drafter, because a drafter's own work between
+    /// forwards is part of it (DFlash's pass makes the next forward dearer; lookup does not).
+    excess_sum: f64,
+    excess_weight: f64,
+    /// What the engine's other requests measured for this drafter (the excess's prior).
+    prior_excess: f64,
 }
 
 impl SourceState {
@@ -204,6 +213,9 @@ impl SourceState {
             drafter_warm: false,
             idle_steps: 0,
             hold: !probe_first,
+            excess_sum: 0.0,
+            excess_weight: 0.0,
+            prior_excess: 1.0,
         }
     }
 
@@ -220,6 +232,11 @@ impl SourceState {
     fn draft_cost(&self) -> DraftCost {
         let r = if self.draft_cost_weight > 0.0 { self.draft_cost_sum / self.draft_cost_weight } else { 0.0 };
         DraftCost { shape: self.draft_shape, r }
+    }
+
+    fn verify_excess(&self) -> f64 {
+        (self.excess_sum + self.prior_excess * tuning::EXCESS_PRIOR_STEPS)
+            / (self.excess_weight + tuning::EXCESS_PRIOR_STEPS)
     }
 }
 
@@ -240,21 +257,17 @@ pub struct AdaptiveState {
     step_secs: f64,
     plain_seen: bool,
     /// Decayed time of this request's plain steps that ran alone in their forward: the base
-    /// of `excess_*` (in a batch a step's time is a row share, which the curve does not model).
+    /// of each drafter's verify excess (in a batch a step's time is a row share, which the
+    /// curve does not model).
     solo_plain_secs: f64,
-    /// Decayed sum and weight of observed (solo drafting step's forward time) /
-    /// (solo_plain_secs × cost(block)): how much dearer verifying is in this decode than the
-    /// curve says.
-    excess_sum: f64,
-    excess_weight: f64,
     /// The proposer drafts trees: a draft of k nodes is priced by the tree's gains.
     tree: bool,
-    /// What the engine's other requests measured, until this one measures its own: the verify
-    /// excess (the prior of [`Self::verify_excess`]) and a drafter's catch-up time per token.
-    prior_excess: f64,
+    /// What the engine's other requests measured, until this one measures its own: a
+    /// drafter's catch-up time per token.
     prior_catch_up_secs: Option<f64>,
-    /// The newest excess observation, not yet handed to the engine's fleet statistics.
-    excess_sample: Option<f64>,
+    /// The newest excess observation (drafter, ratio), not yet handed to the engine's fleet
+    /// statistics.
+    excess_sample: Option<(usize, f64)>,
     /// The one plain step [`tuning::BASELINE_AFTER`] asks for has been taken.
     baseline_taken: bool,
 }
@@ -307,26 +320,26 @@ impl AdaptiveState {
             step_secs: 0.0,
             plain_seen: false,
             solo_plain_secs: 0.0,
-            excess_sum: 0.0,
-            excess_weight: 0.0,
             tree: false,
-            prior_excess: 1.0,
             prior_catch_up_secs: None,
             excess_sample: None,
             baseline_taken: false,
         }
     }
 
-    /// Starts from what other requests of this drafter measured: how much dearer verify blocks
-    /// were than the curve, and what catching up on a missed token costs (seconds).
-    pub fn set_fleet_priors(&mut self, verify_excess: f64, catch_up_secs_per_token: Option<f64>) {
-        self.prior_excess = verify_excess;
+    /// Starts from what other requests measured: how much dearer each drafter's verify blocks
+    /// were than the curve (`verify_excess(drafter)`), and what catching up on a missed token
+    /// costs (seconds).
+    pub fn set_fleet_priors(&mut self, verify_excess: impl Fn(usize) -> f64, catch_up_secs_per_token: Option<f64>) {
+        for (i, s) in self.sources.iter_mut().enumerate() {
+            s.prior_excess = verify_excess(i);
+        }
         self.prior_catch_up_secs = catch_up_secs_per_token;
     }
 
-    /// The verify excess observed since the last call, for the engine's statistics over all
-    /// requests.
-    pub fn take_excess_sample(&mut self) -> Option<f64> {
+    /// The verify excess observed since the last call (drafter, ratio), for the engine's
+    /// statistics over all requests.
+    pub fn take_excess_sample(&mut self) -> Option<(usize, f64)> {
         self.excess_sample.take()
     }
 
@@ -376,10 +389,10 @@ impl AdaptiveState {
         self.src().draft_cost()
     }
 
-    /// How much dearer a verify block is in this decode than the curve says (1: as the curve).
+    /// How much dearer a verify block of the drafter last chosen for is in this decode than
+    /// the curve says (1: as the curve).
     pub fn verify_excess(&self) -> f64 {
-        (self.excess_sum + self.prior_excess * tuning::EXCESS_PRIOR_STEPS)
-            / (self.excess_weight + tuning::EXCESS_PRIOR_STEPS)
+        self.src().verify_excess()
     }
 
     /// cost(m)/cost(1): a verify block of m tokens in decode steps.
@@ -398,7 +411,7 @@ impl AdaptiveState {
         let Some(s) = self.sources.get(source) else { return 1.0 };
         let rates = self.tree.then(|| s.rank_rates());
         let gains = node_gains(s.alpha(), rates.as_ref(), self.max);
-        best_len_of_gains(&self.cost, &gains, s.draft_cost(), self.verify_excess()).1
+        best_len_of_gains(&self.cost, &gains, s.draft_cost(), s.verify_excess()).1
     }
 
     /// The k in 0..=max with the best expected speed (shortest on ties), or 0 when even that
@@ -465,9 +478,11 @@ impl AdaptiveState {
             // A drafting step after plain ones: what its block cost against the prediction.
             let (lo, hi) = tuning::EXCESS_RANGE;
             let ratio = (verify / (self.solo_plain_secs * self.cost(block))).clamp(lo, hi);
-            self.excess_sum = self.excess_sum * tuning::DECAY + ratio;
-            self.excess_weight = self.excess_weight * tuning::DECAY + 1.0;
-            self.excess_sample = Some(ratio);
+            let current = self.current;
+            let s = self.src_mut();
+            s.excess_sum = s.excess_sum * tuning::DECAY + ratio;
+            s.excess_weight = s.excess_weight * tuning::DECAY + 1.0;
+            self.excess_sample = Some((current, ratio));
         }
         let one_step = self.step_secs;
         let current = self.current;
@@ -931,13 +946,13 @@ mod tests {
         state.sources[0].trials = 1000.0;
         state.sources[0].accepted = 900.0;
         assert!(state.best_len() > 0);
-        state.set_fleet_priors(1.6, None);
+        state.set_fleet_priors(|_| 1.6, None);
         assert!((state.verify_excess() - 1.6).abs() < 1e-12);
         assert_eq!(state.best_len(), 0);
         // A draft model whose catch-up the fleet has timed (5 ms a token against 10 ms steps)
         // is not probed on a 100-token prompt it would first have to read.
         let mut state = AdaptiveState::new(15, curve.clone(), DraftCostShape::PerToken, false);
-        state.set_fleet_priors(1.0, Some(0.005));
+        state.set_fleet_priors(|_| 1.0, Some(0.005));
         let mut m = SpecMetrics::default();
         for step in 0..300 {
             assert_eq!(state.choose(&m, 100 + step), 0, "step {step}");
@@ -1089,6 +1104,31 @@ mod tests {
             "lookup k {lookup_k} (shared {shared_lookup_k}), DFlash k {dflash_k}, {speed} vs {shared_speed} tokens/s"
         );
         assert!(speed > shared_speed * 1.05, "{speed} tokens/s apart, {shared_speed} shared");
+    }
+
+    #[test]
+    fn each_drafter_of_a_combined_proposer_has_its_own_verify_excess() {
+        // Lookup + DFlash where DFlash's pass between forwards makes its verify steps 1.5× what
+        // the curve says and lookup's cost what it says: lookup's drafts must not be priced
+        // with DFlash's excess.
+        let points = smollm2_points();
+        let curve = Arc::new(StepCost::from_points(points.clone()));
+        let shapes = [DraftCostShape::PerToken, DraftCostShape::PerDraft];
+        let mut state = AdaptiveState::with_sources(15, curve, &shapes, true);
+        let mut m = SpecMetrics::default();
+        let mut rng = crate::sample::SamplerRng::from_seed(9);
+        for _ in 0..3000 {
+            let source = usize::from(rng.next_f64() >= 0.5);
+            let k = state.choose_for(source, &m, 0);
+            let accepted = (0..k).take_while(|_| rng.next_f64() < [0.7, 0.5][source]).count();
+            m.record(k, accepted, accepted + 1);
+            let dear = if k > 0 && source == 1 { 1.5 } else { 1.0 };
+            m.verify_secs += 0.01 * dear * points[k].1;
+        }
+        let (lookup, dflash) = (state.sources[0].verify_excess(), state.sources[1].verify_excess());
+        assert!((lookup - 1.0).abs() < 0.05 && dflash > 1.3, "lookup {lookup}, DFlash {dflash}");
+        let sample = state.take_excess_sample();
+        assert!(sample.is_none_or(|(d, _)| d < 2), "{sample:?}");
     }
 
     #[test]

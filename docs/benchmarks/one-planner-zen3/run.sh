@@ -9,6 +9,8 @@
 # 3. Serving SmolLM2 with `suffix` (serve's default) and `ngram+dflash`, `specula loadtest` at
 #    1, 4 and 8 clients, two rounds (serve.txt).
 # Each report's speedups are against plain decoding run prompt by prompt in the same run.
+# smollm2-ngram-dflash-*/ and serve-ngram-dflash.txt are parts 1 and 3 with --drafter ngram+dflash alone,
+# run again on the final build (the verify excess kept per drafter).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 : "${BEFORE:?a build of the commit before}" "${AFTER:=target/release/specula}"

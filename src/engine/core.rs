@@ -354,12 +354,13 @@ impl<'a> EngineCore<'a> {
                         a.trees = Some(policy.tree_pays(want));
                     }
                     let (own_accepted, own_tried) = policy.acceptance_counts();
+                    let draft = policy.draft_cost();
                     let alpha = self.fleet.alpha_for(own_accepted, own_tried);
                     DraftBid {
                         alpha,
                         tree: policy.rank_rates(),
                         max_len: want,
-                        draft_secs: DraftCost { r: policy.draft_cost().r * policy.step_secs(), ..policy.draft_cost() },
+                        draft_secs: DraftCost { r: draft.r * policy.step_secs(), ..draft },
                         verify_excess: policy.verify_excess(),
                         exact: policy.is_probing() && want > 0,
                     }

@@ -1,6 +1,6 @@
 //! The draft planner: how many draft nodes (tokens of a chain, nodes of a tree) each decoding
 //! sequence verifies per step. Every decision here weighs the same thing with one formula
-//! ([`step_rate`]) and one threshold ([`MIN_GAIN`]): what a node is expected to commit
+//! ([`StepTotals`]) and one threshold ([`MIN_GAIN`]): what a node is expected to commit
 //! ([`node_gains`], from acceptance measured per depth and sibling rank) against what its row
 //! costs on the measured verify-cost curve, times how much dearer verifying has been in this
 //! decode than the curve says, plus the drafter's own time.
@@ -201,24 +201,46 @@ impl Default for DraftBid {
     }
 }
 
-/// A step's expected committed tokens per second, for draft lengths `lens`: the one formula
-/// every draft decision weighs. Each sequence commits its decode token plus what its draft
-/// nodes are expected to; the step costs the curve's time for all its rows, times the drafting
-/// sequences' verify excess (mean over their draft rows), plus the drafters' time. For a lone
-/// sequence, relative to plain decoding, this is [`speedup_of_gains`].
-fn step_rate(cost: &StepCost, bids: &[DraftBid], gains: &[Vec<f64>], lens: &[usize]) -> f64 {
-    let mut tokens = bids.len() as f64;
-    let mut drafting = 0.0;
-    let (mut draft_rows, mut excess_rows) = (0.0, 0.0);
-    for ((b, g), &k) in bids.iter().zip(gains).zip(lens) {
-        tokens += g[..k.min(g.len())].iter().sum::<f64>();
-        drafting += b.draft_secs.of(k);
-        draft_rows += k as f64;
-        excess_rows += k as f64 * b.verify_excess;
+/// A step's totals for some draft lengths, from which [`StepTotals::rate`] gives its expected
+/// committed tokens per second: the one formula every draft decision weighs. Each sequence
+/// commits its decode token plus what its draft nodes are expected to; the step costs the
+/// curve's time for all its rows, times the drafting sequences' verify excess (mean over their
+/// draft rows), plus the drafters' time. For a lone sequence, relative to plain decoding, this
+/// is [`speedup_of_gains`]. Kept as running sums so that weighing a longer draft of one
+/// sequence costs the same whatever the batch's size.
+#[derive(Debug, Clone, Copy)]
+struct StepTotals {
+    tokens: f64,
+    drafting: f64,
+    draft_rows: f64,
+    excess_rows: f64,
+    rows: usize,
+}
+
+impl StepTotals {
+    /// Every sequence's decode row, with no drafts.
+    fn decode_rows(n: usize) -> Self {
+        Self { tokens: n as f64, drafting: 0.0, draft_rows: 0.0, excess_rows: 0.0, rows: n }
     }
-    let excess = if draft_rows > 0.0 { excess_rows / draft_rows } else { 1.0 };
-    let rows = bids.len() + lens.iter().sum::<usize>();
-    tokens / (excess * cost.secs(rows) + drafting).max(1e-12)
+
+    /// The totals once bid `b`'s draft grows from `from` to `to` nodes (`expected`: prefix sums
+    /// of its node gains).
+    fn grown(&self, b: &DraftBid, expected: &[f64], from: usize, to: usize) -> Self {
+        let at = |k: usize| expected.get(k).copied().unwrap_or(expected.last().copied().unwrap_or(0.0));
+        let added = (to - from) as f64;
+        Self {
+            tokens: self.tokens + at(to) - at(from),
+            drafting: self.drafting + b.draft_secs.of(to) - b.draft_secs.of(from),
+            draft_rows: self.draft_rows + added,
+            excess_rows: self.excess_rows + added * b.verify_excess,
+            rows: self.rows + to - from,
+        }
+    }
+
+    fn rate(&self, cost: &StepCost) -> f64 {
+        let excess = if self.draft_rows > 0.0 { self.excess_rows / self.draft_rows } else { 1.0 };
+        self.tokens / (excess * cost.secs(self.rows) + self.drafting).max(1e-12)
+    }
 }
 
 /// Draft lengths for one step: `bids[i]` belongs to the i-th decoding sequence (each already
@@ -227,7 +249,7 @@ fn step_rate(cost: &StepCost, bids: &[DraftBid], gains: &[Vec<f64>], lens: &[usi
 /// Exact bids are served first; the others only with a cost model to weigh them.
 ///
 /// Drafts are granted one at a time: of every sequence's possible longer drafts, the one that
-/// gives the step the highest [`step_rate`], as long as it [`pays`] against the step without
+/// gives the step the highest expected rate ([`StepTotals`]), as long as it [`pays`] against the step without
 /// it. A draft's whole length is weighed at once, so a one-pass drafter's time is not charged
 /// to its first node alone, and a lone sequence gets exactly [`planned_len`].
 pub fn allocate_drafts(
@@ -243,37 +265,46 @@ pub fn allocate_drafts(
     }
     let Some(cost) = cost else { return lens };
     let mut open: Vec<bool> = bids.iter().map(|b| !b.exact && b.max_len > 0 && b.alpha > 0.0).collect();
-    // What each bid's nodes are expected to commit, node by node (an exact bid's at its α).
-    let gains: Vec<Vec<f64>> = bids
+    // What each bid's first k nodes are expected to commit, k = 0..=max_len (an exact bid's
+    // at its α).
+    let expected: Vec<Vec<f64>> = bids
         .iter()
         .zip(&open)
         .map(|(b, &open)| {
             if open || (b.exact && b.alpha > 0.0) {
-                node_gains(b.alpha, b.tree.as_ref(), b.max_len)
+                let gains = node_gains(b.alpha, b.tree.as_ref(), b.max_len);
+                std::iter::once(0.0)
+                    .chain(gains.iter().scan(0.0, |sum, g| {
+                        *sum += g;
+                        Some(*sum)
+                    }))
+                    .collect()
             } else {
-                Vec::new()
+                vec![0.0]
             }
         })
         .collect();
+    let mut totals = StepTotals::decode_rows(bids.len());
+    for (i, b) in bids.iter().enumerate() {
+        totals = totals.grown(b, &expected[i], 0, lens[i]);
+    }
     loop {
-        let now = step_rate(cost, bids, &gains, &lens);
+        let now = totals.rate(cost);
         let mut best: Option<(usize, usize, f64)> = None;
-        let mut trial = lens.clone();
         for i in (0..bids.len()).filter(|&i| open[i]) {
-            for k in lens[i] + 1..=gains[i].len() {
-                trial[i] = k;
-                let rate = step_rate(cost, bids, &gains, &trial);
+            for k in lens[i] + 1..expected[i].len() {
+                let rate = totals.grown(&bids[i], &expected[i], lens[i], k).rate(cost);
                 if best.is_none_or(|(_, _, r)| rate > r * (1.0 + 1e-9)) {
                     best = Some((i, k, rate));
                 }
             }
-            trial[i] = lens[i];
         }
         let Some((i, k, rate)) = best else { break };
         if !pays(now, rate) {
             // No longer draft of any sequence is worth its rows: done.
             break;
         }
+        let from = lens[i];
         while lens[i] < k {
             if !can_grow(i, lens[i] + 1) {
                 open[i] = false;
@@ -281,7 +312,8 @@ pub fn allocate_drafts(
             }
             lens[i] += 1;
         }
-        if lens[i] >= gains[i].len() {
+        totals = totals.grown(&bids[i], &expected[i], from, lens[i]);
+        if lens[i] + 1 >= expected[i].len() {
             open[i] = false;
         }
     }

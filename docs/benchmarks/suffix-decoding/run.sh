@@ -24,7 +24,7 @@ for w in "${workloads[@]}"; do
   for d in "${drafters[@]}"; do
     "$bin" serve -m "$model" --drafter "$d" --port $port --max-running 16 "${extra[@]}" 2> "$out/server-$w-${d%%:*}.log" &
     pids+=($!)
-    until curl -sf localhost:$port/health > /dev/null; do sleep 1; done
+    until curl -sf localhost:$port/ready > /dev/null; do sleep 1; done
     name=${d%%:*}; [[ $d == none ]] && name=plain
     servers+=(--server "$name=http://127.0.0.1:$port")
     port=$((port + 1))

@@ -227,7 +227,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 struct Candidate {
     id: u32,
     logit: f32,
-    /// Unnormalised probability `exp((logit - max) / T)`.
+    /// Unnormalised probability `exp((logit − max)/T)`.
     weight: f64,
 }
 
@@ -265,26 +265,43 @@ fn keep_top_p(candidates: &mut Vec<Candidate>, top_p: f64) {
     }
 }
 
-/// The surviving tokens and their normalised probabilities, in no particular order.
-/// Requires `!params.is_greedy()` and a non-empty `logits`.
-fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
-    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY {
-        // Nothing is possible (all -inf or NaN): fall back to the argmax rather than divide by 0.
-        return vec![(argmax(logits), 1.0)];
+/// The largest logit that is not NaN (−∞ when there is none), in eight running maxima: one
+/// in order waits on every comparison. Exact in any order.
+fn max_logit(logits: &[f32]) -> f32 {
+    let mut maxima = [f32::NEG_INFINITY; 8];
+    let chunks = logits.chunks_exact(8);
+    let rest = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    for chunk in chunks {
+        for (m, &v) in maxima.iter_mut().zip(chunk) {
+            // `f32::max` ignores a NaN argument.
+            *m = m.max(v);
+        }
     }
-    let inv_temperature = 1.0 / params.temperature as f64;
+    maxima.iter().fold(rest, |m, &v| m.max(v))
+}
+
+/// The weights `exp((logit − max)/T)` ([`crate::vmath::exp_gap`]) of the tokens that top-k,
+/// top-p and min-p keep (zeros elsewhere), and their sum. None when greedy, and when nothing is
+/// possible (no logits, or all −∞ or NaN).
+fn filtered_weights(logits: &[f32], params: &SamplingParams) -> Option<(Vec<f32>, f64)> {
+    let max = max_logit(logits);
+    if params.is_greedy() || max == f32::NEG_INFINITY {
+        return None;
+    }
+    let mut weights = vec![0.0f32; logits.len()];
+    crate::vmath::exp_gaps(logits, max, 1.0 / params.temperature, &mut weights);
+    let filtered = (params.top_k > 0 && params.top_k < logits.len()) || params.top_p < 1.0 || params.min_p > 0.0;
+    if !filtered {
+        let total = sum_f64(&weights, |w| w as f64);
+        return Some((weights, total));
+    }
     let mut candidates: Vec<Candidate> = logits
         .iter()
+        .zip(&weights)
         .enumerate()
-        .filter(|(_, &l)| l > f32::NEG_INFINITY) // also drops NaN
-        .map(|(i, &l)| {
-            // `l == max` first: keeps +inf logits finite (inf - inf would be NaN).
-            let weight = if l == max { 1.0 } else { ((l as f64 - max as f64) * inv_temperature).exp() };
-            Candidate { id: i as u32, logit: l, weight }
-        })
+        .filter(|(_, (&l, _))| l > f32::NEG_INFINITY) // also drops NaN
+        .map(|(i, (&l, &w))| Candidate { id: i as u32, logit: l, weight: w as f64 })
         .collect();
-
     if params.top_k > 0 && params.top_k < candidates.len() {
         candidates.select_nth_unstable_by(params.top_k - 1, more_likely_first);
         candidates.truncate(params.top_k);
@@ -297,9 +314,22 @@ fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64
         let threshold = params.min_p as f64 * top;
         candidates.retain(|c| c.weight >= threshold);
     }
+    weights.fill(0.0);
+    let mut total = 0.0;
+    for c in candidates {
+        weights[c.id as usize] = c.weight as f32;
+        total += c.weight;
+    }
+    Some((weights, total))
+}
 
-    let total: f64 = candidates.iter().map(|c| c.weight).sum();
-    candidates.into_iter().map(|c| (c.id, c.weight / total)).collect()
+/// `weights` divided by their sum `total`.
+fn normalise(mut weights: Vec<f32>, total: f64) -> Vec<f32> {
+    let inv_total = 1.0 / total;
+    for w in weights.iter_mut() {
+        *w = (*w as f64 * inv_total) as f32;
+    }
+    weights
 }
 
 /// The distribution [`sample`] draws from: dense, one entry per logit, zeros for filtered-out
@@ -307,72 +337,106 @@ fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64
 /// The verifier computes the target's `p` with this, and stochastic drafters should compute their
 /// `q` with it too (see [`sample_with_probabilities`]).
 pub fn probabilities(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
-    let mut probs = vec![0.0f32; logits.len()];
-    if logits.is_empty() {
-        return probs;
+    match filtered_weights(logits, params) {
+        Some((weights, total)) => normalise(weights, total),
+        None => {
+            let mut probs = vec![0.0f32; logits.len()];
+            if !logits.is_empty() {
+                // Greedy, or nothing is possible: the argmax rather than a division by 0.
+                probs[argmax(logits) as usize] = 1.0;
+            }
+            probs
+        }
     }
-    if params.is_greedy() {
-        probs[argmax(logits) as usize] = 1.0;
-        return probs;
+}
+
+/// `Σ f(x)` over `xs` in eight running sums: one sum in order would wait on every addition
+/// (a 49k vocabulary, twice per sampled token).
+fn sum_f64(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+    let mut sums = [0.0f64; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest: f64 = chunks.remainder().iter().map(|&x| f(x)).sum();
+    for chunk in chunks {
+        for (s, &x) in sums.iter_mut().zip(chunk) {
+            *s += f(x);
+        }
     }
-    for (id, p) in filtered_candidates(logits, params) {
-        probs[id as usize] = p as f32;
+    sums.iter().sum::<f64>() + rest
+}
+
+/// A weight as a draw counts it: non-positive and non-finite ones are 0.
+#[inline]
+fn usable(w: f32) -> f64 {
+    if w > 0.0 && w.is_finite() {
+        w as f64
+    } else {
+        0.0
     }
-    probs
 }
 
 /// Draws an index with probability proportional to `weights` (need not sum to 1; non-positive and
 /// non-finite entries count as 0) using exactly one `u64` from `rng`. `None`, drawing nothing,
 /// when no weight is positive.
 pub fn sample_from_weights(weights: &[f32], rng: &mut SamplerRng) -> Option<u32> {
-    let usable = |w: f32| {
-        if w > 0.0 && w.is_finite() {
-            w as f64
-        } else {
-            0.0
-        }
-    };
-    let total: f64 = weights.iter().map(|&w| usable(w)).sum();
+    draw(weights, sum_f64(weights, usable), rng)
+}
+
+/// [`sample_from_weights`] given the weights' sum. The running sum goes block by block, and
+/// token by token only inside the block where it passes the drawn point: one sum in order
+/// over a 49k vocabulary would wait on every addition.
+fn draw(weights: &[f32], total: f64, rng: &mut SamplerRng) -> Option<u32> {
     if !(total > 0.0 && total.is_finite()) {
         return None;
     }
-    let target = rng.next_f64() * total;
+    draw_at(weights, rng.next_f64() * total)
+}
+
+/// The first index whose running sum of `weights` passes `target` (the last positive one if
+/// rounding leaves the target past the end).
+fn draw_at(weights: &[f32], target: f64) -> Option<u32> {
+    const BLOCK: usize = 256;
     let mut cumulative = 0.0;
-    let mut last_positive = None;
-    for (i, &w) in weights.iter().enumerate() {
-        let w = usable(w);
-        if w > 0.0 {
-            cumulative += w;
-            last_positive = Some(i as u32);
-            if target < cumulative {
-                return last_positive;
+    for (b, block) in weights.chunks(BLOCK).enumerate() {
+        let sum = sum_f64(block, usable);
+        if cumulative + sum <= target {
+            cumulative += sum;
+            continue;
+        }
+        for (i, &w) in block.iter().enumerate() {
+            let w = usable(w);
+            if w > 0.0 {
+                cumulative += w;
+                if target < cumulative {
+                    return Some((b * BLOCK + i) as u32);
+                }
             }
         }
     }
-    last_positive // the target fell past the end through rounding
+    // The target fell past the end through rounding.
+    weights.iter().rposition(|&w| usable(w) > 0.0).map(|i| i as u32)
 }
 
 /// Chooses the next token: argmax when greedy (draws nothing from `rng`), otherwise one draw from
-/// [`probabilities`]. Plain decoding and the verifier's bonus token both come from here.
-/// Returns 0 for empty logits.
+/// the distribution [`probabilities`] returns. Plain decoding and the verifier's bonus token both
+/// come from here. Returns 0 for empty logits.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SamplerRng) -> u32 {
-    if params.is_greedy() {
-        return argmax(logits);
-    }
-    let probs = probabilities(logits, params);
-    sample_from_weights(&probs, rng).unwrap_or_else(|| argmax(logits))
+    // From the unnormalised weights: the same distribution, one pass fewer.
+    filtered_weights(logits, params)
+        .and_then(|(weights, total)| draw(&weights, total, rng))
+        .unwrap_or_else(|| argmax(logits))
 }
 
 /// [`sample`] that also returns the distribution the token was drawn from: what a stochastic
 /// drafter reports as its `q` so that speculative rejection sampling stays exact.
 /// Same token and same `rng` use as [`sample`].
 pub fn sample_with_probabilities(logits: &[f32], params: &SamplingParams, rng: &mut SamplerRng) -> (u32, Vec<f32>) {
-    let probs = probabilities(logits, params);
-    if params.is_greedy() {
-        return (argmax(logits), probs);
+    match filtered_weights(logits, params) {
+        Some((weights, total)) => {
+            let token = draw(&weights, total, rng).unwrap_or_else(|| argmax(logits));
+            (token, normalise(weights, total))
+        }
+        None => (argmax(logits), probabilities(logits, params)),
     }
-    let token = sample_from_weights(&probs, rng).unwrap_or_else(|| argmax(logits));
-    (token, probs)
 }
 
 /// Numerically stable `log(softmax(logits))` (max-shifted, accumulated in f64). Used to compare
@@ -404,9 +468,19 @@ pub struct TokenLogprob {
 /// target's decode rows bit for bit, so these values do not depend on what was drafted.
 pub fn token_logprob(logits: &[f32], params: &SamplingParams, token: u32, top_n: usize) -> TokenLogprob {
     let inv_t = if params.is_greedy() { 1.0 } else { 1.0 / params.temperature as f64 };
-    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max_f32 = max_logit(logits);
+    let max = max_f32 as f64;
     let scaled = |l: f32| if l as f64 == max { 0.0 } else { (l as f64 - max) * inv_t };
-    let log_sum: f64 = logits.iter().map(|&l| scaled(l).exp()).sum::<f64>().ln();
+    let log_sum = if max_f32 > f32::NEG_INFINITY {
+        // The normaliser from single-precision weights, eight at a time: its relative error
+        // (about 1e-7) is below the rounding of the f32 results; a double `exp` per vocabulary
+        // entry cost SmolLM2 a tenth of a decode step per token.
+        let mut weights = vec![0.0f32; logits.len()];
+        crate::vmath::exp_gaps(logits, max_f32, inv_t as f32, &mut weights);
+        sum_f64(&weights, |w| w as f64).ln()
+    } else {
+        logits.iter().map(|&l| scaled(l).exp()).sum::<f64>().ln()
+    };
     let lp = |l: f32| (scaled(l) - log_sum) as f32;
     let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
     let top_n = top_n.min(MAX_TOP_LOGPROBS).min(logits.len());
@@ -720,6 +794,34 @@ mod tests {
             })
             .sum();
         assert!(chi2 < 16.27, "chi2 = {chi2} (3 dof)"); // p = 0.001 for 3 degrees of freedom
+    }
+
+    #[test]
+    fn a_draw_over_many_blocks_lands_where_a_sum_in_order_does() {
+        // Weights over 12 blocks: mostly tiny, some zero, a few large, as a softmax gives.
+        let mut rng = SamplerRng::from_seed(77);
+        let weights: Vec<f32> = (0..3000)
+            .map(|i| match i % 97 {
+                0 => 0.0,
+                5 => 3.0 + rng.next_f64() as f32,
+                _ => (rng.next_f64() as f32).powi(8) * 1e-3,
+            })
+            .collect();
+        let in_order = |target: f64| {
+            let mut cumulative = 0.0;
+            weights.iter().position(|&w| {
+                cumulative += w as f64;
+                w > 0.0 && target < cumulative
+            })
+        };
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        for _ in 0..20_000 {
+            let target = rng.next_f64() * total;
+            assert_eq!(draw_at(&weights, target), in_order(target).map(|i| i as u32), "target {target}");
+        }
+        // Past the end through rounding: the last positive weight.
+        assert_eq!(draw_at(&weights, total * 2.0), Some(2999 - (2999 % 97 == 0) as u32));
+        assert_eq!(draw_at(&[0.0, 1.0, 0.0], 5.0), Some(1));
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! Vector math shared by the model and attention: glibc's `expf`, eight lanes at a time,
-//! bit for bit. Softmax and SiLU both call `exp`, and both must round exactly as the scalar
+//! Vector math shared by the model, attention and sampling: glibc's `expf`, eight lanes at a
+//! time, bit for bit. Softmax and SiLU both call `exp`, and both must round exactly as the scalar
 //! `f32::exp` does, or a 30-layer model turns last-bit differences into visible log-prob
 //! shifts (and single steps would stop matching verified blocks).
 
@@ -224,6 +224,7 @@ pub(crate) fn exp_gap(x: f32, max: f32, scale: f32) -> f32 {
 }
 
 /// Below this, `f32::exp` underflows to 0 (its threshold is about −103.97).
+#[cfg(target_arch = "x86_64")]
 const EXP_ZERO_BELOW: f32 = -104.0;
 
 /// [`exp_gap`] of every `xs[i]` into `out[i]`. Sampling at temperature > 0 takes one per
@@ -246,10 +247,12 @@ pub(crate) fn exp_gaps(xs: &[f32], max: f32, scale: f32, out: &mut [f32]) {
 
 /// [`exp_gap`] for a lane the vector path left out: far below the maximum it is 0 without
 /// calling `exp` (low temperatures put most of a vocabulary there).
+#[cfg(target_arch = "x86_64")]
 #[inline]
 fn exp_gap_out_of_range(x: f32, max: f32, scale: f32) -> f32 {
-    let gap = (x - max) * scale;
-    if gap < EXP_ZERO_BELOW && x > f32::NEG_INFINITY && x != max {
+    // Still `exp_gap` bit for bit: a −∞ logit's gap is −∞ (0 either way); a NaN's gap and the
+    // maximum's (NaN or 0) never pass the test.
+    if (x - max) * scale < EXP_ZERO_BELOW {
         0.0
     } else {
         exp_gap(x, max, scale)
@@ -260,6 +263,7 @@ fn exp_gap_out_of_range(x: f32, max: f32, scale: f32) -> f32 {
 mod tests {
     use super::*;
 
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn exp_underflows_to_zero_below_the_shortcut() {
         // `exp_gap_out_of_range` returns 0 there without calling `exp`.

@@ -208,18 +208,25 @@ impl rand::RngCore for SamplerRng {
 pub fn argmax(logits: &[f32]) -> u32 {
     // Two passes the compiler vectorises (the largest value, then where it first occurs)
     // instead of one branchy scan: this runs on every row of every step, over the whole
-    // vocabulary. `f32::max` skips NaN, and if every entry is NaN nothing equals the max.
+    // vocabulary. If every entry is NaN nothing equals the max.
+    let max = max_logit(logits);
+    logits.iter().position(|&v| v == max).map_or(0, |i| i as u32)
+}
+
+/// The largest logit that is not NaN (−∞ when there is none), in 16 running maxima: one in
+/// order waits on every comparison. Exact in any order.
+fn max_logit(logits: &[f32]) -> f32 {
     const LANES: usize = 16;
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = logits.chunks_exact(LANES);
     let rest = chunks.remainder();
     for chunk in chunks {
         for (m, &v) in lanes.iter_mut().zip(chunk) {
+            // `f32::max` ignores a NaN argument.
             *m = m.max(v);
         }
     }
-    let max = rest.iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    logits.iter().position(|&v| v == max).map_or(0, |i| i as u32)
+    rest.iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| m.max(v))
 }
 
 /// One token that survived the filters so far.
@@ -263,21 +270,6 @@ fn keep_top_p(candidates: &mut Vec<Candidate>, top_p: f64) {
         }
         m = (m * 8).min(n);
     }
-}
-
-/// The largest logit that is not NaN (−∞ when there is none), in eight running maxima: one
-/// in order waits on every comparison. Exact in any order.
-fn max_logit(logits: &[f32]) -> f32 {
-    let mut maxima = [f32::NEG_INFINITY; 8];
-    let chunks = logits.chunks_exact(8);
-    let rest = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    for chunk in chunks {
-        for (m, &v) in maxima.iter_mut().zip(chunk) {
-            // `f32::max` ignores a NaN argument.
-            *m = m.max(v);
-        }
-    }
-    maxima.iter().fold(rest, |m, &v| m.max(v))
 }
 
 /// The weights `exp((logit − max)/T)` ([`crate::vmath::exp_gap`]) of the tokens that top-k,
@@ -442,7 +434,7 @@ pub fn sample_with_probabilities(logits: &[f32], params: &SamplingParams, rng: &
 /// Numerically stable `log(softmax(logits))` (max-shifted, accumulated in f64). Used to compare
 /// log-probabilities with reference implementations. NaN logits give NaN.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let max = max_logit(logits);
     let shifted = |l: f32| if l == max { 0.0 } else { l as f64 - max as f64 };
     let log_sum: f64 = logits.iter().map(|&l| shifted(l).exp()).sum::<f64>().ln();
     logits.iter().map(|&l| (shifted(l) - log_sum) as f32).collect()

@@ -426,6 +426,7 @@ mod tests {
         });
         assert_eq!(lens, vec![3], "bounded by the rows left");
     }
+
     #[test]
     fn a_lone_sequence_gets_what_the_request_would_choose_alone() {
         // One formula and one threshold: the batch allocation of a single sequence is the

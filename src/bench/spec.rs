@@ -8,13 +8,15 @@
 use crate::datasets::{self, Prompt, PromptKind};
 use crate::engine::{generate, FleetAcceptance, GenerateOptions, LoadedModel};
 use crate::sample::SamplingParams;
+use crate::kv::KvDtype;
+use crate::speculative::step_cost_cache::{self, StepCostKey};
 use crate::speculative::suffix::cache::SuffixCache;
 use crate::speculative::{build_proposer, Caller, DrafterSpec};
 use crate::speculative::{DraftLen, DraftTree, SpecMetrics, StepCost, StepCostSettings};
 use crate::tokenize::ChatMessage;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// `4` or `auto`, as a report label.
@@ -94,6 +96,9 @@ pub struct SpecBenchSettings {
     pub seed: u64,
     /// The verify-cost curve is measured for m = 1..=curve_max_m.
     pub curve_max_m: usize,
+    /// Take the curve from the step-cost cache `serve` uses (measuring and caching it when
+    /// absent) instead of measuring it for this run.
+    pub cached_curve: bool,
     /// Chat template variables for chat prompts (`{"enable_thinking": false}`).
     pub chat_template_kwargs: crate::tokenize::TemplateKwargs,
 }
@@ -473,6 +478,24 @@ fn encode_set(
         .collect()
 }
 
+/// The verify-cost curve for m = 1..=`max_m`: measured now, or from the step-cost cache (then
+/// measured and cached when the cache has none for this model, machine and size).
+fn verify_curve(loaded: &LoadedModel, path: &Path, max_m: usize, cached: bool) -> Result<StepCost> {
+    let settings = StepCostSettings::up_to(max_m);
+    if !cached {
+        return StepCost::measure(&loaded.model, &settings);
+    }
+    let dir = step_cost_cache::default_dir();
+    let key = StepCostKey::new(&loaded.model, path, KvDtype::F16, &settings, &dir)?;
+    if let Some(cost) = step_cost_cache::load(&dir, &key)? {
+        return Ok(cost);
+    }
+    let t = std::time::Instant::now();
+    let cost = StepCost::measure(&loaded.model, &settings)?;
+    step_cost_cache::save(&dir, &key, &cost, t.elapsed().as_secs_f64())?;
+    Ok(cost)
+}
+
 /// Runs the whole benchmark. `progress` is advanced once per prompt × mode.
 pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> Result<SpecBenchReport> {
     settings.validate()?;
@@ -516,7 +539,7 @@ pub fn run(settings: &SpecBenchSettings, progress: &indicatif::ProgressBar) -> R
             settings.draft_lens.iter().map(|k| if let DraftLen::Fixed(n) = k { n + 1 } else { 1 }).max().unwrap_or(1),
         );
         progress.set_message(format!("{model_key}: measuring the verify-cost curve"));
-        let cost = Arc::new(StepCost::measure(&loaded.model, &StepCostSettings::up_to(curve_max_m))?);
+        let cost = Arc::new(verify_curve(&loaded, &path, curve_max_m, settings.cached_curve)?);
         let curve: Vec<f64> = (1..=curve_max_m).map(|m| cost.relative(m)).collect();
         let stop_ids = loaded.stop_ids();
         let mut runs: Vec<PromptRun> = Vec::new();
@@ -790,6 +813,7 @@ mod tests {
             temperatures: vec![0.0],
             seed: 0,
             curve_max_m: 16,
+            cached_curve: false,
             chat_template_kwargs: Default::default(),
         };
         let labels: Vec<String> = s.modes().iter().map(Mode::label).collect();

@@ -24,6 +24,13 @@ pub struct BenchArgs {
     /// Largest block of the verify-cost curve (`spec` extends it to cover the draft lengths).
     #[arg(long, default_value_t = 16)]
     max_m: usize,
+    /// `spec`: where the verify-cost curve the adaptive modes plan with comes from: `measure`
+    /// (timed at the start of each run) or `cached` (the curve `serve` caches for this model and
+    /// machine, measured and cached first if there is none). Runs that compare builds or
+    /// settings should share one curve: on a busy machine a fresh measurement moves cost(2) by
+    /// 10–20%, and with it what the planner drafts.
+    #[arg(long, default_value = "measure", value_parser = ["measure", "cached"])]
+    verify_curve: String,
     #[arg(long, default_value_t = 5)]
     repeats: usize,
     /// Sequences decoded together for the batched decode column (`ar`; 0 skips it).
@@ -132,6 +139,7 @@ fn run_spec(args: BenchArgs) -> Result<()> {
         temperatures: args.temperatures.clone(),
         seed: args.seed,
         curve_max_m: args.max_m.clamp(1, 64),
+        cached_curve: args.verify_curve == "cached",
         chat_template_kwargs: match &args.chat_template_kwargs {
             Some(text) => crate::tokenize::parse_template_kwargs(text)?,
             None => Default::default(),

@@ -130,7 +130,8 @@ mod tuning {
     /// turns drafting on for a step or two must not restart the short probe intervals.
     pub const PROBE_AFTER: u32 = 8;
     pub const PROBE_AFTER_MAX: u32 = 128;
-    /// Draft length of a probe.
+    /// Longest draft of a probe (the planner takes whichever length up to this is expected to
+    /// lose least).
     pub const PROBE_LEN: usize = 2;
     /// Weight, in drafting steps, of the prior `verify_excess` = 1 (the curve is right).
     pub const EXCESS_PRIOR_STEPS: f64 = 2.0;
@@ -486,14 +487,10 @@ impl AdaptiveState {
         }
         let one_step = self.step_secs;
         let current = self.current;
-        let mut warm = false;
         for (i, s) in self.sources.iter_mut().enumerate() {
             let drafted_here = i == current && drafted > 0.0;
             s.idle_steps = if drafted_here { 0 } else { s.idle_steps.saturating_add(steps as u32) };
-            let was_warm = std::mem::replace(&mut s.drafter_warm, drafted_here && steps == 1);
-            if i == current {
-                warm = was_warm;
-            }
+            s.drafter_warm = drafted_here && steps == 1;
         }
         if drafted == 0.0 {
             return; // a plain step says nothing about the drafter
@@ -518,14 +515,12 @@ impl AdaptiveState {
             s.rank_trials[r - 1] = s.rank_trials[r - 1] * decay + delta(r, &now.tried_at_rank, &prev.tried_at_rank);
         }
 
-        // Draft time per token relative to one decode step: the verify time of this step
-        // divided by the curve's cost of its block gives the time of one decode step. Only
-        // from a step that follows a drafting step: after plain steps a drafter first catches
-        // up on the tokens it missed (a draft model runs them all), a cost of switching
-        // speculation back on that would otherwise look like the price of every draft token.
+        // Draft time per unit relative to one decode step. Catching up on the tokens missed
+        // while idle is timed apart (it is a cost of resuming, not of each draft), so a probe's
+        // pass counts too: it is what the next probe will cost.
         let draft_secs = now.draft_secs - prev.draft_secs;
-        if warm && one_step > 0.0 && draft_secs >= 0.0 {
-            // A warm stretch is one step, so one draft.
+        if steps == 1 && one_step > 0.0 && draft_secs >= 0.0 {
+            // One step, so one draft.
             let units = DraftCost::units(s.draft_shape, drafted, 1.0);
             s.draft_cost_sum = s.draft_cost_sum * decay + draft_secs / one_step;
             s.draft_cost_weight = s.draft_cost_weight * decay + units;
@@ -544,14 +539,46 @@ impl AdaptiveState {
         self.step_secs
     }
 
-    /// Whether a probe that must first catch up on `pending` tokens fits the probe budget.
+    /// Whether a probe that must first catch up on `pending` tokens fits the probe budget: what
+    /// it is expected to lose against plain decoding ([`Self::probe_loss`]) is at most
+    /// [`tuning::PROBE_BUDGET`] of the time spent idle since the last draft.
     fn probe_affordable(&self, m: &SpecMetrics, pending: usize) -> bool {
-        match self.catch_up_secs(m) {
-            // Nothing to catch up on, or its price is not known yet.
-            _ if pending == 0 || self.step_secs <= 0.0 => true,
-            None => true,
-            Some(secs) => secs * pending as f64 <= tuning::PROBE_BUDGET * self.src().idle_steps as f64 * self.step_secs,
+        if self.step_secs <= 0.0 {
+            return true; // nothing measured yet: nothing to price it with
         }
+        let catch_up = match self.catch_up_secs(m) {
+            Some(secs) if pending > 0 => secs * pending as f64 / self.step_secs,
+            _ => 0.0,
+        };
+        self.probe_loss(catch_up) <= tuning::PROBE_BUDGET * self.src().idle_steps as f64
+    }
+
+    /// The probe's length: of drafts up to [`tuning::PROBE_LEN`], the one expected to lose
+    /// least against plain decoding (the shorter on ties). Where a third row is dear (cost(3)
+    /// 1.28 against cost(2) 1.06 for SmolLM2 on a Zen 3) a second draft token pays for itself
+    /// only when α exceeds about 0.47; a probe of one token still measures the first position,
+    /// the one that decides whether drafting pays.
+    fn probe_len(&self) -> usize {
+        let gains = self.gains(self.alpha());
+        (1..=tuning::PROBE_LEN.min(self.max))
+            .map(|k| (k, self.probe_loss_at(&gains, k, 0.0)))
+            .fold((0, f64::INFINITY), |best, (k, loss)| if loss < best.1 { (k, loss) } else { best })
+            .0
+    }
+
+    /// Decode steps a probe is expected to lose against plain decoding: its catch-up
+    /// (`catch_up` steps), its draft and its verify block, less what it is expected to commit
+    /// at the current α. A probe of a drafter that is often right costs nothing; one of a
+    /// drafter that is rarely right costs up to a step (DFlash on SmolLM2 at T = 1: a pass of
+    /// 0.25 steps, catching up 0.2, a 3-row block 1.28 for 1.3 tokens), which probing every
+    /// few steps paid out of its speedup.
+    fn probe_loss(&self, catch_up: f64) -> f64 {
+        self.probe_loss_at(&self.gains(self.alpha()), self.probe_len(), catch_up).max(0.0)
+    }
+
+    fn probe_loss_at(&self, gains: &[f64], k: usize, catch_up: f64) -> f64 {
+        let expected = 1.0 + gains.iter().take(k).sum::<f64>();
+        catch_up + self.draft_cost().of(k) + self.verify_excess() * self.cost(k + 1) - expected
     }
 
     /// The draft length for the next step of a single-drafter proposer.
@@ -569,7 +596,7 @@ impl AdaptiveState {
         }
         if self.src().probing {
             if self.probe_affordable(m, pending_catch_up) {
-                return tuning::PROBE_LEN.min(self.max);
+                return self.probe_len();
             }
             let s = self.src_mut();
             s.probing = false;
@@ -604,7 +631,7 @@ impl AdaptiveState {
             s.probe_after = (s.probe_after * 2).min(tuning::PROBE_AFTER_MAX);
             s.probing = true;
             s.stale = true;
-            return tuning::PROBE_LEN.min(self.max);
+            return self.probe_len();
         }
         0
     }
@@ -682,6 +709,49 @@ mod tests {
         let spec_steps = late.iter().filter(|&&k| k > 0).count();
         // Probes with back-off, and a short run after a probe that was lucky.
         assert!(spec_steps <= 10, "drafted in {spec_steps} of {} steps: {late:?}", late.len());
+    }
+
+    #[test]
+    fn a_probe_is_priced_whole_and_drafts_what_loses_least() {
+        // DFlash on SmolLM2 at T = 1 on a Zen 3 as measured: the first draft token accepted a
+        // quarter of the time, a third row dear (cost(3) 1.45). A probe's pass, catch-up and
+        // verify block cost more than it commits, so probes come rarer the dearer they are,
+        // and draft one token.
+        let points = vec![(1, 1.0), (2, 1.2), (3, 1.45), (4, 1.75)];
+        let curve = Arc::new(StepCost::from_points(points.clone()));
+        let probes = |pass: f64, catch_up: f64| {
+            let mut state = AdaptiveState::new(3, curve.clone(), DraftCostShape::PerDraft, true);
+            let mut caught_up = 0;
+            let (_, chosen) = run_costed(
+                &mut |m| {
+                    // Catching up costs `catch_up` decode steps per missed token.
+                    let mut m = m.clone();
+                    caught_up = caught_up.max(m.steps);
+                    m.catch_up_tokens = caught_up;
+                    m.catch_up_secs = 0.01 * catch_up * caught_up as f64;
+                    state.choose(&m, state.src().idle_steps as usize)
+                },
+                0.25,
+                600,
+                &|_| 0.01 * pass,
+                &|k| points[k].1,
+            );
+            chosen
+        };
+        let free = probes(0.0, 0.0);
+        let dear = probes(0.3, 0.01);
+        let count = |c: &[usize]| c.iter().filter(|&&k| k > 0).count();
+        // A probe: a draft after a plain step (a lucky one may be followed by the planner's).
+        let probe_steps = |c: &[usize]| -> Vec<(usize, usize)> {
+            (0..c.len()).filter(|&i| c[i] > 0 && (i == 0 || c[i - 1] == 0)).map(|i| (i, c[i])).collect()
+        };
+        let (free_probes, dear_probes) = (probe_steps(&free), probe_steps(&dear));
+        assert!(count(&dear) * 2 < count(&free), "dear {dear_probes:?} vs free {free_probes:?}");
+        // The first scheduled probe: after 8 steps where it costs nothing, after about
+        // 25 where it is expected to lose half a step (2% of the time idle).
+        assert_eq!(free_probes[1].0, tuning::PROBE_AFTER as usize, "{free_probes:?}");
+        assert!(dear_probes[1].0 >= 20, "{dear_probes:?}");
+        assert!(dear_probes.iter().all(|&(_, k)| k == 1), "a second token costs more than it commits: {dear_probes:?}");
     }
 
     #[test]
@@ -830,12 +900,14 @@ mod tests {
         let mut state = AdaptiveState::new(15, flat_curve(16), DraftCostShape::PerToken, true);
         let mut m = SpecMetrics::default();
         state.choose(&m, 0);
-        // First drafting step: the drafter caught up on the prompt (slow); not a draft price.
+        // First drafting step: the drafter caught up on the prompt (slow, timed apart: not a
+        // draft price), then drafted 2 tokens in 10 ms; the block took 10 ms × cost(3).
         m.record(2, 2, 3);
-        m.draft_secs = 0.5;
-        m.verify_secs = 0.011; // 10 ms × cost(3)
+        m.catch_up_secs = 0.5;
+        m.draft_secs = 0.010;
+        m.verify_secs = 0.011;
         state.choose(&m, 0);
-        assert_eq!(state.draft_cost().r, 0.0);
+        assert!((state.draft_cost().r - 0.5).abs() < 1e-6, "{}", state.draft_cost().r);
         // Next step drafts 4 tokens in 20 ms; verifying 5 tokens took 10 ms × cost(5) = 12 ms.
         m.record(4, 2, 3);
         m.draft_secs += 0.020;
@@ -845,15 +917,17 @@ mod tests {
         // α: 4 accepted of 2 + 3 tried (the first step's 2 decayed once), plus the prior.
         let (acc, tried) = (2.0 * tuning::DECAY + 2.0, 2.0 * tuning::DECAY + 3.0);
         assert!((state.alpha() - (acc + 0.5) / (tried + 1.0)).abs() < 1e-9, "{}", state.alpha());
-        // A plain step in between makes the next drafting step cold again.
+        // A plain step, then a drafting step that first catches up for a second: the draft
+        // itself is priced as before.
         m.record(0, 0, 1);
         m.verify_secs += 0.01;
         state.choose(&m, 0);
         m.record(4, 4, 5);
-        m.draft_secs += 1.0;
+        m.catch_up_secs += 1.0;
+        m.draft_secs += 0.020;
         m.verify_secs += 0.012;
         state.choose(&m, 0);
-        assert!((state.draft_cost().r - 0.5).abs() < 1e-6, "cold step ignored: {}", state.draft_cost().r);
+        assert!((state.draft_cost().r - 0.5).abs() < 1e-6, "catch-up not priced as drafting: {}", state.draft_cost().r);
         // That step's block cost what the curve and the plain step predicted.
         assert!((state.verify_excess() - 1.0).abs() < 1e-9, "{}", state.verify_excess());
     }
@@ -1018,7 +1092,7 @@ mod tests {
     fn a_drafter_that_cannot_afford_to_resume_is_not_stopped_by_one_unlucky_step() {
         // The 0.5B draft model for the 1.5B as measured: a draft token costs 0.4 decode steps,
         // catching up 0.07 per missed token (over the probe budget: once off, never probed
-        // again), cost(2) 1.22. A probe accepted in full, then one rejected step: α falls to
+        // again), cost(2) 1.22. A probe accepted, then one rejected step: α falls to
         // about 0.6, where one token is worth about what it costs.
         let curve = Arc::new(StepCost::from_points(vec![(1, 1.0), (2, 1.22), (3, 1.5), (4, 1.77)]));
         let steps = |dear: bool| {
@@ -1041,9 +1115,10 @@ mod tests {
             chosen.push(state.choose(&m, 0));
             chosen
         };
-        assert_eq!(steps(false), vec![2, 1, 0], "a drafter that can resume cheaply stops and probes later");
+        // The probe drafts one token: a second would cost 0.4 + 0.28 steps for α² = 0.25.
+        assert_eq!(steps(false), vec![1, 1, 0], "a drafter that can resume cheaply stops and probes later");
         let dear = steps(true);
-        assert_eq!(&dear[..2], &[2, 1]);
+        assert_eq!(&dear[..2], &[1, 1]);
         assert!(dear[2] > 0, "stopped for good after one rejected step: {dear:?}");
         // A drafter that is rarely right still stops when resuming is dear.
         let mut state = AdaptiveState::new(3, curve.clone(), DraftCostShape::PerToken, true);

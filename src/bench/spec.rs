@@ -7,8 +7,8 @@
 
 use crate::datasets::{self, Prompt, PromptKind};
 use crate::engine::{generate, FleetAcceptance, GenerateOptions, LoadedModel};
-use crate::sample::SamplingParams;
 use crate::kv::KvDtype;
+use crate::sample::SamplingParams;
 use crate::speculative::step_cost_cache::{self, StepCostKey};
 use crate::speculative::suffix::cache::SuffixCache;
 use crate::speculative::{build_proposer, Caller, DrafterSpec};

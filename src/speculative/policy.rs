@@ -29,8 +29,9 @@
 //! that acceptance has improved; a probe's outcome replaces the stale estimate.
 //!
 //! An idle drafter costs nothing, but resuming can: a draft model first feeds every token it
-//! missed. That catch-up is timed on its own, and a probe that would need one is made only when
-//! it costs at most [`tuning::PROBE_BUDGET`] of the time spent idle since the last draft; a
+//! missed. That catch-up is timed on its own, and a probe is made only when what it is expected
+//! to lose against plain decoding (catch-up, draft and verify block, less what it is expected to
+//! commit) is at most [`tuning::PROBE_BUDGET`] of the time spent idle since the last draft; a
 //! request starts with a probe only when its caller says drafting is expected to pay.
 //! For a drafter whose catch-up costs more than that per token (a draft model: about 7% of a
 //! target step per missed token), stopping is for good, so a drafting drafter stops only when

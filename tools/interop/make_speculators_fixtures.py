@@ -219,6 +219,20 @@ def make_dflash(out_dir, specforge):
         shutil.rmtree(drafter)
     model.save_pretrained(str(drafter))
 
+    record_dflash(out_dir, g, specforge, made_by="package-initialised, weights perturbed")
+
+
+def record_dflash(out_dir, g, specforge, made_by):
+    """Reloads OUT/drafter with the package's own `from_pretrained` and records its forward on
+    seeded random tokens and taps (block size, taps, mask id and draft vocabulary from its config)."""
+    from speculators.models.dflash import DFlashDraftModel
+    from safetensors.torch import load_file
+
+    drafter = out_dir / "drafter"
+    cfg = json.load(open(drafter / "config.json"))
+    block, aux_ids, mask_id = cfg["block_size"], cfg["aux_hidden_state_layer_ids"], cfg["mask_token_id"]
+    w = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(drafter / "model.safetensors")).items()}
+    d2t = w["d2t"]
     # Reload exactly as a user would.
     config = DFlashDraftModel.config_class.from_pretrained(str(drafter))
     config.transformer_layer_config._attn_implementation = "eager"  # as `speculators train` does
@@ -240,7 +254,7 @@ def make_dflash(out_dir, specforge):
             torch.zeros(1, T, dtype=torch.long),
             max_anchors=len(anchors),
         )
-    logits = logits[0].view(len(anchors), block, DRAFT_VOCAB)
+    logits = logits[0].view(len(anchors), block, -1)
     assert idx.view(len(anchors), block)[:, 0].tolist() == anchors
     argmax = logits.argmax(-1)
     drafted = (argmax + d2t[argmax]).tolist()
@@ -260,12 +274,8 @@ def make_dflash(out_dir, specforge):
     assert diff < 1e-5, f"eager vs sdpa: {diff}"
 
     checks = {"eager_vs_sdpa_max_abs": diff}
-    from safetensors.torch import load_file
-
-    w = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(drafter / "model.safetensors")).items()}
-    cfg = json.load(open(drafter / "config.json"))
     worst = max(
-        (dflash_reference(w, cfg, model.embed_tokens.weight.float(), tokens, taps, a, block, MASK_TOKEN_ID) - logits[i]).abs().max().item()
+        (dflash_reference(w, cfg, model.embed_tokens.weight.float(), tokens, taps, a, block, mask_id) - logits[i]).abs().max().item()
         for i, a in enumerate(anchors)
     )
     assert worst < 1e-5, f"independent DFlash forward disagrees: {worst}"
@@ -275,15 +285,16 @@ def make_dflash(out_dir, specforge):
         checks["specforge_zlab_max_abs"] = dflash_via_specforge(
             drafter, tokens, taps, anchors, block, aux_ids, logits, model
         )
-
+    tl = cfg["transformer_layer_config"]
     fixture = {
-        "made_by": "tools/interop/make_speculators_fixtures.py (speculators DFlashDraftModel._backbone_forward)",
+        "made_by": f"tools/interop/make_speculators_fixtures.py (speculators DFlashDraftModel._backbone_forward; {made_by})",
         "versions": versions(),
         "target": TARGET,
         "about": (
-            "speculators DFlash drafter: 2 Qwen3-style layers (layer 0 sliding_attention, window 2048, "
-            "causal inside the block; layer 1 full_attention, bidirectional block), block_size 4, "
-            "aux_hidden_state_layer_ids [1, 3] (= z-lab target_layer_ids [0, 2]), mask 255, draft vocab 128 "
+            f"speculators DFlash drafter: {tl['num_hidden_layers']} Qwen3-style layers, layer_types "
+            f"{tl['layer_types']} (sliding window {tl.get('sliding_window')}, causal inside the block), "
+            f"block_size {block}, aux_hidden_state_layer_ids {aux_ids} (= z-lab target_layer_ids "
+            f"{[i - 1 for i in aux_ids]}), mask {mask_id}, draft vocab {cfg['draft_vocab_size']} "
             "(lm_head.weight = target head rows t2d; draft id i -> target id i + d2t[i])."
         ),
         "tokens": tokens.tolist(),
@@ -397,14 +408,29 @@ def make_eagle3(out_dir, specforge, *, defaults):
     if drafter.exists():
         shutil.rmtree(drafter)
     model.save_pretrained(str(drafter))
+    record_eagle3(out_dir, g, specforge, made_by="package-initialised, weights perturbed")
+
+
+def record_eagle3(out_dir, g, specforge, made_by):
+    """Reloads OUT/drafter with the package's own `from_pretrained` and records its forward
+    (4 test-time-training steps, the logits of each captured at `lm_head`) on seeded random
+    tokens and taps."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from safetensors.torch import load_file
+
+    drafter = out_dir / "drafter"
+    cfg = json.load(open(drafter / "config.json"))
+    aux_ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    flags = {k: cfg[k] for k in ("norm_before_residual", "norm_before_fc", "norm_output")}
+    layer_types = cfg["transformer_layer_config"].get("layer_types") or ["full_attention"]
+    ttt_steps = 4
     config = Eagle3DraftModel.config_class.from_pretrained(str(drafter))
     config.transformer_layer_config._attn_implementation = "eager"
     model = Eagle3DraftModel.from_pretrained(str(drafter), config=config).float().eval()
-    assert model.config.eagle_aux_hidden_state_layer_ids == aux_ids
 
     T = 12
     tokens = torch.randint(0, VOCAB, (T,), generator=g)
-    taps = torch.randn(T, 3 * HIDDEN, generator=g)
+    taps = torch.randn(T, len(aux_ids) * HIDDEN, generator=g)
     captured = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach().clone()))
     with torch.no_grad():
@@ -418,36 +444,31 @@ def make_eagle3(out_dir, specforge, *, defaults):
     step_logits = torch.stack([c[0] for c in captured])  # [steps, T, draft_vocab]
     assert torch.equal(step_logits.argmax(-1), torch.stack([d[0] for d in draft_tokens]))
     argmax = step_logits.argmax(-1)
+    w = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(drafter / "model.safetensors")).items()}
+    d2t = w["d2t"]
     drafted = (argmax + d2t[argmax]).tolist()
 
-    from safetensors.torch import load_file
-
-    w = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(drafter / "model.safetensors")).items()}
-    ref = eagle3_reference(w, json.load(open(drafter / "config.json")), tokens, taps, ttt_steps)
+    ref = eagle3_reference(w, cfg, tokens, taps, ttt_steps)
     worst = (ref - step_logits).abs().max().item()
     assert worst < 1e-5, f"independent EAGLE-3 forward disagrees: {worst}"
     checks = {"independent_max_abs": worst, "min_top2_margin": min_margin(step_logits)}
-    if specforge and not defaults:
+    if specforge and not any(flags.values()) and layer_types == ["full_attention"]:
         checks["specforge_first_pass_max_abs"] = eagle3_via_specforge(drafter, tokens, taps, step_logits[0])
-
+    on = [k for k, v in flags.items() if v]
     fixture = {
-        "made_by": "tools/interop/make_speculators_fixtures.py (speculators Eagle3DraftModel.forward, lm_head hooked)",
+        "made_by": f"tools/interop/make_speculators_fixtures.py (speculators Eagle3DraftModel.forward, lm_head hooked; {made_by})",
         "versions": versions(),
         "target": TARGET,
         "about": (
-            "speculators EAGLE-3 drafter, 1 Llama layer, draft vocab 128, eagle_aux_hidden_state_layer_ids "
-            "[1, 2, 3] (vLLM numbering = SpecForge/SGLang [0, 1, 2]); "
-            + (
-                "speculators train defaults: norm_before_residual, norm_before_fc (input_norm over the "
-                "concatenated taps before fc), norm_output (the fed-back feature is the post-norm output), "
-                "layer_types [sliding_attention] with sliding_window 2048"
-                if defaults
-                else "all of norm_before_residual / norm_before_fc / norm_output false, full_attention"
-            )
+            f"speculators EAGLE-3 drafter, 1 Llama layer, draft vocab {cfg['draft_vocab_size']}, "
+            f"eagle_aux_hidden_state_layer_ids {aux_ids} (vLLM numbering = SpecForge/SGLang "
+            f"{[i - 1 for i in aux_ids]}); flags on: {on or 'none'} (norm_before_fc: input_norm over the "
+            "concatenated taps before fc; norm_output: the fed-back feature is the post-norm output); "
+            f"layer_types {layer_types}"
         ),
         "tokens": tokens.tolist(),
         "taps": fmt(taps),
-        "taps_about": "row t = concat of the 3 aux target hidden states (aux id order) of the target row that precedes tokens[t]",
+        "taps_about": "row t = concat of the aux target hidden states (aux id order) of the target row that precedes tokens[t]",
         "positions": [t + 1 for t in range(T)],
         "ttt_steps": ttt_steps,
         "step_logits": fmt(step_logits),
@@ -464,7 +485,26 @@ def make_eagle3(out_dir, specforge, *, defaults):
     }
     with open(out_dir / "fixture.json", "w") as f:
         json.dump(fixture, f)
-    print(f"eagle3 ({'defaults' if defaults else 'plain'}): checks {checks}", file=sys.stderr)
+    print(f"eagle3 ({made_by}): checks {checks}", file=sys.stderr)
+
+
+def trained(ckpt, out_dir, specforge, kind):
+    """A checkpoint that `speculators train` wrote (its config.json and model.safetensors), copied
+    as OUT/drafter with the verifier path pointed at the repository's tiny target, and its forward
+    recorded as for the package-initialised cases."""
+    drafter = out_dir / "drafter"
+    if drafter.exists():
+        shutil.rmtree(drafter)
+    drafter.mkdir(parents=True)
+    cfg = json.load(open(Path(ckpt) / "config.json"))
+    cfg["speculators_config"]["verifier"]["name_or_path"] = TARGET
+    with open(drafter / "config.json", "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    shutil.copyfile(Path(ckpt) / "model.safetensors", drafter / "model.safetensors")
+    steps = json.load(open(Path(ckpt) / "training_state.json")) if (Path(ckpt) / "training_state.json").exists() else {}
+    made_by = f"trained by `speculators train` on data `specula train export` wrote; checkpoint {Path(ckpt).name}, state {steps}"
+    g = torch.Generator().manual_seed(2468 if kind == "dflash" else 1357)
+    (record_dflash if kind == "dflash" else record_eagle3)(out_dir, g, specforge, made_by=made_by)
 
 
 def eagle3_via_specforge(drafter, tokens, taps, first_logits):
@@ -503,6 +543,8 @@ def eagle3_via_specforge(drafter, tokens, taps, first_logits):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures/interop")
+    ap.add_argument("--trained-dflash", help="a DFlash checkpoint `speculators train` wrote: only the -trained case")
+    ap.add_argument("--trained-eagle3", help="an EAGLE-3 checkpoint `speculators train` wrote: only the -trained case")
     args = ap.parse_args()
     if not Path(TARGET, "config.json").exists():
         sys.exit("run from the repository root")
@@ -513,6 +555,13 @@ def main():
     except ImportError:
         specforge = False
     out = Path(args.out)
+    if args.trained_dflash or args.trained_eagle3:
+        for kind, ckpt in (("dflash", args.trained_dflash), ("eagle3", args.trained_eagle3)):
+            if ckpt:
+                d = out / f"speculators-{kind}-trained"
+                d.mkdir(parents=True, exist_ok=True)
+                trained(ckpt, d, specforge, kind)
+        return
     for name, fn in [
         ("speculators-dflash", lambda d: make_dflash(d, specforge)),
         ("speculators-eagle3", lambda d: make_eagle3(d, specforge, defaults=True)),

@@ -2,7 +2,8 @@
 //! compute what the frameworks compute.
 //!
 //! Fixtures: `tests/fixtures/interop/<case>/` (written by `tools/interop/`, see its README): a
-//! drafter directory saved by speculators 0.9.0 or exported by SpecForge 0.2.0, and
+//! drafter directory saved by speculators 0.9.0 (package-initialised, or trained by its own
+//! trainer on data `specula train export` wrote) or exported by SpecForge 0.2.0, and
 //! `fixture.json` with the package's own forward on fixed tokens and fixed target hidden states
 //! (`taps`). The target is the tiny Qwen3 of `tests/fixtures/dflash/random/target`: only its
 //! embedding and LM head are used by the fixtures.
@@ -271,6 +272,31 @@ fn speculators_eagle3_plain_computes_what_speculators_computes() {
     check_eagle3_case("speculators-eagle3-plain", &target);
 }
 
+/// Both directions with the packages' own training: `specula train data` had the tiny target
+/// answer prompts, `specula train export` wrote them, and `speculators train` trained a DFlash
+/// drafter (its default: the whole vocabulary, scored with the target's head; no `d2t`, no
+/// `lm_head.weight`) and an EAGLE-3 drafter (draft vocabulary 128) on them for 8 steps, saving
+/// bfloat16 checkpoints (tools/interop/make_trained_fixtures.sh). specula loads what it wrote
+/// and computes what the package computes on it.
+#[test]
+fn drafters_speculators_trained_on_exported_data_compute_what_speculators_computes() {
+    let target = tiny_target();
+    let f = read_json(&fixture("interop/speculators-dflash-trained/fixture.json"));
+    assert_eq!(f["training"]["training_state"]["global_step"], 8);
+    assert_eq!(f["training"]["checkpoint_dtype"], serde_json::json!(["torch.bfloat16"]));
+    let drafter =
+        dflash::load_for_target(&fixture("interop/speculators-dflash-trained/drafter"), &target.model, &Device::Cpu)
+            .unwrap();
+    assert_eq!(drafter.config.layout, DflashLayout::Speculators);
+    assert_eq!(drafter.config.target_layer_ids, vec![0, 2]);
+    assert!(drafter.draft_vocab().is_none(), "the whole vocabulary: no d2t");
+    check_dflash_case("speculators-dflash-trained", &target);
+    let c = Eagle3Config::from_file(&fixture("interop/speculators-eagle3-trained/drafter/config.json")).unwrap();
+    assert!(c.norm_before_residual && c.norm_before_fc && c.norm_output);
+    assert_eq!((c.vocab, c.draft_vocab), (256, 128));
+    check_eagle3_case("speculators-eagle3-trained", &target);
+}
+
 /// A copy of fixture drafter `case` whose `transformer_layer_config` is edited by `edit`.
 fn edited_drafter(case: &str, edit: impl Fn(&mut Value)) -> tempfile::TempDir {
     let src = fixture(&format!("interop/{case}/drafter"));
@@ -370,6 +396,8 @@ fn greedy_decoding_with_each_drafter_is_lossless() {
         ("dflash", "specforge-dflash", fixture("interop/specforge-dflash/drafter")),
         ("eagle3", "speculators-eagle3", fixture("interop/speculators-eagle3/drafter")),
         ("eagle3", "speculators-eagle3-plain", fixture("interop/speculators-eagle3-plain/drafter")),
+        ("dflash", "speculators-dflash-trained", fixture("interop/speculators-dflash-trained/drafter")),
+        ("eagle3", "speculators-eagle3-trained", fixture("interop/speculators-eagle3-trained/drafter")),
         ("dflash", "speculators-dflash, window 3", windowed_dflash.path().to_path_buf()),
         ("eagle3", "speculators-eagle3, window 3", windowed_eagle3.path().to_path_buf()),
     ] {

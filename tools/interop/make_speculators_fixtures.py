@@ -232,11 +232,23 @@ def record_dflash(out_dir, g, specforge, made_by):
     cfg = json.load(open(drafter / "config.json"))
     block, aux_ids, mask_id = cfg["block_size"], cfg["aux_hidden_state_layer_ids"], cfg["mask_token_id"]
     w = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(drafter / "model.safetensors")).items()}
-    d2t = w["d2t"]
     # Reload exactly as a user would.
     config = DFlashDraftModel.config_class.from_pretrained(str(drafter))
     config.transformer_layer_config._attn_implementation = "eager"  # as `speculators train` does
     model = DFlashDraftModel.from_pretrained(str(drafter), config=config).float().eval()
+    # The package loads the verifier's embedding (and, for a drafter over the whole vocabulary,
+    # its head) cast to the checkpoint's dtype (bfloat16 for a trained one: 5e-4 off here, 4e-3
+    # in the logits); specula uses the target's own. Recorded with the target's own (f32), which
+    # changes nothing for a float32 checkpoint.
+    target_weights = load_file(str(Path(TARGET) / "model.safetensors"))
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target_weights["model.embed_tokens.weight"])
+        if "lm_head.weight" not in w:
+            model.lm_head.weight.copy_(target_weights["lm_head.weight"])
+    # A drafter over the whole vocabulary (speculators' default) stores neither `d2t` nor
+    # `lm_head.weight`: it scores with the verifier's head.
+    d2t = w.get("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.long))
+    w.setdefault("lm_head.weight", model.lm_head.weight.detach().float())
 
     T = 24
     tokens = torch.randint(0, VOCAB - 1, (T,), generator=g)
@@ -339,6 +351,7 @@ def dflash_via_specforge(drafter, tokens, taps, anchors, block, aux_ids, ref_log
     qc._attn_implementation = "eager"
     sf = SFDFlash(qc).float().eval()
     weights = load_file(str(drafter / "model.safetensors"))
+    weights.setdefault("lm_head.weight", spec_model.lm_head.weight.detach())
     body = {k: v for k, v in weights.items() if k not in ("lm_head.weight", "d2t", "t2d")}
     missing, unexpected = sf.load_state_dict(body, strict=False)
     assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
@@ -501,10 +514,21 @@ def trained(ckpt, out_dir, specforge, kind):
     with open(drafter / "config.json", "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     shutil.copyfile(Path(ckpt) / "model.safetensors", drafter / "model.safetensors")
-    steps = json.load(open(Path(ckpt) / "training_state.json")) if (Path(ckpt) / "training_state.json").exists() else {}
-    made_by = f"trained by `speculators train` on data `specula train export` wrote; checkpoint {Path(ckpt).name}, state {steps}"
     g = torch.Generator().manual_seed(2468 if kind == "dflash" else 1357)
-    (record_dflash if kind == "dflash" else record_eagle3)(out_dir, g, specforge, made_by=made_by)
+    (record_dflash if kind == "dflash" else record_eagle3)(
+        out_dir, g, specforge, made_by="trained by `speculators train` on data `specula train export` wrote"
+    )
+    # What the training run was, beside what it computes.
+    fixture = json.load(open(out_dir / "fixture.json"))
+    command = [l for l in open(Path(ckpt) / "train_command.txt").read().splitlines() if l and not l.startswith("#")]
+    fixture["training"] = {
+        "command": command[-1].replace("tools/interop/speculators_cpu_train_demo.py", "speculators train"),
+        "training_state": json.load(open(Path(ckpt) / "training_state.json")),
+        "val_metrics": json.load(open(Path(ckpt) / "val_metrics.json")),
+        "checkpoint_dtype": sorted({dtype for _, dtype in fixture["saved_tensors"].values()}),
+    }
+    with open(out_dir / "fixture.json", "w") as f:
+        json.dump(fixture, f)
 
 
 def eagle3_via_specforge(drafter, tokens, taps, first_logits):

@@ -221,7 +221,7 @@ fn distilling_scores_against_the_targets_own_distribution() {
 
     let serving = Arc::new(dflash::load_for_target(&drafter_dir, &target.model, &Device::Cpu).unwrap());
     let anchors = [10usize, 17, 30];
-    let soft = ObjectiveSettings { block, gamma, distill: true };
+    let soft = ObjectiveSettings { distill: true, ..ObjectiveSettings::hard(block, gamma) };
     let input = SequenceInput { tokens, loss_mask: mask, features: &with_last, anchors: &anchors };
     let l = sequence_loss(&drafter, &frozen, &input, soft).unwrap();
     let hard_input = SequenceInput { tokens, loss_mask: mask, features: &taps_only, anchors: &anchors };

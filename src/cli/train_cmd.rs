@@ -243,6 +243,11 @@ pub struct DflashArgs {
     /// Loss decay γ: block offset k weighs exp(−(k−1)/γ).
     #[arg(long, default_value_t = 2.0)]
     gamma: f64,
+    /// Per-offset loss weights instead of γ's decay: comma-separated, offset 1 first (offsets
+    /// past the list weigh 0), or `serving:REPORT.json`: how often serving's verifier reached
+    /// each draft position in a `bench --mode spec` report (its speculative runs together).
+    #[arg(long)]
+    position_weights: Option<String>,
     /// Peak learning rate (AdamW).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
@@ -463,6 +468,68 @@ fn run_export(args: ExportArgs) -> Result<()> {
         if args.include_held_out { "" } else { " (--include-held-out exports them)" }
     );
     Ok(())
+}
+
+/// `--position-weights W1,W2,…|serving:REPORT.json` as per-offset weights.
+fn parse_position_weights(spec: &str) -> Result<Vec<f64>> {
+    use crate::train::dflash::objective::{serving_position_weights, PositionWeights};
+    let weights = match spec.strip_prefix("serving:") {
+        Some(path) => {
+            let (drafted_at, accepted_at, steps) = serving_use(std::path::Path::new(path))?;
+            let w = serving_position_weights(&drafted_at, &accepted_at);
+            if w.is_empty() {
+                bail!("--position-weights {spec}: the report's speculative runs drafted nothing");
+            }
+            let shown: Vec<String> = w.iter().map(|x| format!("{x:.3}")).collect();
+            eprintln!(
+                "position weights from serving ({path}: {steps} verify steps): {} (offsets past {} weigh 0)",
+                shown.join(", "),
+                w.len()
+            );
+            w
+        }
+        None => spec
+            .split(',')
+            .map(|x| x.trim().parse::<f64>().with_context(|| format!("--position-weights: `{x}` is not a number")))
+            .collect::<Result<_>>()?,
+    };
+    PositionWeights::table(&weights).with_context(|| format!("--position-weights {spec}"))?;
+    Ok(weights)
+}
+
+/// The summed `drafted_at` / `accepted_at` counts and verify steps of a `bench --mode spec`
+/// report's speculative runs.
+fn serving_use(path: &std::path::Path) -> Result<(Vec<u64>, Vec<u64>, u64)> {
+    const MAX_REPORT_BYTES: u64 = 512 << 20;
+    let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
+    if len > MAX_REPORT_BYTES {
+        bail!("{}: {len} bytes is not a bench report (at most {MAX_REPORT_BYTES})", path.display());
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let report: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let models =
+        report["models"].as_array().with_context(|| format!("{}: no `models`: not a bench report", path.display()))?;
+    let counts = |v: &serde_json::Value| -> Vec<u64> {
+        v.as_array().map(|a| a.iter().map(|x| x.as_u64().unwrap_or(0)).collect()).unwrap_or_default()
+    };
+    let add = |sum: &mut Vec<u64>, more: Vec<u64>| {
+        if sum.len() < more.len() {
+            sum.resize(more.len(), 0);
+        }
+        sum.iter_mut().zip(more).for_each(|(s, m)| *s = s.saturating_add(m));
+    };
+    let (mut drafted_at, mut accepted_at, mut steps) = (Vec::new(), Vec::new(), 0u64);
+    for run in models.iter().filter_map(|m| m["runs"].as_array()).flatten() {
+        if run["mode"].as_str().is_none_or(|m| m == "plain") {
+            continue;
+        }
+        let m = &run["metrics"];
+        add(&mut drafted_at, counts(&m["drafted_at"]));
+        add(&mut accepted_at, counts(&m["accepted_at"]));
+        steps = steps.saturating_add(m["steps"].as_u64().unwrap_or(0));
+    }
+    Ok((drafted_at, accepted_at, steps))
 }
 
 /// `--draft-vocab N|full|keep` as (size, keep the drafter's); `keep` needs `--init-from`.
@@ -695,6 +762,7 @@ fn run_dflash(mut args: DflashArgs) -> Result<()> {
         n_taps: args.n_taps,
         anchors: if quick { args.anchors.min(32) } else { args.anchors },
         gamma: Some(args.gamma),
+        position_weights: args.position_weights.as_deref().map(parse_position_weights).transpose()?,
         adam: crate::train::optim::AdamWSettings { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
         warmup: args.warmup,
         clip: args.clip,
@@ -1096,5 +1164,31 @@ impl TrainObserver for ProgressObserver {
         } else {
             self.bar.println(text);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_position_weights;
+
+    #[test]
+    fn position_weights_come_as_a_list_or_from_a_bench_reports_serving_use() {
+        assert_eq!(parse_position_weights("1, 0.5,0.25").unwrap(), vec![1.0, 0.5, 0.25]);
+        for bad in ["", "1,x", "-1", "0,0", "serving:/nonexistent/report.json"] {
+            assert!(parse_position_weights(bad).is_err(), "{bad}");
+        }
+        // Two speculative runs and a plain one (ignored): positions drafted 100/50, accepted 40/0.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("report.json");
+        let run = |mode: &str, drafted: [u64; 2], accepted: [u64; 2]| serde_json::json!({"mode": mode, "metrics": {"steps": 120, "drafted_at": drafted, "accepted_at": accepted}});
+        let report = serde_json::json!({"models": [{"runs": [
+            run("plain", [9, 9], [9, 9]), run("dflash k=auto", [60, 30], [24, 0]), run("dflash k=auto", [40, 20], [16, 0])
+        ]}]});
+        std::fs::write(&path, report.to_string()).unwrap();
+        let w = parse_position_weights(&format!("serving:{}", path.display())).unwrap();
+        // Position 2: accepted at 1 (40) × half the drafts going on (50/100), over 100.
+        assert_eq!(w, vec![1.0, 0.2]);
+        std::fs::write(&path, "{\"models\": 3}").unwrap();
+        assert!(parse_position_weights(&format!("serving:{}", path.display())).is_err());
     }
 }

@@ -27,7 +27,7 @@ use crate::speculative::nn::RopeTable;
 use crate::tokenize::{TokenKind, Tokenizer};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use objective::{scored_rows, sequence_loss, FrozenTarget, ObjectiveSettings, SequenceInput};
+use objective::{scored_rows, sequence_loss, FrozenTarget, ObjectiveSettings, PositionWeights, SequenceInput};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -105,6 +105,9 @@ pub struct TrainSettings {
     /// drafter is served with).
     #[serde(default = "default_serving_draft_len")]
     pub serving_draft_len: usize,
+    /// Per-offset loss weights (offset 1 first; past the list: 0) instead of γ's decay.
+    #[serde(default)]
+    pub position_weights: Option<Vec<f64>>,
 }
 
 fn default_serving_draft_len() -> usize {
@@ -146,6 +149,7 @@ impl Default for TrainSettings {
             attention_bias: true,
             distill: false,
             serving_draft_len: 7,
+            position_weights: None,
         }
     }
 }
@@ -163,6 +167,14 @@ impl TrainSettings {
 
     pub fn gamma(&self) -> f64 {
         self.gamma.unwrap_or(2.0)
+    }
+
+    /// How the loss weighs block offsets: the given table, else γ's decay.
+    pub fn position_weights(&self) -> Result<PositionWeights> {
+        match &self.position_weights {
+            Some(w) => PositionWeights::table(w),
+            None => Ok(PositionWeights::Decay { gamma: self.gamma() }),
+        }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -184,6 +196,7 @@ impl TrainSettings {
         if self.gamma() <= 0.0 || !self.gamma().is_finite() {
             bail!("--gamma must be positive");
         }
+        self.position_weights()?;
         if self.steps == Some(0) || (self.steps.is_none() && !(self.epochs > 0.0 && self.epochs.is_finite())) {
             bail!("--steps must be at least 1 (or --epochs positive)");
         }
@@ -756,7 +769,7 @@ impl TrainRun<'_> {
             base_record: start.base_record,
             own_feature_secs: start.own_feature_secs + self.feature_secs,
             secs_before: start.secs_before,
-            objective: ObjectiveSettings { block: s.block, gamma: s.gamma(), distill: s.distill },
+            objective: ObjectiveSettings { block: s.block, weights: s.position_weights()?, distill: s.distill },
         })
     }
 
@@ -781,7 +794,7 @@ impl TrainRun<'_> {
             .zip(&anchors)
             .map(|(&i, a)| {
                 let e = &self.train[i];
-                scored_rows(&e.tokens, &e.loss_mask, a, s.block, live.objective.gamma, &live.frozen)
+                scored_rows(&e.tokens, &e.loss_mask, a, s.block, live.objective.weights, &live.frozen)
                     .iter()
                     .map(|r| r.weight as f64)
                     .sum::<f64>()

@@ -6,7 +6,8 @@
 //! see each other. All anchors of a sequence run in one drafter forward
 //! ([`DflashDrafter::forward_block`], the same code that drafts when serving), packed as one
 //! block per anchor with a mask over the context. Row `k ≥ 1` is scored against `x[p+k]` with weight
-//! `exp(−(k−1)/γ)` when `p+k` is inside the sequence and a response token (and, with a reduced
+//! `exp(−(k−1)/γ)` (or a given per-offset table, e.g. how often serving verifies position k:
+//! [`serving_position_weights`]) when `p+k` is inside the sequence and a response token (and, with a reduced
 //! drafter vocabulary, one of its tokens); everything else weighs 0. The loss of a batch is
 //! `Σ w·CE / Σ w` over all its rows.
 //!
@@ -68,13 +69,81 @@ pub fn offset_weight(k: usize, gamma: f64) -> f32 {
     (-((k - 1) as f64) / gamma).exp() as f32
 }
 
+/// Most block offsets a weight table can give.
+pub const MAX_WEIGHTED_OFFSETS: usize = 64;
+
+/// How the loss weighs block offset `k ≥ 1`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PositionWeights {
+    /// `exp(−(k−1)/γ)` ([`offset_weight`]).
+    Decay { gamma: f64 },
+    /// Offset k weighs `weights[k − 1]`; offsets past `len` weigh 0.
+    Table { weights: [f32; MAX_WEIGHTED_OFFSETS], len: usize },
+}
+
+impl PositionWeights {
+    /// A table of per-offset weights (offset 1 first): finite, non-negative, not all zero.
+    pub fn table(weights: &[f64]) -> Result<Self> {
+        if weights.is_empty() || weights.len() > MAX_WEIGHTED_OFFSETS {
+            bail!("position weights: 1 to {MAX_WEIGHTED_OFFSETS} values, got {}", weights.len());
+        }
+        if let Some(w) = weights.iter().find(|w| !(w.is_finite() && **w >= 0.0)) {
+            bail!("position weights must be finite and not negative, got {w}");
+        }
+        if weights.iter().all(|&w| w == 0.0) {
+            bail!("position weights are all zero: nothing would be trained");
+        }
+        let mut table = [0f32; MAX_WEIGHTED_OFFSETS];
+        for (t, &w) in table.iter_mut().zip(weights) {
+            *t = w as f32;
+        }
+        Ok(Self::Table { weights: table, len: weights.len() })
+    }
+
+    /// The weight of block offset `k ≥ 1`.
+    pub fn of(&self, k: usize) -> f32 {
+        match *self {
+            Self::Decay { gamma } => offset_weight(k, gamma),
+            Self::Table { weights, len } => {
+                if (1..=len).contains(&k) {
+                    weights[k - 1]
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
+/// Per-offset weights that follow serving: offset k weighs how often serving's verifier reached
+/// draft position k (every earlier position accepted and position k drafted), relative to
+/// position 1, from a decode's `drafted_at` / `accepted_at` counts (`SpecMetrics`: drafts that
+/// reached position i, and were accepted there). Reaching position k ≥ 2 is estimated as
+/// accepted at k − 1 times the share of drafts at k − 1 that went on to k, which is exact for
+/// chains whose length does not depend on their acceptance. Empty when nothing was drafted.
+pub fn serving_position_weights(drafted_at: &[u64], accepted_at: &[u64]) -> Vec<f64> {
+    let first = drafted_at.first().copied().unwrap_or(0);
+    if first == 0 {
+        return Vec::new();
+    }
+    let mut weights = vec![1.0];
+    for k in 1..drafted_at.len().min(accepted_at.len() + 1) {
+        let went_on = drafted_at[k] as f64 / drafted_at[k - 1].max(1) as f64;
+        weights.push(accepted_at[k - 1] as f64 * went_on / first as f64);
+    }
+    while weights.last() == Some(&0.0) {
+        weights.pop();
+    }
+    weights
+}
+
 /// The rows of a sequence's forward that carry a label (weight > 0), in row order.
 pub fn scored_rows(
     tokens: &[u32],
     loss_mask: &[u8],
     anchors: &[usize],
     block: usize,
-    gamma: f64,
+    weights: PositionWeights,
     frozen: &FrozenTarget,
 ) -> Vec<ScoredRow> {
     let mut out = Vec::new();
@@ -84,8 +153,9 @@ pub fn scored_rows(
             if pos >= tokens.len() || loss_mask.get(pos).copied().unwrap_or(0) == 0 {
                 continue;
             }
-            let Some(label) = frozen.draft_id(tokens[pos]) else { continue };
-            out.push(ScoredRow { row: a * block + k, label, weight: offset_weight(k, gamma), offset: k });
+            let weight = weights.of(k);
+            let Some(label) = frozen.draft_id(tokens[pos]).filter(|_| weight > 0.0) else { continue };
+            out.push(ScoredRow { row: a * block + k, label, weight, offset: k });
         }
     }
     out
@@ -135,15 +205,15 @@ pub struct SequenceLoss {
 #[derive(Debug, Clone, Copy)]
 pub struct ObjectiveSettings {
     pub block: usize,
-    pub gamma: f64,
+    pub weights: PositionWeights,
     /// Soft targets: the target's distribution instead of its greedy token (see the module doc).
     pub distill: bool,
 }
 
 impl ObjectiveSettings {
-    /// The paper's objective: hard labels.
+    /// The paper's objective: hard labels, offsets weighed `exp(−(k−1)/γ)`.
     pub fn hard(block: usize, gamma: f64) -> Self {
-        Self { block, gamma, distill: false }
+        Self { block, weights: PositionWeights::Decay { gamma }, distill: false }
     }
 }
 
@@ -164,7 +234,7 @@ pub fn sequence_loss(
     }
     let device = drafter.device();
     let c = &drafter.config;
-    let rows = scored_rows(tokens, input.loss_mask, anchors, block, settings.gamma, frozen);
+    let rows = scored_rows(tokens, input.loss_mask, anchors, block, settings.weights, frozen);
     let n = anchors.len() * block;
 
     // Context: every position before the last anchor (earlier anchors see a prefix of it).
@@ -267,4 +337,43 @@ pub fn sequence_loss(
     }
     let weight_sum = rows.iter().map(|r| r.weight as f64).sum();
     Ok(SequenceLoss { weighted_ce, weighted_hard_ce, weight_sum, scored, hits, accepted })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::speculative::metrics::SpecMetrics;
+
+    #[test]
+    fn serving_weights_are_how_often_the_verifier_reached_each_position() {
+        // Chains of 3 tokens on half the steps and 1 on the other half; every position is
+        // accepted with probability 1/2 (deterministically: accepted counts 0..=k cycle).
+        let mut m = SpecMetrics::default();
+        for step in 0..4000u32 {
+            let k = if step % 2 == 0 { 3 } else { 1 };
+            let accepted = (step / 2 % 8).trailing_ones().min(k) as usize; // 0: 1/2, 1: 1/4, 2: 1/8, …
+            m.record(k as usize, accepted, accepted + 1);
+        }
+        let w = serving_position_weights(&m.drafted_at, &m.accepted_at);
+        // Position 1 is verified on every drafting step; 2 on the 3-token drafts whose first
+        // was accepted (1/2 × 1/2 of all); 3 when the first two were (1/2 × 1/4).
+        assert_eq!(w.len(), 3);
+        let expected = [1.0, 0.25, 0.125];
+        for (got, want) in w.iter().zip(expected) {
+            assert!((got - want).abs() < 0.01, "{w:?}");
+        }
+        assert!(serving_position_weights(&[], &[]).is_empty());
+        assert!(serving_position_weights(&[0, 0], &[0, 0]).is_empty());
+    }
+
+    #[test]
+    fn a_weight_table_weighs_offsets_past_it_zero_and_refuses_nonsense() {
+        let t = PositionWeights::table(&[1.0, 0.5]).unwrap();
+        assert_eq!((t.of(1), t.of(2), t.of(3), t.of(0)), (1.0, 0.5, 0.0, 0.0));
+        let decay = PositionWeights::Decay { gamma: 2.0 };
+        assert_eq!(decay.of(3), offset_weight(3, 2.0));
+        for bad in [&[][..], &[0.0, 0.0], &[1.0, -0.1], &[f64::NAN], &[1.0; MAX_WEIGHTED_OFFSETS + 1]] {
+            assert!(PositionWeights::table(bad).is_err(), "{bad:?}");
+        }
+    }
 }

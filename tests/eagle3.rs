@@ -280,3 +280,60 @@ fn broken_eagle3_drafters_are_refused_by_name() {
     let err = format!("{:#}", DrafterSpec::parse("eagle3:").unwrap_err());
     assert!(err.contains("drafter directory"), "{err}");
 }
+
+/// EAGLE-2's dynamic trees with the shipped SmolLM2 drafter: decoding with them equals plain
+/// greedy decoding; a tree follows a runner-up's own continuation somewhere; and along the
+/// drafter's first choices a tree drafts what its chain drafts, so the depth-by-depth passes
+/// (several nodes, each masked to its own ancestors) compute what running one node at a time does.
+#[test]
+fn eagle3_trees_are_lossless_and_follow_the_chain_along_first_choices() {
+    let target = smollm2();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("drafters/smollm2-135m-eagle3");
+    let spec = DrafterSpec::parse(&format!("eagle3:{}", dir.display())).unwrap();
+    let DrafterSpec::Eagle3 { path, settings } = spec else { panic!("parsed as {spec:?}") };
+    let prompts: [Vec<u32>; 3] = [
+        vec![504, 3575, 282, 4649, 314, 28, 216, 33, 30, 216, 34, 30, 216, 35, 30],
+        vec![504, 1345, 314, 253, 2365, 30, 378, 7262, 314, 216, 34, 30],
+        vec![1780, 1022, 4649, 314, 253, 2023, 30, 15, 216, 33, 30, 15, 216],
+    ];
+    let generate_with = |prompt: &[u32], opts: GenerateOptions| {
+        let mut p = eagle3::build_proposer(&path, &settings, target).unwrap();
+        let pool = target.new_kv_pool_typed(prompt.len() + 104, KvDtype::F32);
+        let params = SamplingParams { max_tokens: Some(40), ..SamplingParams::greedy() };
+        let opts = GenerateOptions { trace: true, ..opts };
+        generate(target.into(), &pool, prompt, params, Some(&mut p as &mut dyn Proposer), &opts, &mut |_| {}).unwrap()
+    };
+    let as_draft = |tokens: &[u32], parents: &[u32]| match parents.is_empty() {
+        true => specula::speculative::Draft::deterministic(tokens.to_vec()),
+        false => specula::speculative::Draft::tree(tokens.to_vec(), parents.to_vec()),
+    };
+    let mut runner_up_continued = false;
+    for (i, prompt) in prompts.iter().enumerate() {
+        let plain = engine_generate(target, prompt, 40, None, 0);
+        let chain = generate_with(prompt, GenerateOptions::fixed_draft(8));
+        let trees = generate_with(prompt, GenerateOptions::fixed_tree(8));
+        assert_eq!(trees.tokens, plain.tokens, "prompt {i}: trees changed the output");
+        assert_eq!(chain.tokens, plain.tokens, "prompt {i}");
+        for step in &trees.trace {
+            let draft = as_draft(&step.draft, &step.parents);
+            let children = draft.children();
+            // A node that is not its parent's first child, with children of its own.
+            runner_up_continued |= (0..draft.len())
+                .any(|n| children[draft.parent_row(n)].first() != Some(&n) && !children[n + 1].is_empty());
+        }
+        // The first step: same state for both. Follow the first child from the root as far as
+        // the tree goes: those are the chain's tokens.
+        let tree = as_draft(&trees.trace[0].draft, &trees.trace[0].parents);
+        let children = tree.children();
+        let (mut row, mut first_choices) = (0, Vec::new());
+        while let Some(&n) = children[row].first() {
+            first_choices.push(tree.tokens[n]);
+            row = n + 1;
+        }
+        let chain_draft = &chain.trace[0].draft;
+        eprintln!("prompt {i}: tree {:?} / {:?}, chain {chain_draft:?}", tree.tokens, tree.parents);
+        assert!(!first_choices.is_empty());
+        assert_eq!(first_choices[..], chain_draft[..first_choices.len()], "prompt {i}: the tree's first choices");
+    }
+    assert!(runner_up_continued, "no tree followed a runner-up's continuation");
+}

@@ -217,6 +217,95 @@ pub fn chain_with_alternatives(
     Ok(best_first_tree(&positions, max_nodes, true))
 }
 
+/// A node of a tree grown by [`expanding_tree`]: its token, depth (0: the first drafted
+/// position), parent node (None: the committed context), path score (the sum of its path's
+/// log-probabilities) and rank among its siblings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GrownNode {
+    pub token: u32,
+    pub depth: usize,
+    pub parent: Option<usize>,
+    pub score: f32,
+    pub rank: usize,
+}
+
+/// Nodes of each depth an [`expanding_tree`] runs the drafter on (EAGLE-2's top-k expansion).
+pub const EXPAND_WIDTH: usize = 3;
+
+/// The dynamic draft tree of EAGLE-2 for a drafter that can run several nodes of one depth in
+/// one pass (EAGLE-3): from the first position's ranked candidates (`root`), each depth expands
+/// its `width` most probable nodes, `expand(nodes, chosen)` returning the ranked candidates
+/// after each chosen node (the drafter run on it, conditioned on its own path); then the
+/// `max_nodes` most probable nodes overall form the tree. It stops at `max_depth`, or once no
+/// node left to expand scores above the `max_nodes`-th best (a child scores at most its
+/// parent, so nothing below could enter the tree). Unlike [`chain_with_alternatives`], a
+/// runner-up can have children, so a tree can follow the second choice where the drafter is
+/// unsure. Nodes come out best first: parents before children, siblings in rank order.
+pub fn expanding_tree(
+    max_nodes: usize,
+    max_depth: usize,
+    width: usize,
+    root: Candidates,
+    mut expand: impl FnMut(&[GrownNode], &[usize]) -> anyhow::Result<Vec<Candidates>>,
+) -> anyhow::Result<Draft> {
+    let mut nodes: Vec<GrownNode> = Vec::new();
+    let grow = |nodes: &mut Vec<GrownNode>, parent: Option<usize>, depth: usize, base: f32, candidates: &Candidates| {
+        let start = nodes.len();
+        for (rank, &(token, lp)) in candidates.iter().enumerate() {
+            nodes.push(GrownNode { token, depth, parent, score: base + lp, rank });
+        }
+        (start..nodes.len()).collect::<Vec<_>>()
+    };
+    let mut frontier = grow(&mut nodes, None, 0, 0.0, &root);
+    // Best first: higher score, then shallower, then better ranked (a parent before its child
+    // even where a child's log-probability rounds to 0).
+    let order = |nodes: &[GrownNode], a: usize, b: usize| {
+        let (x, y) = (&nodes[a], &nodes[b]);
+        y.score.total_cmp(&x.score).then(x.depth.cmp(&y.depth)).then(x.rank.cmp(&y.rank)).then(a.cmp(&b))
+    };
+    for depth in 1..max_depth.min(max_nodes) {
+        let cutoff = if nodes.len() >= max_nodes {
+            let mut scores: Vec<f32> = nodes.iter().map(|n| n.score).collect();
+            scores.sort_by(|a, b| b.total_cmp(a));
+            scores[max_nodes - 1]
+        } else {
+            f32::NEG_INFINITY
+        };
+        frontier.sort_by(|&a, &b| order(&nodes, a, b));
+        let chosen: Vec<usize> = frontier.iter().copied().filter(|&n| nodes[n].score > cutoff).take(width).collect();
+        if chosen.is_empty() {
+            break;
+        }
+        let candidates = expand(&nodes, &chosen)?;
+        frontier.clear();
+        for (&n, c) in chosen.iter().zip(&candidates) {
+            let base = nodes[n].score;
+            frontier.extend(grow(&mut nodes, Some(n), depth, base, c));
+        }
+    }
+    let mut ranked: Vec<usize> = (0..nodes.len()).collect();
+    ranked.sort_by(|&a, &b| order(&nodes, a, b));
+    // Rows in the draft (node i is row i + 1); a node joins only after its parent did.
+    let mut row_of = vec![None; nodes.len()];
+    let (mut tokens, mut parents) = (Vec::new(), Vec::new());
+    for n in ranked {
+        if tokens.len() == max_nodes {
+            break;
+        }
+        let parent_row = match nodes[n].parent {
+            None => 0,
+            Some(p) => match row_of[p] {
+                Some(r) => r,
+                None => continue,
+            },
+        };
+        tokens.push(nodes[n].token);
+        parents.push(parent_row);
+        row_of[n] = Some(tokens.len() as u32);
+    }
+    Ok(Draft::tree(tokens, parents))
+}
+
 /// The `k` most probable tokens of a logits row with their log-probabilities, best first
 /// (ties to the lower id, as argmax). `map` turns a row index into a token id.
 pub fn top_candidates(logits: &[f32], k: usize, map: impl Fn(u32) -> u32) -> Candidates {
@@ -267,6 +356,50 @@ mod tests {
         let leaves = best_first_tree(&positions, 8, true);
         assert_eq!(leaves.tokens, vec![1, 2, 3, 5, 4]);
         assert!(leaves.children()[2].is_empty(), "b has no children");
+    }
+
+    #[test]
+    fn an_expanding_tree_follows_a_runner_up_where_the_drafter_is_unsure() {
+        let ln = |p: f32| p.ln();
+        // Two first tokens nearly as likely (a .5, b .45); after a the drafter is unsure (c .4,
+        // d .35), after b sure (e .95). Each node's children: its token × 10 + rank.
+        let table = |token: u32| -> Candidates {
+            match token {
+                1 => vec![(3, ln(0.4)), (4, ln(0.35))],
+                2 => vec![(5, ln(0.95)), (6, ln(0.02))],
+                t => vec![(t * 10, ln(0.9)), (t * 10 + 1, ln(0.05))],
+            }
+        };
+        let mut expanded: Vec<Vec<u32>> = Vec::new();
+        let tree = expanding_tree(5, 3, 2, vec![(1, ln(0.5)), (2, ln(0.45))], |nodes, chosen| {
+            let depths: Vec<usize> = chosen.iter().map(|&n| nodes[n].depth).collect();
+            assert!(depths.iter().all(|&d| d == depths[0]), "one depth per pass: {depths:?}");
+            expanded.push(chosen.iter().map(|&n| nodes[n].token).collect());
+            Ok(chosen.iter().map(|&n| table(nodes[n].token)).collect())
+        })
+        .unwrap();
+        // Three depths. Paths: a .5, b .45, b-e .4275, b-e-50 .385, a-c .2, a-c-30 .18, a-d
+        // .175: b's line continues, which a chain below the best token (a) would never draft.
+        assert_eq!(tree.tokens, vec![1, 2, 5, 50, 3]);
+        assert_eq!(tree.parents, vec![0, 0, 2, 3, 1]);
+        assert_eq!(expanded[0], vec![1, 2], "both first tokens run, in one pass");
+        assert_eq!(expanded[1], vec![5, 3], "the two best of depth 1");
+        assert_eq!(expanded.len(), 2, "one pass per depth after the first: {expanded:?}");
+        // A budget of two, filled by the first depth: only a could still have a child above b
+        // (.45), so only a runs, once; none beats b.
+        let mut passes = 0;
+        let wide = expanding_tree(2, 3, 2, vec![(1, ln(0.5)), (2, ln(0.45))], |nodes, chosen| {
+            passes += 1;
+            Ok(chosen.iter().map(|&n| table(nodes[n].token)).collect())
+        })
+        .unwrap();
+        assert_eq!((wide.tokens.clone(), passes), (vec![1, 2], 1), "{wide:?}");
+        // One candidate per position and width 1: the chain.
+        let chain = expanding_tree(3, 3, 1, vec![(1, ln(0.9))], |nodes, chosen| {
+            Ok(chosen.iter().map(|&n| vec![(nodes[n].token + 1, ln(0.9))]).collect())
+        })
+        .unwrap();
+        assert_eq!(chain, Draft::deterministic(vec![1, 2, 3]));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 
 use super::model::Eagle3Drafter;
 use crate::speculative::dflash::TargetHead;
-use crate::speculative::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATES};
+use crate::speculative::draft::{expanding_tree, top_candidates, CHAIN_TREE_CANDIDATES, EXPAND_WIDTH};
 use crate::speculative::nn::{LayerKv, RowBuffer};
 use crate::speculative::proposer::Proposer;
 use crate::speculative::verify::Draft;
@@ -45,7 +45,7 @@ pub struct Eagle3Proposer {
     /// Committed rows whose target states arrived but were not run yet (contiguous from `end`):
     /// running them waits for the next draft, so a drafter the policy leaves idle costs nothing.
     pending: Vec<(usize, Vec<Tensor>)>,
-    /// Draft trees: runner-ups at each step as leaves ([`Proposer::set_trees`]).
+    /// Draft trees: EAGLE-2's dynamic expansion ([`Proposer::set_trees`]).
     trees: bool,
 }
 
@@ -144,6 +144,63 @@ impl Eagle3Proposer {
     }
 }
 
+impl Eagle3Proposer {
+    /// EAGLE-2's dynamic tree ([`expanding_tree`]): each depth runs its most probable nodes
+    /// in one pass, every node seeing the committed rows, its own ancestors' draft rows and
+    /// itself, at the position of its depth; `last` is the output that scores the first
+    /// position. Draft rows are appended to the drafter's cache, which the caller truncates.
+    fn expanding_tree(&mut self, e: usize, last: &Tensor, max_nodes: usize, max_depth: usize) -> Result<Draft> {
+        let logits = |p: &Self, h: &Tensor| -> Result<Vec<f32>> {
+            Ok(p.drafter.logits(h)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        };
+        let rank = |p: &Self, l: &[f32]| top_candidates(l, CHAIN_TREE_CANDIDATES, |id| p.drafter.target_token(id));
+        let root = rank(self, &logits(self, last)?);
+        let held = self.end - self.base;
+        // Per node: the output that scored it (its parent's; `last` for the first depth), and
+        // once run, its row in the cache.
+        let mut scored_by: Vec<Tensor> = vec![last.clone(); root.len()];
+        let mut row_of: Vec<Option<usize>> = vec![None; root.len()];
+        expanding_tree(max_nodes, max_depth, EXPAND_WIDTH, root, |nodes, chosen| {
+            let past = self.past()?;
+            let m = past.k.dim(1)?;
+            let tokens: Vec<u32> = chosen.iter().map(|&n| nodes[n].token).collect();
+            let embeds = self.drafter.embed(&tokens, Some(&self.head))?;
+            let features = Tensor::cat(&chosen.iter().map(|&n| &scored_by[n]).collect::<Vec<_>>(), 0)?;
+            let positions: Vec<usize> = chosen.iter().map(|&n| e + nodes[n].depth).collect();
+            // Row i sees the committed rows, its ancestors' rows and itself.
+            let n = chosen.len();
+            let mut mask = vec![f32::NEG_INFINITY; n * (m + n)];
+            for (i, &node) in chosen.iter().enumerate() {
+                let row = &mut mask[i * (m + n)..(i + 1) * (m + n)];
+                row[..held].fill(0.0);
+                let mut up = nodes[node].parent;
+                while let Some(a) = up {
+                    if let Some(r) = row_of[a] {
+                        row[r] = 0.0;
+                    }
+                    up = nodes[a].parent;
+                }
+                row[m + i] = 0.0;
+            }
+            let mask = Tensor::from_vec(mask, (n, m + n), self.drafter.device())?;
+            let (out, kv) = self.drafter.forward(&embeds, &features, &positions, &past, Some(&mask))?;
+            self.k.append(&kv.k)?;
+            self.v.append(&kv.v)?;
+            let mut candidates = Vec::with_capacity(n);
+            for (i, &node) in chosen.iter().enumerate() {
+                let h = out.narrow(0, i, 1)?;
+                let c = rank(self, &logits(self, &h)?);
+                row_of.resize(row_of.len().max(nodes.len()), None);
+                row_of[node] = Some(m + i);
+                // The children this returns are scored by this node's output.
+                scored_by.extend(std::iter::repeat_n(h, c.len()));
+                candidates.push(c);
+            }
+            Ok(candidates)
+        })
+    }
+}
+
 impl Proposer for Eagle3Proposer {
     fn name(&self) -> &str {
         "eagle3"
@@ -222,20 +279,7 @@ impl Proposer for Eagle3Proposer {
         let Some(mut h) = self.last.clone().filter(|_| self.end == e) else { return Ok(Draft::default()) };
         let held = self.end - self.base;
         if self.trees {
-            // Runner-ups at each step become leaves; the chain continues from the best.
-            let mut j = 0;
-            let result = chain_with_alternatives(max_len, k, |best| {
-                if let Some(token) = best {
-                    let embeds = self.drafter.embed(&[token], Some(&self.head))?;
-                    let (out, kv) = self.drafter.forward(&embeds, &h, &[e + j], &self.past()?, None)?;
-                    self.k.append(&kv.k)?;
-                    self.v.append(&kv.v)?;
-                    h = out;
-                    j += 1;
-                }
-                let logits = self.drafter.logits(&h)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                Ok(top_candidates(&logits, CHAIN_TREE_CANDIDATES, |id| self.drafter.target_token(id)))
-            });
+            let result = self.expanding_tree(e, &h, max_len, k);
             self.k.truncate(held);
             self.v.truncate(held);
             return result;

@@ -25,10 +25,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 16)]
     max_m: usize,
     /// `spec`: where the verify-cost curve the adaptive modes plan with comes from: `measure`
-    /// (timed at the start of each run) or `cached` (the curve `serve` caches for this model and
-    /// machine, measured and cached first if there is none). Runs that compare builds or
-    /// settings should share one curve: on a busy machine a fresh measurement moves cost(2) by
-    /// 10–20%, and with it what the planner drafts.
+    /// (timed at the start of each run) or `cached` (the step-cost cache `serve` keeps, one
+    /// curve per model, machine and size: measured and cached by the first run that needs it).
+    /// Runs that compare builds or settings should share one curve: on a busy machine a fresh
+    /// measurement moves cost(2) by 10–20%, and with it what the planner drafts.
     #[arg(long, default_value = "measure", value_parser = ["measure", "cached"])]
     verify_curve: String,
     #[arg(long, default_value_t = 5)]

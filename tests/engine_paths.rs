@@ -112,7 +112,8 @@ fn ngram_suffix_and_draft_model_run_the_same_loop_in_generate_and_the_server() {
     assert_same(&loaded, &suffix, &prompt, params(0.0, 48), 4);
     assert_same(&loaded, &suffix, &prompt, params(0.8, 48), 4);
     // SmolLM2 drafting for itself (same vocabulary).
-    let draft_model = DrafterSpec::DraftModel { model: common::smollm2_path().display().to_string() };
+    let draft_model =
+        DrafterSpec::DraftModel { model: common::smollm2_path().display().to_string(), settings: Default::default() };
     assert_same(&loaded, &draft_model, &prompt, params(0.0, 32), 3);
 }
 

@@ -595,7 +595,7 @@ fn smollm2_greedy_factory_and_shipped_proposers() {
     let m = smollm2();
     let stop = m.stop_ids();
     let target_path = common::smollm2_path();
-    let draft_spec = DrafterSpec::DraftModel { model: target_path.display().to_string() };
+    let draft_spec = DrafterSpec::DraftModel { model: target_path.display().to_string(), settings: Default::default() };
     let adaptive = || GenerateOptions {
         draft_len: specula::speculative::DraftLen::Auto,
         max_draft: 8,
@@ -651,6 +651,54 @@ fn smollm2_greedy_factory_and_shipped_proposers() {
                 assert!(m.accepted > 0 && m.spec_steps + 1 >= m.steps, "{m:?}");
             }
         }
+    }
+}
+
+/// A draft model cut to its first 8,192 token ids and requantised to Q4_0: it drafts only those
+/// ids, what it drafts is still verified, and the output is the target's, chain and tree.
+#[test]
+fn a_draft_model_with_fewer_tokens_and_other_weights_stays_lossless() {
+    let m = smollm2();
+    let stop = m.stop_ids();
+    let path = common::smollm2_path();
+    let spec = DrafterSpec::parse(&format!("draft-model:{},weights=q4_0,vocab=8192", path.display())).unwrap();
+    assert_eq!(spec.label(), format!("draft-model:{},weights=q4_0,vocab=8192", path.display()));
+    for (i, prompt) in smollm2_prompts(m).iter().enumerate() {
+        let plain = plain_greedy(&m.model, prompt, &stop, REAL_TOKENS);
+        let mut p = build_proposer(&spec, m.target(), Default::default()).unwrap();
+        let mut context = prompt.clone();
+        context.extend_from_slice(&plain[..plain.len().min(8)]);
+        let draft = p.propose(&context, 6).unwrap();
+        assert!(!draft.tokens.is_empty() && draft.tokens.iter().all(|&t| t < 8192), "{:?}", draft.tokens);
+        for opts in [GenerateOptions::fixed_draft(4), GenerateOptions::fixed_tree(6)] {
+            let mut p = build_proposer(&spec, m.target(), Default::default()).unwrap();
+            let gen = run(&m.model, prompt, greedy(REAL_TOKENS), &stop, Some(p.as_mut()), opts);
+            assert_eq!(gen.tokens, plain, "prompt {i}");
+            assert!(gen.metrics.accepted > 0, "{:?}", gen.metrics);
+        }
+    }
+}
+
+/// `keep_head_rows`: the logits of the first n tokens, bit for bit those of the whole head;
+/// no rows or more rows than the vocabulary are refused.
+#[test]
+fn a_head_cut_to_its_first_rows_gives_those_rows_logits() {
+    let path = common::smollm2_path();
+    let full = Transformer::from_path(&path, None, &Device::Cpu).unwrap();
+    let mut cut = Transformer::from_path(&path, None, &Device::Cpu).unwrap();
+    let kernels = specula::model::KernelSettings::from_env();
+    cut.keep_head_rows(4096, &kernels).unwrap();
+    let tokens = [1u32, 504, 3458, 282, 4649, 30, 216, 40000];
+    let (a, b) = (common::logits_of_every_row(&full, &tokens), common::logits_of_every_row(&cut, &tokens));
+    assert_eq!(b.dims(), &[tokens.len(), 4096]);
+    let a = a.narrow(1, 0, 4096).unwrap().to_vec2::<f32>().unwrap();
+    let b = b.to_vec2::<f32>().unwrap();
+    let bits = |x: &Vec<Vec<f32>>| x.iter().flatten().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    assert_eq!(bits(&a), bits(&b));
+    let vocab = full.config.vocab;
+    for bad in [0, vocab + 1] {
+        let err = cut.keep_head_rows(bad, &kernels).unwrap_err().to_string();
+        assert!(err.contains("rows for a vocabulary"), "{err}");
     }
 }
 

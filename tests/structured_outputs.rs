@@ -156,7 +156,7 @@ fn constrained_greedy_output_is_the_same_with_every_drafter_and_matches_the_gram
     let shipped_dflash = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("drafters/smollm2-135m-dflash");
     let specs = [
         DrafterSpec::parse("ngram").unwrap(),
-        DrafterSpec::DraftModel { model: common::smollm2_path().display().to_string() },
+        DrafterSpec::DraftModel { model: common::smollm2_path().display().to_string(), settings: Default::default() },
         DrafterSpec::parse(&format!("dflash:{}", shipped_dflash.display())).unwrap(),
         DrafterSpec::parse(&format!("eagle3:{}", eagle_dir.path().display())).unwrap(),
     ];

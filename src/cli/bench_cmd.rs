@@ -53,8 +53,9 @@ pub struct BenchArgs {
     profile_m: Vec<usize>,
 
     // --- `--mode spec` ---
-    /// Drafter to compare with plain decoding: ngram[:N], suffix[:OPTIONS], draft-model:KEY|PATH,
-    /// dflash:DIR, eagle3:DIR or two joined by `+`; repeatable. A suffix drafter remembers the
+    /// Drafter to compare with plain decoding: ngram[:N], suffix[:OPTIONS],
+    /// draft-model:KEY|PATH[,weights=FORMAT][,vocab=N], dflash:DIR, eagle3:DIR or two joined by
+    /// `+`; repeatable. A suffix drafter remembers the
     /// run's earlier prompts of the same model, as a server's would.
     #[arg(long)]
     drafter: Vec<String>,

@@ -54,8 +54,9 @@ pub struct GenerateArgs {
     ignore_eos: bool,
     /// Speculative decoding drafter: `ngram[:N]` (prompt lookup over the prompt and output,
     /// n-grams of N tokens (default 3) down to 2), `suffix[:OPTIONS]` (suffix decoding over the
-    /// prompt and output; docs/speculative.md), `draft-model:MODEL` (a smaller model with
-    /// the same tokenizer), `dflash:DIR` or `eagle3:DIR` (learned drafters that read the target's
+    /// prompt and output; docs/speculative.md), `draft-model:MODEL[,weights=FORMAT][,vocab=N]` (a
+    /// smaller model with the same tokenizer, optionally in another weight format or drafting
+    /// only the first N token ids), `dflash:DIR` or `eagle3:DIR` (learned drafters that read the target's
     /// hidden states), two joined by `+` (`ngram+dflash:DIR`: the second drafts where the
     /// first finds nothing), or `auto` (prompt lookup, with the repository's DFlash drafter for
     /// the model behind it where there is one), or `none` (the default: no drafter). Output is

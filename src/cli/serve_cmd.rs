@@ -16,8 +16,9 @@ use std::time::Duration;
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Drafter for every request: ngram[:N], suffix[:OPTIONS], draft-model:KEY|PATH, dflash:DIR, eagle3:DIR, two of
-    /// those joined by `+` (the second drafts where the first finds nothing), `auto` (prompt
+    /// Drafter for every request: ngram[:N], suffix[:OPTIONS],
+    /// draft-model:KEY|PATH[,weights=FORMAT][,vocab=N], dflash:DIR, eagle3:DIR, two of those
+    /// joined by `+` (the second drafts where the first finds nothing), `auto` (prompt
     /// lookup, with the repository's DFlash drafter for the model behind it where there is
     /// one), or `none` (default `suffix`). The draft length adapts per request and to the load
     /// (down to none when the batch is compute-bound); a request can opt out with

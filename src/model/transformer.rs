@@ -209,6 +209,37 @@ impl Transformer {
         Ok(model)
     }
 
+    /// Keeps the LM head's first `n` rows only: logits then cover tokens `0..n`, and the head
+    /// costs `n / vocab` of the full one in every forward. For a draft model, whose drafts a
+    /// lossless verifier checks anyway: a byte-level BPE vocabulary lists its earliest (most
+    /// frequent) merges first, so the first ids hold most of what gets written, and a small
+    /// model's head over a 152k vocabulary is over a third of the bytes each token reads. Any token can still be
+    /// fed as input.
+    pub fn keep_head_rows(&mut self, n: usize, kernels: &KernelSettings) -> Result<()> {
+        let (vocab, hidden) = (self.config.vocab, self.config.hidden);
+        if n == 0 || n > vocab {
+            bail!("a head of {n} rows for a vocabulary of {vocab} tokens (1..={vocab})");
+        }
+        if n == self.lm_head.out_features() {
+            return Ok(());
+        }
+        let full = self.lm_head_weights()?;
+        let dtype = full.dtype();
+        if full.shape().dims() != [vocab, hidden] || hidden % dtype.block_size() != 0 {
+            bail!("LM head of shape {:?} and type {dtype:?} cannot be cut into rows", full.shape());
+        }
+        let row_bytes = hidden / dtype.block_size() * dtype.type_size();
+        let data = full.data()?;
+        let rows = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            dtype,
+            &data[..n * row_bytes],
+            vec![n, hidden],
+            &self.device,
+        )?;
+        self.lm_head = Linear::from_qtensor(Arc::new(rows), None, self.weight_format, kernels, &self.device)?;
+        Ok(())
+    }
+
     /// Records where the weights came from (see [`Self::lm_head_weights`]).
     pub fn with_source_path(mut self, path: &std::path::Path) -> Self {
         self.source_path = Some(path.to_path_buf());
@@ -510,7 +541,7 @@ impl Transformer {
         drop(storage);
 
         let logits = if logit_rows.is_empty() {
-            Tensor::zeros((0, cfg.vocab), candle_core::DType::F32, &self.device)?
+            Tensor::zeros((0, self.lm_head.out_features()), candle_core::DType::F32, &self.device)?
         } else {
             let idx = Tensor::new(logit_rows.as_slice(), &self.device)?;
             let h = x.index_select(&idx, 0)?;

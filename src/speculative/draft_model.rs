@@ -15,9 +15,10 @@ use super::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATE
 use super::proposer::Proposer;
 use super::verify::Draft;
 use crate::kv::{PoolExhausted, SeqCache};
+use crate::model::WeightFormat;
 use crate::model::{ForwardBatch, LogitsRows, Transformer};
 use crate::tokenize::Tokenizer;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use std::ops::Range;
 use std::sync::Arc;
@@ -124,6 +125,74 @@ impl DraftModelProposer {
             logits = self.feed(&[next], true)?.unwrap_or_default();
         }
     }
+}
+
+/// `draft-model:MODEL[,weights=FORMAT][,vocab=N]`: how the draft model is loaded. Drafting
+/// reads the whole draft model once per drafted token, so its bytes set its cost; the verifier
+/// checks every draft, so neither changes what the target writes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DraftModelSettings {
+    /// Weight format in memory (`--weights`' values); None: the file's measured default.
+    pub weights: Option<WeightFormat>,
+    /// Draft only the first N token ids: the LM head keeps those rows
+    /// ([`Transformer::keep_head_rows`]). None: the whole vocabulary.
+    pub vocab: Option<usize>,
+}
+
+impl DraftModelSettings {
+    /// What tells two loads of one file apart (empty for the default).
+    pub fn variant(&self) -> String {
+        label_settings(self)
+    }
+}
+
+/// `MODEL[,weights=FORMAT][,vocab=N]` → the model (a key or a path) and its settings.
+pub fn parse_drafter_arg(arg: &str) -> Result<(String, DraftModelSettings)> {
+    let mut settings = DraftModelSettings::default();
+    let mut model = arg;
+    while let Some((head, last)) = model.rsplit_once(',') {
+        let Some((key, value)) = last.split_once('=') else { break };
+        let value = value.trim();
+        match key.trim() {
+            "weights" => {
+                let format = WeightFormat::parse(value)?;
+                if settings.weights.replace(format).is_some() {
+                    bail!("draft-model setting `weights` given twice");
+                }
+            }
+            "vocab" => {
+                let n = value.parse::<usize>().ok().filter(|&n| n >= 1).with_context(|| {
+                    format!("draft-model setting `vocab` needs a positive whole number, got `{value}`")
+                })?;
+                if settings.vocab.replace(n).is_some() {
+                    bail!("draft-model setting `vocab` given twice");
+                }
+            }
+            _ => break,
+        }
+        model = head;
+    }
+    if model.is_empty() {
+        bail!("draft-model needs a model: --drafter draft-model:KEY|PATH[,weights=FORMAT][,vocab=N]");
+    }
+    Ok((model.to_string(), settings))
+}
+
+/// `,weights=…,vocab=…` as written back for labels (settings in a fixed order).
+fn label_settings(settings: &DraftModelSettings) -> String {
+    let mut label = String::new();
+    if let Some(format) = settings.weights {
+        label.push_str(&format!(",weights={}", format.name()));
+    }
+    if let Some(n) = settings.vocab {
+        label.push_str(&format!(",vocab={n}"));
+    }
+    label
+}
+
+/// `draft-model:MODEL,...` for tables and logs.
+pub fn drafter_label(model: &str, settings: &DraftModelSettings) -> String {
+    format!("draft-model:{model}{}", label_settings(settings))
 }
 
 /// Length of the longest common prefix.

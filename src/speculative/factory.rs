@@ -1,7 +1,7 @@
 //! Builds a proposer from a `--drafter` string.
 
 use super::combined::CombinedProposer;
-use super::draft_model::{check_vocab_compatible, DraftModelProposer};
+use super::draft_model::{check_vocab_compatible, DraftModelProposer, DraftModelSettings};
 use super::ngram::{NgramProposer, MAX_NGRAM_LIMIT};
 use super::suffix::cache::SuffixCache;
 use super::suffix::SuffixProposer;
@@ -24,8 +24,8 @@ pub enum DrafterSpec {
     /// their drafts are accepted too rarely (~10–20% on chat output) to pay for verifying them
     /// where verification is dear, as on a CPU.
     Ngram { max_ngram: usize },
-    /// `draft-model:KEY|PATH`.
-    DraftModel { model: String },
+    /// `draft-model:KEY|PATH[,weights=FORMAT][,vocab=N]`.
+    DraftModel { model: String, settings: super::draft_model::DraftModelSettings },
     /// `dflash:PATH[,block=N][,draft-max=N][,window=N]`: a z-lab DFlash drafter directory (docs/dflash.md).
     Dflash { path: PathBuf, settings: super::dflash::DflashSettings },
     /// `eagle3:PATH[,draft-max=N]`: an EAGLE-3 drafter directory in the published layout (docs/eagle3.md).
@@ -86,10 +86,10 @@ impl DrafterSpec {
                 DrafterSpec::Ngram { max_ngram }
             }
             "suffix" => DrafterSpec::Suffix { settings: super::suffix::parse_settings(arg.unwrap_or(""))? },
-            "draft-model" => match arg {
-                Some(m) if !m.is_empty() => DrafterSpec::DraftModel { model: m.to_string() },
-                _ => bail!("draft-model needs a model: --drafter draft-model:KEY|PATH"),
-            },
+            "draft-model" => {
+                let (model, settings) = super::draft_model::parse_drafter_arg(arg.unwrap_or(""))?;
+                DrafterSpec::DraftModel { model, settings }
+            }
             "dflash" => {
                 let (path, settings) = super::dflash::parse_drafter_arg(arg.unwrap_or(""))?;
                 DrafterSpec::Dflash { path, settings }
@@ -113,7 +113,7 @@ impl DrafterSpec {
         match self {
             DrafterSpec::Ngram { max_ngram } => format!("ngram:{max_ngram}"),
             DrafterSpec::Suffix { settings } => super::suffix::label(settings),
-            DrafterSpec::DraftModel { model } => format!("draft-model:{model}"),
+            DrafterSpec::DraftModel { model, settings } => super::draft_model::drafter_label(model, settings),
             DrafterSpec::Dflash { path, settings } => super::dflash::drafter_label(path, settings),
             DrafterSpec::Eagle3 { path, settings } => super::eagle3::drafter_label(path, settings),
             DrafterSpec::Combined { first, then } => format!("{}+{}", first.label(), then.label()),
@@ -173,9 +173,9 @@ pub fn build_proposer(spec: &DrafterSpec, target: Target<'_>, caller: Caller<'_>
             Ok(Box::new(SuffixProposer::new(settings.clone(), shared)))
         }
         DrafterSpec::Ngram { max_ngram } => Ok(Box::new(NgramProposer::new(MIN_NGRAM.min(*max_ngram), *max_ngram)?)),
-        DrafterSpec::DraftModel { model } => {
+        DrafterSpec::DraftModel { model, settings } => {
             let path = crate::fetch::resolve_model(model, true)?;
-            let draft = load_draft_model(&path, target.tokenizer)
+            let draft = load_draft_model(&path, settings, target.tokenizer)
                 .with_context(|| format!("{} cannot draft for this target", path.display()))?;
             let kv_tokens = target.model.config.context_len.min(draft.model.config.context_len).min(32_768);
             Ok(Box::new(DraftModelProposer::new(draft.model.clone(), kv_tokens, target.tokenizer.stop_ids().to_vec())))
@@ -202,17 +202,26 @@ struct DraftAssets {
 /// Loads (or reuses) a draft model after checking that its vocabulary is `target`'s; an
 /// incompatible drafter is refused before its weights are read. Weights use the file's
 /// measured default format, as for a target.
-fn load_draft_model(path: &std::path::Path, target: &Tokenizer) -> Result<Arc<DraftAssets>> {
+fn load_draft_model(
+    path: &std::path::Path,
+    settings: &DraftModelSettings,
+    target: &Tokenizer,
+) -> Result<Arc<DraftAssets>> {
     static LOADED: WeightCache<DraftAssets> = WeightCache::new();
-    LOADED.get_or_load(
+    LOADED.get_or_load_as(
         path,
+        &settings.variant(),
         |assets| check_vocab_compatible(target, &assets.tokenizer).context("its vocabulary differs"),
         || {
             let mut file = GgufFile::open(path)?;
             let tokenizer = Tokenizer::from_gguf(&file.content)
                 .with_context(|| format!("{}: cannot build the tokenizer", path.display()))?;
             check_vocab_compatible(target, &tokenizer).context("its vocabulary differs")?;
-            let model = Transformer::load(&mut file, &KernelSettings::from_env(), &candle_core::Device::Cpu)?;
+            let kernels = KernelSettings::from_env().with_weights(settings.weights);
+            let mut model = Transformer::load(&mut file, &kernels, &candle_core::Device::Cpu)?.with_source_path(path);
+            if let Some(n) = settings.vocab {
+                model.keep_head_rows(n, &kernels).with_context(|| format!("draft-model vocab={n}"))?;
+            }
             model.warm_up()?;
             Ok(DraftAssets { model: Arc::new(model), tokenizer })
         },
@@ -261,5 +270,28 @@ mod tests {
         // Many `+` in a path parse in linear time.
         let long = format!("dflash:{}", "a+".repeat(5000));
         assert!(DrafterSpec::parse(&long).is_ok());
+    }
+
+    #[test]
+    fn a_draft_model_takes_its_weights_and_vocabulary_after_the_model() {
+        use crate::model::WeightFormat;
+        let spec = DrafterSpec::parse("draft-model:dir/m,x.gguf,vocab=32768,weights=q4_0").unwrap();
+        let DrafterSpec::DraftModel { model, settings } = &spec else { panic!("{spec:?}") };
+        // A comma without `=` after it belongs to the path.
+        assert_eq!(model, "dir/m,x.gguf");
+        assert_eq!((settings.weights, settings.vocab), (Some(WeightFormat::Q4_0), Some(32768)));
+        assert_eq!(spec.label(), "draft-model:dir/m,x.gguf,weights=q4_0,vocab=32768");
+        assert_eq!(DrafterSpec::parse("draft-model:m").unwrap().label(), "draft-model:m");
+        for (bad, says) in [
+            ("draft-model:", "needs a model"),
+            ("draft-model:,vocab=5", "needs a model"),
+            ("draft-model:m,vocab=0", "positive whole number"),
+            ("draft-model:m,vocab=x", "positive whole number"),
+            ("draft-model:m,weights=q3", "unknown weight format"),
+            ("draft-model:m,vocab=5,vocab=6", "given twice"),
+        ] {
+            let err = format!("{:#}", DrafterSpec::parse(bad).unwrap_err());
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 }

@@ -1,13 +1,17 @@
 //! Drafter weights loaded once per process and shared by every proposer built from them (each
-//! proposer keeps its own caches), keyed by the canonical path they were loaded from.
+//! proposer keeps its own caches), keyed by the canonical path they were loaded from and, where
+//! one file loads in several ways, by how.
 
 use anyhow::Result;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+/// A canonical path and the way it was loaded (empty: the default).
+type LoadKey = (PathBuf, String);
+
 pub struct WeightCache<T> {
-    loaded: Mutex<Option<HashMap<PathBuf, Arc<T>>>>,
+    loaded: Mutex<Option<HashMap<LoadKey, Arc<T>>>>,
 }
 
 impl<T> WeightCache<T> {
@@ -23,7 +27,19 @@ impl<T> WeightCache<T> {
         check: impl FnOnce(&T) -> Result<()>,
         load: impl FnOnce() -> Result<T>,
     ) -> Result<Arc<T>> {
-        let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        self.get_or_load_as(path, "", check, load)
+    }
+
+    /// [`Self::get_or_load`] for one way of loading `path`, named by `variant` (weights loaded
+    /// differently are kept apart).
+    pub fn get_or_load_as(
+        &self,
+        path: &Path,
+        variant: &str,
+        check: impl FnOnce(&T) -> Result<()>,
+        load: impl FnOnce() -> Result<T>,
+    ) -> Result<Arc<T>> {
+        let key = (path.canonicalize().unwrap_or_else(|_| path.to_path_buf()), variant.to_string());
         let hit = self.loaded.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|m| m.get(&key).cloned());
         if let Some(weights) = hit {
             check(&weights)?;

@@ -10,14 +10,9 @@ use anyhow::Result;
 use specula::kv::{paged_attention, AttentionSeq, KvDtype, KvLayout, KvPool};
 use std::time::Instant;
 
+/// `n` values in [-0.5, 0.5) that differ with `seed` (multiplicative hashing, as `matmul_rows`).
 fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
+    (0..n as u64).map(|i| ((seed * 7919 + i).wrapping_mul(2654435761) % 1000) as f32 / 1000.0 - 0.5).collect()
 }
 
 fn main() -> Result<()> {

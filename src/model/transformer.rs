@@ -213,8 +213,8 @@ impl Transformer {
     /// costs `n / vocab` of the full one in every forward. For a draft model, whose drafts a
     /// lossless verifier checks anyway: a byte-level BPE vocabulary lists its earliest (most
     /// frequent) merges first, so the first ids hold most of what gets written, and a small
-    /// model's head over a 152k vocabulary is over a third of the bytes each token reads. Any token can still be
-    /// fed as input.
+    /// model's head over a 152k vocabulary is over a third of the bytes each token reads. Any
+    /// token can still be fed as input.
     pub fn keep_head_rows(&mut self, n: usize, kernels: &KernelSettings) -> Result<()> {
         let (vocab, hidden) = (self.config.vocab, self.config.hidden);
         if n == 0 || n > vocab {

@@ -10,13 +10,15 @@
 //! Drafts are greedy (deterministic, `probs` None) at every temperature: the verifier treats
 //! them as one-hot, which keeps sampling exact, and greedy drafts are accepted more often than
 //! sampled ones.
+//!
+//! [`DraftModelSettings`] load the draft model in another weight format or with its head cut
+//! to the first N token ids, which makes each drafted token cheaper.
 
 use super::draft::{chain_with_alternatives, top_candidates, CHAIN_TREE_CANDIDATES};
 use super::proposer::Proposer;
 use super::verify::Draft;
 use crate::kv::{PoolExhausted, SeqCache};
-use crate::model::WeightFormat;
-use crate::model::{ForwardBatch, LogitsRows, Transformer};
+use crate::model::{ForwardBatch, LogitsRows, Transformer, WeightFormat};
 use crate::tokenize::Tokenizer;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;

@@ -25,7 +25,7 @@ pub enum DrafterSpec {
     /// where verification is dear, as on a CPU.
     Ngram { max_ngram: usize },
     /// `draft-model:KEY|PATH[,weights=FORMAT][,vocab=N]`.
-    DraftModel { model: String, settings: super::draft_model::DraftModelSettings },
+    DraftModel { model: String, settings: DraftModelSettings },
     /// `dflash:PATH[,block=N][,draft-max=N][,window=N]`: a z-lab DFlash drafter directory (docs/dflash.md).
     Dflash { path: PathBuf, settings: super::dflash::DflashSettings },
     /// `eagle3:PATH[,draft-max=N]`: an EAGLE-3 drafter directory in the published layout (docs/eagle3.md).
@@ -201,7 +201,8 @@ struct DraftAssets {
 
 /// Loads (or reuses) a draft model after checking that its vocabulary is `target`'s; an
 /// incompatible drafter is refused before its weights are read. Weights use the file's
-/// measured default format, as for a target.
+/// measured default format, as for a target, unless `settings` names another; `settings.vocab`
+/// cuts its head to that many tokens.
 fn load_draft_model(
     path: &std::path::Path,
     settings: &DraftModelSettings,

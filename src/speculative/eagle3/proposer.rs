@@ -142,9 +142,7 @@ impl Eagle3Proposer {
         self.last = Some(out.narrow(0, end - start - 1, 1)?);
         Ok(end - start)
     }
-}
 
-impl Eagle3Proposer {
     /// EAGLE-2's dynamic tree ([`expanding_tree`]): each depth runs its most probable nodes
     /// in one pass, every node seeing the committed rows, its own ancestors' draft rows and
     /// itself, at the position of its depth; `last` is the output that scores the first

@@ -654,6 +654,37 @@ fn smollm2_greedy_factory_and_shipped_proposers() {
     }
 }
 
+/// Prompt lookup in front of a draft model (SmolLM2 drafting for itself): lossless at a fixed
+/// length and adaptive, and the draft model's catching up on what it missed (the prompt first)
+/// runs in the engine's catch-up, timed apart from drafting, as it does for a draft model alone.
+#[test]
+fn a_draft_model_behind_prompt_lookup_catches_up_apart_from_drafting() {
+    let m = smollm2();
+    let stop = m.stop_ids();
+    let spec = DrafterSpec::parse(&format!("ngram+draft-model:{}", common::smollm2_path().display())).unwrap();
+    let adaptive = || GenerateOptions {
+        draft_len: specula::speculative::DraftLen::Auto,
+        max_draft: 8,
+        step_cost: Some(std::sync::Arc::new(specula::speculative::StepCost::from_points(
+            (1..=9).map(|m| (m, 1.0 + 0.1 * (m - 1) as f64)).collect(),
+        ))),
+        ..GenerateOptions::default()
+    };
+    let caller = specula::speculative::Caller::default();
+    let mut caught_up = 0;
+    for (i, prompt) in smollm2_prompts(m).iter().enumerate() {
+        let plain = plain_greedy(&m.model, prompt, &stop, REAL_TOKENS);
+        for opts in [GenerateOptions::fixed_draft(4), adaptive()] {
+            let mut p = build_proposer(&spec, m.target(), caller).unwrap();
+            let gen = run(&m.model, prompt, greedy(REAL_TOKENS), &stop, Some(p.as_mut()), opts);
+            assert_eq!(gen.tokens, plain, "prompt {i}");
+            assert!(gen.metrics.accepted > 0, "self-drafting accepts: {:?}", gen.metrics);
+            caught_up += gen.metrics.catch_up_tokens;
+        }
+    }
+    assert!(caught_up > 0, "the draft model caught up inside its drafting only");
+}
+
 /// A draft model cut to its first 8,192 token ids and requantised to Q4_0: it drafts only those
 /// ids, what it drafts is still verified, and the output is the target's, chain and tree.
 #[test]

@@ -4,10 +4,13 @@
 //! (DFlash, EAGLE-3) as B drafts those steps instead of leaving them plain.
 //!
 //! Both drafters see every step (`begin`, `observe`), so B's context is complete whenever it is
-//! asked for a draft. B catches up on the steps it missed inside its own `propose`, only when
-//! it is asked: DFlash projects the waiting target hidden states in one pass then, so the
-//! steps A drafts cost B nothing but keeping the taps (a draft model would otherwise feed
-//! every committed token through itself on every step).
+//! asked for a draft. B catches up on the steps it missed only when it is asked to draft: DFlash
+//! projects the waiting target hidden states in one pass then, so the steps A drafts cost B
+//! nothing but keeping the taps (a draft model would otherwise feed every committed token
+//! through itself on every step). A catch-up B reports ([`Proposer::pending_catch_up`], a draft
+//! model's) runs in the engine's catch-up before B drafts, so it is timed as catching up and
+//! priced as such: folded into B's drafting time, the prompt a draft model first feeds priced
+//! it out of every later step.
 //!
 //! Before each step the engine asks which of the two will draft ([`Proposer::next_source`]:
 //! B exactly when A knows it has nothing, as lookup does), and its draft-length policy prices
@@ -34,13 +37,15 @@ pub struct CombinedProposer<'a> {
     pub drafts_by_then: u64,
     /// The planner chose B for the next draft although A has one.
     then_chosen: bool,
+    /// A knew, when the engine asked for the next source, that it has nothing: B drafts next.
+    then_next: bool,
 }
 
 impl<'a> CombinedProposer<'a> {
     pub fn new(first: Box<dyn Proposer + 'a>, then: Box<dyn Proposer + 'a>) -> Self {
         let name = format!("{}+{}", first.name(), then.name());
         let taps = first.tap_layers().iter().chain(then.tap_layers()).copied().collect();
-        Self { first, then, name, taps, drafts_by_first: 0, drafts_by_then: 0, then_chosen: false }
+        Self { first, then, name, taps, drafts_by_first: 0, drafts_by_then: 0, then_chosen: false, then_next: false }
     }
 }
 
@@ -72,7 +77,8 @@ impl Proposer for CombinedProposer<'_> {
     // Where A cannot tell without drafting, its drafts and B's count as A's.
     fn next_source(&mut self, tokens: &[u32]) -> usize {
         self.then_chosen = false;
-        if self.first.has_draft(tokens) == Some(false) {
+        self.then_next = self.first.has_draft(tokens) == Some(false);
+        if self.then_next {
             self.first.sources() + self.then.next_source(tokens)
         } else {
             self.first.next_source(tokens)
@@ -132,13 +138,17 @@ impl Proposer for CombinedProposer<'_> {
     }
 
     // The engine catches up before every draft, and most steps are A's: B's catching up waits
-    // for a step it drafts (every drafter's `propose` does its own), and counts as drafting.
+    // for a step B drafts. `pending_catch_up` follows the last `next_source`/`select_source`
+    // (what the planner prices); `catch_up` asks A again, as `propose` will.
     fn pending_catch_up(&self, tokens: &[u32]) -> usize {
-        self.first.pending_catch_up(tokens)
+        let then = if self.then_next || self.then_chosen { self.then.pending_catch_up(tokens) } else { 0 };
+        self.first.pending_catch_up(tokens) + then
     }
 
     fn catch_up(&mut self, tokens: &[u32]) -> Result<usize> {
-        self.first.catch_up(tokens)
+        let first = self.first.catch_up(tokens)?;
+        let then_drafts = self.then_chosen || self.first.has_draft(tokens) == Some(false);
+        Ok(first + if then_drafts { self.then.catch_up(tokens)? } else { 0 })
     }
 }
 
@@ -154,6 +164,8 @@ mod tests {
         taps: Vec<usize>,
         draft: Vec<u32>,
         log: Arc<Mutex<Vec<String>>>,
+        /// Tokens it reports it must catch up on before drafting.
+        pending: usize,
     }
 
     impl Proposer for Scripted {
@@ -176,12 +188,19 @@ mod tests {
             self.log.lock().unwrap().push(format!("{} propose {max_len}", self.name));
             Ok(Draft::deterministic(self.draft.iter().copied().take(max_len).collect()))
         }
+        fn pending_catch_up(&self, _tokens: &[u32]) -> usize {
+            self.pending
+        }
+        fn catch_up(&mut self, _tokens: &[u32]) -> Result<usize> {
+            self.log.lock().unwrap().push(format!("{} catch up {}", self.name, self.pending));
+            Ok(std::mem::take(&mut self.pending))
+        }
     }
 
     fn pair(first: Vec<u32>, then: Vec<u32>) -> (CombinedProposer<'static>, Arc<Mutex<Vec<String>>>) {
         let log = Arc::new(Mutex::new(Vec::new()));
-        let a = Scripted { name: "a", taps: vec![], draft: first, log: log.clone() };
-        let b = Scripted { name: "b", taps: vec![3, 7], draft: then, log: log.clone() };
+        let a = Scripted { name: "a", taps: vec![], draft: first, log: log.clone(), pending: 0 };
+        let b = Scripted { name: "b", taps: vec![3, 7], draft: then, log: log.clone(), pending: 0 };
         (CombinedProposer::new(Box::new(a), Box::new(b)), log)
     }
 
@@ -204,7 +223,7 @@ mod tests {
     fn says_which_drafter_drafts_next() {
         let log = Arc::new(Mutex::new(Vec::new()));
         let lookup = crate::speculative::ngram::NgramProposer::new(1, 3).unwrap();
-        let b = Scripted { name: "b", taps: vec![], draft: vec![9], log: log.clone() };
+        let b = Scripted { name: "b", taps: vec![], draft: vec![9], log: log.clone(), pending: 0 };
         let mut p = CombinedProposer::new(Box::new(lookup), Box::new(b));
         assert_eq!(p.sources(), 2);
         assert_eq!(p.source_cost_shape(0), DraftCostShape::PerToken);
@@ -236,5 +255,32 @@ mod tests {
             log.lock().unwrap().as_slice(),
             ["a begin 3", "b begin 3", "a observe 0..2 []", "b observe 0..2 [4, 6]"]
         );
+    }
+
+    #[test]
+    fn the_second_catches_up_in_the_engines_catch_up_only_when_it_drafts_next() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let lookup = crate::speculative::ngram::NgramProposer::new(1, 3).unwrap();
+        let b = Scripted { name: "b", taps: vec![], draft: vec![9], log: log.clone(), pending: 40 };
+        let mut p = CombinedProposer::new(Box::new(lookup), Box::new(b));
+        // Lookup has a match and drafts: the second's catching up waits.
+        let matching = [7, 8, 5, 7];
+        p.begin(&matching).unwrap();
+        assert_eq!(p.next_source(&matching), 0);
+        assert_eq!((p.pending_catch_up(&matching), p.catch_up(&matching).unwrap()), (0, 0));
+        // The planner chose the second although lookup has a draft: it catches up first.
+        p.select_source(1);
+        assert_eq!((p.pending_catch_up(&matching), p.catch_up(&matching).unwrap()), (40, 40));
+        assert_eq!(p.propose(&matching, 2).unwrap().tokens, [9]);
+        assert_eq!(log.lock().unwrap().as_slice(), ["b begin 4", "b catch up 40", "b propose 2"]);
+        // No match: the second drafts, after catching up on what it missed.
+        let lookup = crate::speculative::ngram::NgramProposer::new(1, 3).unwrap();
+        let b = Scripted { name: "b", taps: vec![], draft: vec![9], log, pending: 12 };
+        let mut p = CombinedProposer::new(Box::new(lookup), Box::new(b));
+        let fresh = [7, 8, 5, 6];
+        p.begin(&fresh).unwrap();
+        assert_eq!(p.next_source(&fresh), 1);
+        assert_eq!((p.pending_catch_up(&fresh), p.catch_up(&fresh).unwrap()), (12, 12));
+        assert_eq!(p.propose(&fresh, 2).unwrap().tokens, [9]);
     }
 }

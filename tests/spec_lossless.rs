@@ -590,20 +590,25 @@ fn smollm2_greedy_test_drafters_every_length() {
     check_test_drafters(&m.model, &smollm2_prompts(m), &m.stop_ids(), REAL_TOKENS, &kinds);
 }
 
-#[test]
-fn smollm2_greedy_factory_and_shipped_proposers() {
-    let m = smollm2();
-    let stop = m.stop_ids();
-    let target_path = common::smollm2_path();
-    let draft_spec = DrafterSpec::DraftModel { model: target_path.display().to_string(), settings: Default::default() };
-    let adaptive = || GenerateOptions {
+/// `--draft-len auto` with up to 8 drafted tokens on a verify curve where each row adds a
+/// tenth of a step.
+fn adaptive_draft_len() -> GenerateOptions {
+    GenerateOptions {
         draft_len: specula::speculative::DraftLen::Auto,
         max_draft: 8,
         step_cost: Some(std::sync::Arc::new(specula::speculative::StepCost::from_points(
             (1..=9).map(|m| (m, 1.0 + 0.1 * (m - 1) as f64)).collect(),
         ))),
         ..GenerateOptions::default()
-    };
+    }
+}
+
+#[test]
+fn smollm2_greedy_factory_and_shipped_proposers() {
+    let m = smollm2();
+    let stop = m.stop_ids();
+    let target_path = common::smollm2_path();
+    let draft_spec = DrafterSpec::DraftModel { model: target_path.display().to_string(), settings: Default::default() };
     // Through the factory, as the CLI builds them: n-gram, SmolLM2 drafting for itself (same
     // tokenizer), prompt lookup in front of the shipped DFlash drafter, and the shipped EAGLE-3
     // drafter, each at a fixed length on one prompt and adaptive on the other.
@@ -629,11 +634,11 @@ fn smollm2_greedy_factory_and_shipped_proposers() {
             ]
         } else {
             [
-                (&ngram, adaptive()),
-                (&draft_spec, adaptive()),
-                (&combined, adaptive()),
-                (&eagle3, adaptive()),
-                (&suffix_dflash, adaptive()),
+                (&ngram, adaptive_draft_len()),
+                (&draft_spec, adaptive_draft_len()),
+                (&combined, adaptive_draft_len()),
+                (&eagle3, adaptive_draft_len()),
+                (&suffix_dflash, adaptive_draft_len()),
             ]
         };
         for (spec, opts) in cases {
@@ -662,19 +667,11 @@ fn a_draft_model_behind_prompt_lookup_catches_up_apart_from_drafting() {
     let m = smollm2();
     let stop = m.stop_ids();
     let spec = DrafterSpec::parse(&format!("ngram+draft-model:{}", common::smollm2_path().display())).unwrap();
-    let adaptive = || GenerateOptions {
-        draft_len: specula::speculative::DraftLen::Auto,
-        max_draft: 8,
-        step_cost: Some(std::sync::Arc::new(specula::speculative::StepCost::from_points(
-            (1..=9).map(|m| (m, 1.0 + 0.1 * (m - 1) as f64)).collect(),
-        ))),
-        ..GenerateOptions::default()
-    };
     let caller = specula::speculative::Caller::default();
     let mut caught_up = 0;
     for (i, prompt) in smollm2_prompts(m).iter().enumerate() {
         let plain = plain_greedy(&m.model, prompt, &stop, REAL_TOKENS);
-        for opts in [GenerateOptions::fixed_draft(4), adaptive()] {
+        for opts in [GenerateOptions::fixed_draft(4), adaptive_draft_len()] {
             let mut p = build_proposer(&spec, m.target(), caller).unwrap();
             let gen = run(&m.model, prompt, greedy(REAL_TOKENS), &stop, Some(p.as_mut()), opts);
             assert_eq!(gen.tokens, plain, "prompt {i}");

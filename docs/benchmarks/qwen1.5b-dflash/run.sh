@@ -42,6 +42,9 @@ stage bench || exit 0
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
     --draft-tree off --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 --temperatures 0 \
     --out-dir "$OUT/tau-k7"
+$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
+    --draft-tree off --dataset mt-bench --dataset math500 --limit 10 --max-tokens 128 --temperatures 0 \
+    --out-dir "$OUT/tau-k7-mtbench-math500"
 # Speed at `--draft-len auto` (trees where the drafter has them) beside the 0.5B draft model, and
 # each behind prompt lookup, all planned with one verify-cost curve measured at the start.
 DM=draft-model:qwen2.5-coder-0.5b,weights=q4_0,vocab=32768

@@ -37,15 +37,16 @@ pub struct CombinedProposer<'a> {
     pub drafts_by_then: u64,
     /// The planner chose B for the next draft although A has one.
     then_chosen: bool,
-    /// A knew, when the engine asked for the next source, that it has nothing: B drafts next.
-    then_next: bool,
+    /// Whether B drafts next because A has nothing, as A said when the engine asked for the
+    /// next source (None: not asked since the last draft, as at a fixed draft length).
+    then_next: Option<bool>,
 }
 
 impl<'a> CombinedProposer<'a> {
     pub fn new(first: Box<dyn Proposer + 'a>, then: Box<dyn Proposer + 'a>) -> Self {
         let name = format!("{}+{}", first.name(), then.name());
         let taps = first.tap_layers().iter().chain(then.tap_layers()).copied().collect();
-        Self { first, then, name, taps, drafts_by_first: 0, drafts_by_then: 0, then_chosen: false, then_next: false }
+        Self { first, then, name, taps, drafts_by_first: 0, drafts_by_then: 0, then_chosen: false, then_next: None }
     }
 }
 
@@ -77,8 +78,9 @@ impl Proposer for CombinedProposer<'_> {
     // Where A cannot tell without drafting, its drafts and B's count as A's.
     fn next_source(&mut self, tokens: &[u32]) -> usize {
         self.then_chosen = false;
-        self.then_next = self.first.has_draft(tokens) == Some(false);
-        if self.then_next {
+        let then_next = self.first.has_draft(tokens) == Some(false);
+        self.then_next = Some(then_next);
+        if then_next {
             self.first.sources() + self.then.next_source(tokens)
         } else {
             self.first.next_source(tokens)
@@ -122,6 +124,7 @@ impl Proposer for CombinedProposer<'_> {
     }
 
     fn propose(&mut self, tokens: &[u32], max_len: usize) -> Result<Draft> {
+        self.then_next = None;
         if std::mem::take(&mut self.then_chosen) && max_len > 0 {
             let draft = self.then.propose(tokens, max_len)?;
             self.drafts_by_then += u64::from(!draft.tokens.is_empty());
@@ -138,16 +141,20 @@ impl Proposer for CombinedProposer<'_> {
     }
 
     // The engine catches up before every draft, and most steps are A's: B's catching up waits
-    // for a step B drafts. `pending_catch_up` follows the last `next_source`/`select_source`
-    // (what the planner prices); `catch_up` asks A again, as `propose` will.
+    // for a step B drafts: the one `next_source`/`select_source` named (what the planner
+    // prices), else, where nothing was named, the one A's lookup leaves to B.
     fn pending_catch_up(&self, tokens: &[u32]) -> usize {
-        let then = if self.then_next || self.then_chosen { self.then.pending_catch_up(tokens) } else { 0 };
+        let then =
+            if self.then_next == Some(true) || self.then_chosen { self.then.pending_catch_up(tokens) } else { 0 };
         self.first.pending_catch_up(tokens) + then
     }
 
     fn catch_up(&mut self, tokens: &[u32]) -> Result<usize> {
         let first = self.first.catch_up(tokens)?;
-        let then_drafts = self.then_chosen || self.first.has_draft(tokens) == Some(false);
+        // A's lookup again only where `next_source` did not run it this step (a suffix
+        // drafter's builds a draft).
+        let then_drafts =
+            self.then_chosen || self.then_next.unwrap_or_else(|| self.first.has_draft(tokens) == Some(false));
         Ok(first + if then_drafts { self.then.catch_up(tokens)? } else { 0 })
     }
 }

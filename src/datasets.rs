@@ -14,9 +14,10 @@
 //! imports and `main_solution` signature of a record's code with its task as the docstring,
 //! shaped like a HumanEval prompt (which the model also continues without a chat template).
 //!
-//! `reasoning-gym-math` is not fetched: no maths training set ships in a package, so its
-//! questions were generated once from fixed seeds (`tools/prompt_sets/`) and live in the
-//! repository (`data/prompts/`), built into the binary.
+//! `reasoning-gym-math` and `word-problems` are not fetched: no maths training set ships in a
+//! package, so their questions were made once (`tools/prompt_sets/`: procedural generators from
+//! fixed seeds, and word problems the Qwen2.5-Coder-1.5B target wrote on seeded topics) and
+//! live in the repository (`data/prompts/`), built into the binary.
 
 use std::path::Path;
 
@@ -53,7 +54,8 @@ pub const EVALUATION_SETS: &[&str] =
     &["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "humaneval-rust", "mt-bench", "math500"];
 
 /// Sets that may feed training (drafter heads and the like); prompts only.
-pub const TRAINING_SETS: &[&str] = &["sharegpt", "fastchat-dummy", "codeio", "codeio-completion", "reasoning-gym-math"];
+pub const TRAINING_SETS: &[&str] =
+    &["sharegpt", "fastchat-dummy", "codeio", "codeio-completion", "reasoning-gym-math", "word-problems"];
 
 /// Sets [`load`] turns into prompts.
 pub const PROMPT_SETS: &[&str] = &[
@@ -68,11 +70,14 @@ pub const PROMPT_SETS: &[&str] = &[
     "codeio-completion",
     "humaneval-rust",
     "reasoning-gym-math",
+    "word-problems",
 ];
 
 /// Sets whose file is in the repository rather than fetched.
-const REPOSITORY_SETS: &[(&str, &[u8])] =
-    &[("reasoning-gym-math", include_bytes!("../data/prompts/reasoning-gym-math.jsonl"))];
+const REPOSITORY_SETS: &[(&str, &[u8])] = &[
+    ("reasoning-gym-math", include_bytes!("../data/prompts/reasoning-gym-math.jsonl")),
+    ("word-problems", include_bytes!("../data/prompts/word-problems.jsonl")),
+];
 
 /// CodeI/O records (1-based) left out because they ask for what an evaluation prompt asks for.
 /// Every record's task was compared with every evaluation prompt by shared runs of 8 words; of
@@ -279,6 +284,17 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
             }
             for_each_json_line(bytes, limit, |row: Row| {
                 prompts.push(chat(format!("reasoning-gym-math/{}", row.id), row.question, Some(row.answer)));
+                true
+            })?;
+        }
+        "word-problems" => {
+            #[derive(Deserialize)]
+            struct Row {
+                id: String,
+                question: String,
+            }
+            for_each_json_line(bytes, limit, |row: Row| {
+                prompts.push(chat(format!("word-problems/{}", row.id), row.question, None));
                 true
             })?;
         }
@@ -606,6 +622,21 @@ mod tests {
         assert_eq!(prompts[0].id, "reasoning-gym-math/aiw/0");
         assert!(prompts.iter().all(|p| p.kind == PromptKind::Chat && !p.text.is_empty() && p.reference.is_some()));
         assert_eq!(load("reasoning-gym-math", Some(3)).unwrap(), prompts[..3].to_vec());
+    }
+
+    #[test]
+    fn the_word_problems_are_in_the_repository_as_single_questions() {
+        let prompts = load("word-problems", None).unwrap();
+        assert!(prompts.len() >= 500, "{}", prompts.len());
+        let mut texts: Vec<_> = prompts.iter().map(|p| p.text.to_lowercase()).collect();
+        texts.sort();
+        texts.dedup();
+        assert_eq!(texts.len(), prompts.len(), "no problem twice");
+        assert!(prompts.iter().all(|p| p.id.starts_with("word-problems/")
+            && p.kind == PromptKind::Chat
+            && p.text.ends_with('?')
+            && p.reference.is_none()));
+        assert_eq!(load("word-problems", Some(2)).unwrap(), prompts[..2].to_vec());
     }
 
     #[test]

@@ -453,6 +453,32 @@ fn kept_data_directories_hold_no_evaluation_prompt() {
     assert!(checked >= 3, "{checked} data directories under {}", root.display());
 }
 
+/// The word problems a target wrote for training (`data/prompts/word-problems.jsonl`) share no run
+/// of 8 words (case and punctuation aside) with any gsm8k-100 question: the rule their script
+/// kept them by, checked here against the fetched evaluation file.
+#[test]
+fn word_problems_share_no_run_of_8_words_with_gsm8k() {
+    fn runs_of_8(text: &str) -> std::collections::HashSet<Vec<String>> {
+        let words: Vec<String> = text
+            .to_lowercase()
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .map(str::to_string)
+            .collect();
+        words.windows(8).map(<[String]>::to_vec).collect()
+    }
+    specula::fetch::fetch_once("gsm8k-100", false).unwrap_or_else(|e| panic!("fetching gsm8k-100: {e:#}"));
+    let eval: std::collections::HashSet<_> =
+        specula::datasets::load("gsm8k-100", None).unwrap().iter().flat_map(|p| runs_of_8(&p.text)).collect();
+    assert!(eval.len() > 1000, "{} runs", eval.len());
+    let problems = specula::datasets::load("word-problems", None).unwrap();
+    assert!(problems.len() >= 500, "{}", problems.len());
+    for p in &problems {
+        let shared: Vec<_> = runs_of_8(&p.text).intersection(&eval).cloned().collect();
+        assert!(shared.is_empty(), "{} shares {:?} with gsm8k-100", p.id, shared);
+    }
+}
+
 /// `train data --features`: every example's features come from the same pass that generated
 /// it, equal to what a separate prefill of the example gives (the trainers' own features), and
 /// the examples are those of a run without features.

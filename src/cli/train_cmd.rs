@@ -293,7 +293,7 @@ pub struct DataArgs {
     /// Target model: key (see `specula fetch --list`) or path to a GGUF file.
     #[arg(long)]
     target: String,
-    /// Prompt sets, comma-separated (sharegpt, fastchat-dummy, codeio, codeio-completion, reasoning-gym-math);
+    /// Prompt sets, comma-separated (sharegpt, fastchat-dummy, codeio, codeio-completion, reasoning-gym-math, word-problems);
     /// evaluation sets are refused.
     #[arg(long, value_delimiter = ',')]
     prompts: Vec<String>,

@@ -8,19 +8,23 @@
 #           800 steps of a 1,000-step schedule at peak 1e-3 (runs/q15-dflash);
 #   data2   both directories continued to 1,200 prompts each;
 #   train2  from train1's drafter, 1,000 steps at peak 6e-4 on all 2,400 answers
-#           (runs/q15-dflash-2: the drafter measured);
+#           (runs/q15-dflash-2);
+#   data3   the 1.5B's answers to the first 600 `word-problems` prompts (word problems it wrote itself,
+#           tools/prompt_sets/make_word_problems.py), with their features;
+#   train3  from train2's drafter, 800 steps at peak 4e-4 on all three directories
+#           (runs/q15-dflash-3: the drafter measured);
 #   bench   τ at 7 drafted tokens per step (chains), `--draft-len auto` speedups, and τ on
 #           unseen prompts of the training kind (after the first 1,300 of each set: the data
 #           directories hold prompts 1-1,200 and 66-1,265) against the validation estimate.
 # Every stage resumes: `train data` continues a directory, and with RESUME=1 `train dflash
 # --resume` a run (--stop-after counts from the checkpoint: resuming train1 at step s, give
 # STOP1=$((800 - s))).
-# Usage: run.sh [data1] [train1] [data2] [train2] [bench] (default: all five, in this order).
+# Usage: run.sh [data1] [train1] [data2] [train2] [data3] [train3] [bench] (default: all, in this order).
 set -euo pipefail
 SPECULA=${SPECULA:-target/release/specula}
 OUT=${OUT:-$(dirname "$0")}
 RUNS=${RUNS:-runs}
-STAGES=${*:-data1 train1 data2 train2 bench}
+STAGES=${*:-data1 train1 data2 train2 data3 train3 bench}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 D="$SPECULA train data --target qwen2.5-coder-1.5b --max-new-tokens 256 --max-prompt-tokens 320 --batch 16 --features dflash --max-tokens 640"
 data() {
@@ -36,7 +40,11 @@ stage train1 && $T --out $RUNS/q15-dflash --steps 1000 --stop-after "${STOP1:-80
 stage data2 && data 1200
 stage train2 && $T --out $RUNS/q15-dflash-2 --init-from $RUNS/q15-dflash/drafter --draft-vocab 16384 \
     --steps 1000 --lr 6e-4 ${RESUME:+--resume}
-DRAFTER=${DRAFTER:-$RUNS/q15-dflash-2/drafter}
+stage data3 && $D --prompts word-problems --limit 600 --out data/qwen2.5-coder-1.5b-wordproblems
+WP=data/qwen2.5-coder-1.5b-wordproblems
+stage train3 && ${T/--data $DATA/--data $DATA,$WP} --out $RUNS/q15-dflash-3 --init-from $RUNS/q15-dflash-2/drafter \
+    --draft-vocab 16384 --steps 800 --lr 4e-4 ${RESUME:+--resume}
+DRAFTER=${DRAFTER:-$RUNS/q15-dflash-3/drafter}
 stage bench || exit 0
 # τ at 7 drafted tokens per step, chains (the goal's measure), 10 prompts per set.
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \

@@ -11,11 +11,12 @@
 #           (runs/q15-dflash-2);
 #   data3   the 1.5B's answers to the first 600 `word-problems` prompts (word problems it wrote itself,
 #           tools/prompt_sets/make_word_problems.py), with their features;
-#   train3  from train2's drafter, 800 steps at peak 4e-4 on all three directories
+#   train3  from train2's drafter, 700 steps at peak 4e-4 on all three directories
 #           (runs/q15-dflash-3: the drafter measured);
-#   bench   τ at 7 drafted tokens per step (chains), `--draft-len auto` speedups, and τ on
-#           unseen prompts of the training kind (after the first 1,300 of each set: the data
-#           directories hold prompts 1-1,200 and 66-1,265) against the validation estimate.
+#   bench   the drafter of train3 (DRAFTER= for another): τ at 7 drafted tokens per step
+#           (chains) on the four evaluation sets, `--draft-len auto` speedups beside the 0.5B
+#           draft model, and τ on unseen prompts of the three training kinds, against the
+#           validation estimate; reports in $OUT/run3 (BENCH=).
 # Every stage resumes: `train data` continues a directory, and with RESUME=1 `train dflash
 # --resume` a run (--stop-after counts from the checkpoint: resuming train1 at step s, give
 # STOP1=$((800 - s))).
@@ -43,24 +44,27 @@ stage train2 && $T --out $RUNS/q15-dflash-2 --init-from $RUNS/q15-dflash/drafter
 stage data3 && $D --prompts word-problems --limit 600 --out data/qwen2.5-coder-1.5b-wordproblems
 WP=data/qwen2.5-coder-1.5b-wordproblems
 stage train3 && ${T/--data $DATA/--data $DATA,$WP} --out $RUNS/q15-dflash-3 --init-from $RUNS/q15-dflash-2/drafter \
-    --draft-vocab 16384 --steps 800 --lr 4e-4 ${RESUME:+--resume}
+    --draft-vocab 16384 --steps 700 --lr 4e-4 ${RESUME:+--resume}
 DRAFTER=${DRAFTER:-$RUNS/q15-dflash-3/drafter}
 stage bench || exit 0
+# Reports of the drafter measured go to $BENCH (run 2's are in $OUT itself).
+BENCH=${BENCH:-$OUT/run3}
 # τ at 7 drafted tokens per step, chains (the goal's measure), 10 prompts per set.
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
-    --draft-tree off --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 --temperatures 0 \
-    --out-dir "$OUT/tau-k7"
-$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
-    --draft-tree off --dataset mt-bench --dataset math500 --limit 10 --max-tokens 128 --temperatures 0 \
-    --out-dir "$OUT/tau-k7-mtbench-math500"
-# Speed at `--draft-len auto` (trees where the drafter has them) beside the 0.5B draft model, and
-# each behind prompt lookup, all planned with one verify-cost curve measured at the start.
+    --draft-tree off --dataset humaneval --dataset gsm8k-100 --dataset mt-bench --dataset math500 --limit 10 \
+    --max-tokens 128 --temperatures 0 --out-dir "$BENCH/tau-k7"
+# Speed at `--draft-len auto` (trees where the drafter has them) beside the 0.5B draft model, all
+# planned with one verify-cost curve measured at the start.
 DM=draft-model:qwen2.5-coder-0.5b,weights=q4_0,vocab=32768
-$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter "$DM" --drafter "ngram+$DM" \
-    --drafter dflash:"$DRAFTER" --drafter ngram+dflash:"$DRAFTER" --draft-len auto \
-    --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 --temperatures 0 --out-dir "$OUT/auto"
+$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter "$DM" --drafter dflash:"$DRAFTER" \
+    --drafter ngram+dflash:"$DRAFTER" --draft-len auto \
+    --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 --temperatures 0 --out-dir "$BENCH/auto"
 # The validation estimate against τ measured on prompts of the training kind it never saw
-# (`--skip` applies to both sets).
+# (`--skip` applies to every set of a command: the data directories hold reasoning-gym-math
+# 1-1,200, codeio-completion 1-1,265 and word-problems 1-600).
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
-    --draft-tree off --dataset codeio-completion --dataset reasoning-gym-math --skip 1300 --limit 5 \
-    --max-tokens 256 --temperatures 0 --out-dir "$OUT/unseen-k7"
+    --draft-tree off --dataset codeio-completion --dataset reasoning-gym-math --skip 1300 --limit 10 \
+    --max-tokens 256 --temperatures 0 --out-dir "$BENCH/unseen-k7"
+$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
+    --draft-tree off --dataset word-problems --skip 600 --limit 10 \
+    --max-tokens 256 --temperatures 0 --out-dir "$BENCH/unseen-k7-word-problems"

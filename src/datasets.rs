@@ -662,6 +662,7 @@ mod tests {
             ("codeio", 3_001),
             ("codeio-completion", 2_999),
             ("reasoning-gym-math", 1_820),
+            ("word-problems", 657),
         ];
         for (key, n) in expected {
             let prompts = load(key, None).unwrap();

@@ -1071,6 +1071,8 @@ struct ProgressObserver {
     bar: indicatif::ProgressBar,
     last_plain: Option<Instant>,
     started: Instant,
+    /// The step `started` was taken at: a resumed run's ETA counts only the steps it ran.
+    started_step: usize,
 }
 
 const PLAIN_EVERY_SECS: f64 = 15.0;
@@ -1082,7 +1084,7 @@ impl ProgressObserver {
             indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} {elapsed}<{eta}")
                 .expect("valid template"),
         );
-        Self { bar, last_plain: None, started: Instant::now() }
+        Self { bar, last_plain: None, started: Instant::now(), started_step: 0 }
     }
 
     fn finish(&self) {
@@ -1098,6 +1100,23 @@ impl ProgressObserver {
             self.last_plain = Some(Instant::now());
             eprintln!("{}", text());
         }
+    }
+}
+
+impl ProgressObserver {
+    /// The plain progress line of a step.
+    fn step_line(&self, p: &StepProgress) -> String {
+        let tau = p.tau.map_or("-".into(), |t| format!("{t:.2}"));
+        let secs = self.started.elapsed().as_secs_f64();
+        let done = p.step.saturating_sub(self.started_step);
+        format!(
+            "step {}/{} loss {:.3} {:.0} rows/s τ {tau} ETA {}",
+            p.step,
+            p.total,
+            p.loss,
+            p.rows_per_sec,
+            eta(done, p.total.saturating_sub(self.started_step), secs)
+        )
     }
 }
 
@@ -1122,24 +1141,21 @@ impl TrainObserver for ProgressObserver {
     }
 
     fn step(&mut self, p: StepProgress) {
-        if self.bar.length() != Some(p.total as u64) || p.step <= 1 {
+        let restarted = self.bar.length() != Some(p.total as u64) || p.step <= 1;
+        if restarted {
             self.started = Instant::now();
+            self.started_step = p.step;
         }
         let tau = p.tau.map_or("-".into(), |t| format!("{t:.2}"));
         self.bar.set_length(p.total as u64);
         self.bar.set_position(p.step as u64);
+        if restarted {
+            // A resumed run jumps to its checkpoint's step: not progress made at this rate.
+            self.bar.reset_eta();
+        }
         self.bar.set_message(format!("steps, loss {:.3}, {:.0} rows/s, τ {tau}", p.loss, p.rows_per_sec));
-        let secs = self.started.elapsed().as_secs_f64();
-        self.plain(p.step == p.total, || {
-            format!(
-                "step {}/{} loss {:.3} {:.0} rows/s τ {tau} ETA {}",
-                p.step,
-                p.total,
-                p.loss,
-                p.rows_per_sec,
-                eta(p.step, p.total, secs)
-            )
-        });
+        let line = self.step_line(&p);
+        self.plain(p.step == p.total, || line);
     }
 
     fn log(&mut self, line: &LogLine) {
@@ -1170,6 +1186,19 @@ impl TrainObserver for ProgressObserver {
 #[cfg(test)]
 mod tests {
     use super::parse_position_weights;
+
+    #[test]
+    fn a_resumed_runs_eta_counts_the_steps_it_ran() {
+        use crate::train::progress::{StepProgress, TrainObserver};
+        let mut obs = super::ProgressObserver::new();
+        let at = |step| StepProgress { step, total: 1000, loss: 1.0, rows_per_sec: 300.0, tau: None };
+        obs.step(at(801));
+        // Resumed after step 800: steps 802-821 in 80 s leave 179 steps, 716 s (counting from
+        // step 0 it said 14 s).
+        obs.started -= std::time::Duration::from_secs(80);
+        let line = obs.step_line(&at(821));
+        assert!(line.ends_with("ETA 11m56s"), "{line}");
+    }
 
     #[test]
     fn position_weights_come_as_a_list_or_from_a_bench_reports_serving_use() {

@@ -9,10 +9,10 @@
 #   data2   both directories continued to 1,200 prompts each;
 #   train2  from train1's drafter, 1,000 steps at peak 6e-4 on all 2,400 answers
 #           (runs/q15-dflash-2);
-#   data3   the 1.5B's answers to the first 600 `word-problems` prompts (word problems it wrote itself,
-#           tools/prompt_sets/make_word_problems.py), with their features;
-#   train3  from train2's drafter, 700 steps at peak 4e-4 on all three directories
-#           (runs/q15-dflash-3: the drafter measured);
+#   data3   the 1.5B's answers to the first 600 `word-problems` prompts (word problems it
+#           wrote itself, tools/prompt_sets/make_word_problems.py), with their features;
+#   train3  from train2's drafter, 1,000 steps at peak 4e-4 on all
+#           three directories (runs/q15-dflash-3: the drafter measured);
 #   bench   the drafter of train3 (DRAFTER= for another): τ at 7 drafted tokens per step
 #           (chains) on the four evaluation sets, `--draft-len auto` speedups beside the 0.5B
 #           draft model, and τ on unseen prompts of the three training kinds, against the
@@ -44,7 +44,7 @@ stage train2 && $T --out $RUNS/q15-dflash-2 --init-from $RUNS/q15-dflash/drafter
 stage data3 && $D --prompts word-problems --limit 600 --out data/qwen2.5-coder-1.5b-wordproblems
 WP=data/qwen2.5-coder-1.5b-wordproblems
 stage train3 && ${T/--data $DATA/--data $DATA,$WP} --out $RUNS/q15-dflash-3 --init-from $RUNS/q15-dflash-2/drafter \
-    --draft-vocab 16384 --steps 700 --lr 4e-4 ${RESUME:+--resume}
+    --draft-vocab 16384 --steps 1000 --lr 4e-4 ${RESUME:+--resume}
 DRAFTER=${DRAFTER:-$RUNS/q15-dflash-3/drafter}
 stage bench || exit 0
 # Reports of the drafter measured go to $BENCH (run 2's are in $OUT itself).

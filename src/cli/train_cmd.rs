@@ -1091,19 +1091,6 @@ impl ProgressObserver {
         self.bar.finish_and_clear();
     }
 
-    /// Prints a plain line when there is no terminal and the last one is old enough.
-    fn plain(&mut self, force: bool, text: impl FnOnce() -> String) {
-        if !self.bar.is_hidden() {
-            return;
-        }
-        if force || self.last_plain.is_none_or(|t| t.elapsed().as_secs_f64() >= PLAIN_EVERY_SECS) {
-            self.last_plain = Some(Instant::now());
-            eprintln!("{}", text());
-        }
-    }
-}
-
-impl ProgressObserver {
     /// The plain progress line of a step.
     fn step_line(&self, p: &StepProgress) -> String {
         let tau = p.tau.map_or("-".into(), |t| format!("{t:.2}"));
@@ -1117,6 +1104,17 @@ impl ProgressObserver {
             p.rows_per_sec,
             eta(done, p.total.saturating_sub(self.started_step), secs)
         )
+    }
+
+    /// Prints a plain line when there is no terminal and the last one is old enough.
+    fn plain(&mut self, force: bool, text: impl FnOnce() -> String) {
+        if !self.bar.is_hidden() {
+            return;
+        }
+        if force || self.last_plain.is_none_or(|t| t.elapsed().as_secs_f64() >= PLAIN_EVERY_SECS) {
+            self.last_plain = Some(Instant::now());
+            eprintln!("{}", text());
+        }
     }
 }
 

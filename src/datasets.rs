@@ -14,10 +14,12 @@
 //! imports and `main_solution` signature of a record's code with its task as the docstring,
 //! shaped like a HumanEval prompt (which the model also continues without a chat template).
 //!
-//! `reasoning-gym-math` and `word-problems` are not fetched: no maths training set ships in a
-//! package, so their questions were made once (`tools/prompt_sets/`: procedural generators from
-//! fixed seeds, and word problems the Qwen2.5-Coder-1.5B target wrote on seeded topics) and
-//! live in the repository (`data/prompts/`), built into the binary.
+//! `reasoning-gym-math`, `word-problems` and `function-stubs` are not fetched: no maths training
+//! set ships in a package, and no HumanEval-shaped one that is not an evaluation set, so their
+//! prompts were made once (`tools/prompt_sets/`: procedural generators from fixed seeds, and
+//! word problems and Python function stubs the Qwen2.5-Coder-1.5B target wrote on seeded topics)
+//! and live in the repository (`data/prompts/`), built into the binary. A function stub is a
+//! completion prompt, continued without a chat template as HumanEval's are.
 
 use std::path::Path;
 
@@ -55,7 +57,7 @@ pub const EVALUATION_SETS: &[&str] =
 
 /// Sets that may feed training (drafter heads and the like); prompts only.
 pub const TRAINING_SETS: &[&str] =
-    &["sharegpt", "fastchat-dummy", "codeio", "codeio-completion", "reasoning-gym-math", "word-problems"];
+    &["sharegpt", "fastchat-dummy", "codeio", "codeio-completion", "reasoning-gym-math", "word-problems", "function-stubs"];
 
 /// Sets [`load`] turns into prompts.
 pub const PROMPT_SETS: &[&str] = &[
@@ -71,12 +73,14 @@ pub const PROMPT_SETS: &[&str] = &[
     "humaneval-rust",
     "reasoning-gym-math",
     "word-problems",
+    "function-stubs",
 ];
 
 /// Sets whose file is in the repository rather than fetched.
 const REPOSITORY_SETS: &[(&str, &[u8])] = &[
     ("reasoning-gym-math", include_bytes!("../data/prompts/reasoning-gym-math.jsonl")),
     ("word-problems", include_bytes!("../data/prompts/word-problems.jsonl")),
+    ("function-stubs", include_bytes!("../data/prompts/function-stubs.jsonl")),
 ];
 
 /// CodeI/O records (1-based) left out because they ask for what an evaluation prompt asks for.
@@ -295,6 +299,23 @@ fn parse(key: &str, bytes: &[u8], limit: usize) -> Result<Vec<Prompt>> {
             }
             for_each_json_line(bytes, limit, |row: Row| {
                 prompts.push(chat(format!("word-problems/{}", row.id), row.question, None));
+                true
+            })?;
+        }
+        "function-stubs" => {
+            #[derive(Deserialize)]
+            struct Row {
+                id: String,
+                prompt: String,
+            }
+            for_each_json_line(bytes, limit, |row: Row| {
+                prompts.push(Prompt {
+                    id: format!("function-stubs/{}", row.id),
+                    text: row.prompt,
+                    kind: PromptKind::Completion,
+                    reference: None,
+                    response: None,
+                });
                 true
             })?;
         }
@@ -640,6 +661,26 @@ mod tests {
     }
 
     #[test]
+    fn the_function_stubs_are_in_the_repository_as_completion_prompts() {
+        let prompts = load("function-stubs", None).unwrap();
+        assert!(prompts.len() >= 250, "{}", prompts.len());
+        let mut names: Vec<_> = prompts
+            .iter()
+            .map(|p| p.text.split("def ").nth(1).and_then(|rest| rest.split('(').next()).unwrap_or(""))
+            .collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), prompts.len(), "no function name twice");
+        assert!(prompts.iter().all(|p| p.id.starts_with("function-stubs/")
+            && p.kind == PromptKind::Completion
+            && p.text.contains(">>>")
+            && (p.text.ends_with("\"\"\"\n") || p.text.ends_with("'''\n"))
+            && p.reference.is_none()
+            && p.response.is_none()));
+        assert_eq!(load("function-stubs", Some(2)).unwrap(), prompts[..2].to_vec());
+    }
+
+    #[test]
     fn unknown_or_non_prompt_sets_error_clearly() {
         let err = load("no-such-set", None).unwrap_err().to_string();
         assert!(err.contains("unknown prompt set") && err.contains("sharegpt"), "{err}");
@@ -663,6 +704,7 @@ mod tests {
             ("codeio-completion", 2_999),
             ("reasoning-gym-math", 1_820),
             ("word-problems", 657),
+            ("function-stubs", 275),
         ];
         for (key, n) in expected {
             let prompts = load(key, None).unwrap();

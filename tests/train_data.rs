@@ -9,6 +9,7 @@ use specula::train::data::{
     self, check_no_eval_prompts, check_no_eval_prompts_against, generate_data, read_examples, DataSettings, Example,
     GenSettings, PromptSource, ResponseSource,
 };
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -458,17 +459,8 @@ fn kept_data_directories_hold_no_evaluation_prompt() {
 /// kept them by, checked here against the fetched evaluation file.
 #[test]
 fn word_problems_share_no_run_of_8_words_with_gsm8k() {
-    fn runs_of_8(text: &str) -> std::collections::HashSet<Vec<String>> {
-        let words: Vec<String> = text
-            .to_lowercase()
-            .split(|c: char| !c.is_ascii_alphanumeric())
-            .filter(|w| !w.is_empty())
-            .map(str::to_string)
-            .collect();
-        words.windows(8).map(<[String]>::to_vec).collect()
-    }
     specula::fetch::fetch_once("gsm8k-100", false).unwrap_or_else(|e| panic!("fetching gsm8k-100: {e:#}"));
-    let eval: std::collections::HashSet<_> =
+    let eval: HashSet<_> =
         specula::datasets::load("gsm8k-100", None).unwrap().iter().flat_map(|p| runs_of_8(&p.text)).collect();
     assert!(eval.len() > 1000, "{} runs", eval.len());
     let problems = specula::datasets::load("word-problems", None).unwrap();
@@ -477,6 +469,38 @@ fn word_problems_share_no_run_of_8_words_with_gsm8k() {
         let shared: Vec<_> = runs_of_8(&p.text).intersection(&eval).cloned().collect();
         assert!(shared.is_empty(), "{} shares {:?} with gsm8k-100", p.id, shared);
     }
+}
+
+/// The function stubs the target wrote share no run of 8 words with a HumanEval prompt and
+/// define no function a HumanEval prompt defines.
+#[test]
+fn function_stubs_share_no_run_of_8_words_or_function_name_with_humaneval() {
+    fn defined(text: &str) -> impl Iterator<Item = &str> {
+        text.split("def ").skip(1).filter_map(|rest| rest.split('(').next())
+    }
+    specula::fetch::fetch_once("humaneval", false).unwrap_or_else(|e| panic!("fetching humaneval: {e:#}"));
+    let humaneval = specula::datasets::load("humaneval", None).unwrap();
+    let eval: HashSet<_> = humaneval.iter().flat_map(|p| runs_of_8(&p.text)).collect();
+    let names: HashSet<&str> = humaneval.iter().flat_map(|p| defined(&p.text)).collect();
+    assert!(eval.len() > 1000 && names.len() >= 150, "{} runs, {} names", eval.len(), names.len());
+    let stubs = specula::datasets::load("function-stubs", None).unwrap();
+    assert!(stubs.len() >= 250, "{}", stubs.len());
+    for p in &stubs {
+        let shared: Vec<_> = runs_of_8(&p.text).intersection(&eval).cloned().collect();
+        assert!(shared.is_empty(), "{} shares {:?} with humaneval", p.id, shared);
+        assert!(defined(&p.text).all(|name| !names.contains(name)), "{} defines a HumanEval function", p.id);
+    }
+}
+
+/// The runs of 8 words of a text, lower-cased, punctuation ignored.
+fn runs_of_8(text: &str) -> HashSet<Vec<String>> {
+    let words: Vec<String> = text
+        .to_lowercase()
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect();
+    words.windows(8).map(<[String]>::to_vec).collect()
 }
 
 /// `train data --features`: every example's features come from the same pass that generated

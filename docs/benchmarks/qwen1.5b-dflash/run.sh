@@ -12,20 +12,25 @@
 #   data3   the 1.5B's answers to the first 600 `word-problems` prompts (word problems it
 #           wrote itself, tools/prompt_sets/make_word_problems.py), with their features;
 #   train3  from train2's drafter, 1,000 steps at peak 4e-4 on all
-#           three directories (runs/q15-dflash-3: the drafter measured);
-#   bench   the drafter of train3 (DRAFTER= for another): τ at 7 drafted tokens per step
+#           three directories (runs/q15-dflash-3);
+#   data4   the 1.5B's completions of the first 250 `function-stubs` prompts (Python function
+#           stubs it wrote itself, tools/prompt_sets/make_function_stubs.py), with features;
+#   train4  from train3's drafter, 600 steps at peak 3e-4 on the code,
+#           word-problem and stub directories (runs/q15-dflash-4: the drafter measured);
+#   bench   the drafter of train4 (DRAFTER= for another): τ at 7 drafted tokens per step
 #           (chains) on the four evaluation sets, `--draft-len auto` speedups beside the 0.5B
-#           draft model, and τ on unseen prompts of the three training kinds, against the
-#           validation estimate; reports in $OUT/run3 (BENCH=).
+#           draft model, and τ on unseen prompts of the four training kinds, against the
+#           validation estimate; reports in $OUT/run4 (BENCH=).
 # Every stage resumes: `train data` continues a directory, and with RESUME=1 `train dflash
 # --resume` a run (--stop-after counts from the checkpoint: resuming train1 at step s, give
 # STOP1=$((800 - s))).
-# Usage: run.sh [data1] [train1] [data2] [train2] [data3] [train3] [bench] (default: all, in this order).
+# Usage: run.sh [data1] [train1] [data2] [train2] [data3] [train3] [data4] [train4] [bench]
+# (default: all, in this order).
 set -euo pipefail
 SPECULA=${SPECULA:-target/release/specula}
 OUT=${OUT:-$(dirname "$0")}
 RUNS=${RUNS:-runs}
-STAGES=${*:-data1 train1 data2 train2 data3 train3 bench}
+STAGES=${*:-data1 train1 data2 train2 data3 train3 data4 train4 bench}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 D="$SPECULA train data --target qwen2.5-coder-1.5b --max-new-tokens 256 --max-prompt-tokens 320 --batch 16 --features dflash --max-tokens 640"
 data() {
@@ -45,26 +50,43 @@ stage data3 && $D --prompts word-problems --limit 600 --out data/qwen2.5-coder-1
 WP=data/qwen2.5-coder-1.5b-wordproblems
 stage train3 && ${T/--data $DATA/--data $DATA,$WP} --out $RUNS/q15-dflash-3 --init-from $RUNS/q15-dflash-2/drafter \
     --draft-vocab 16384 --steps 1000 --lr 4e-4 ${RESUME:+--resume}
-DRAFTER=${DRAFTER:-$RUNS/q15-dflash-3/drafter}
+FS=data/qwen2.5-coder-1.5b-stubs
+stage data4 && ${D/--max-new-tokens 256/--max-new-tokens 192} --prompts function-stubs --limit 250 --out $FS
+# The vocabulary is re-picked from this run's data (16,384 tokens, train3's size; shared rows
+# carried over); the exercises' directory is left out, so that code and word problems take
+# the steps.
+stage train4 && ${T/--data $DATA/--data data/qwen2.5-coder-1.5b-completion-65,$WP,$FS} \
+    --out $RUNS/q15-dflash-4 --init-from $RUNS/q15-dflash-3/drafter --steps 600 --lr 3e-4 ${RESUME:+--resume}
+DRAFTER=${DRAFTER:-$RUNS/q15-dflash-4/drafter}
 stage bench || exit 0
-# Reports of the drafter measured go to $BENCH (run 2's are in $OUT itself).
-BENCH=${BENCH:-$OUT/run3}
+# Reports of the drafter measured go to $BENCH (run 2's are in $OUT itself, run 3's in run3/).
+BENCH=${BENCH:-$OUT/run4}
+mkdir -p "$BENCH"
 # τ at 7 drafted tokens per step, chains (the goal's measure), 10 prompts per set.
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
     --draft-tree off --dataset humaneval --dataset gsm8k-100 --dataset mt-bench --dataset math500 --limit 10 \
     --max-tokens 128 --temperatures 0 --out-dir "$BENCH/tau-k7"
+# The validation estimate against τ measured on prompts of the training kinds it never saw
+# (the data directories hold reasoning-gym-math 1-1,200, codeio-completion 1-1,265,
+# word-problems 1-600 and function-stubs 1-250; reasoning-gym-math lists its 26 generators in
+# turn, so 26 prompts take one question of each). The estimate: each directory's whole
+# held-out split (one example in 20), in $BENCH/validation.txt.
+for dir in data/qwen2.5-coder-1.5b-{completion-65,rgmath,wordproblems,stubs}; do
+    echo "$dir" && $SPECULA train validate --target qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER" \
+        --data "$dir" --val-examples 200 --max-tokens 640
+done > "$BENCH/validation.txt"
+unseen() {
+    $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
+        --draft-tree off --dataset "$1" --skip "$2" --limit "$3" --max-tokens 256 --temperatures 0 \
+        --out-dir "$BENCH/unseen-k7-$1"
+}
+unseen codeio-completion 1300 10
+unseen reasoning-gym-math 1300 26
+unseen word-problems 600 10
+unseen function-stubs 250 10
 # Speed at `--draft-len auto` (trees where the drafter has them) beside the 0.5B draft model, all
 # planned with one verify-cost curve measured at the start.
 DM=draft-model:qwen2.5-coder-0.5b,weights=q4_0,vocab=32768
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter "$DM" --drafter dflash:"$DRAFTER" \
     --drafter ngram+dflash:"$DRAFTER" --draft-len auto \
     --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 --temperatures 0 --out-dir "$BENCH/auto"
-# The validation estimate against τ measured on prompts of the training kind it never saw
-# (`--skip` applies to every set of a command: the data directories hold reasoning-gym-math
-# 1-1,200, codeio-completion 1-1,265 and word-problems 1-600).
-$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
-    --draft-tree off --dataset codeio-completion --dataset reasoning-gym-math --skip 1300 --limit 10 \
-    --max-tokens 256 --temperatures 0 --out-dir "$BENCH/unseen-k7"
-$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
-    --draft-tree off --dataset word-problems --skip 600 --limit 10 \
-    --max-tokens 256 --temperatures 0 --out-dir "$BENCH/unseen-k7-word-problems"

@@ -56,8 +56,15 @@ pub const EVALUATION_SETS: &[&str] =
     &["gsm8k-100", "gsm8k-fewshot", "humaneval", "humaneval-edit", "humaneval-rust", "mt-bench", "math500"];
 
 /// Sets that may feed training (drafter heads and the like); prompts only.
-pub const TRAINING_SETS: &[&str] =
-    &["sharegpt", "fastchat-dummy", "codeio", "codeio-completion", "reasoning-gym-math", "word-problems", "function-stubs"];
+pub const TRAINING_SETS: &[&str] = &[
+    "sharegpt",
+    "fastchat-dummy",
+    "codeio",
+    "codeio-completion",
+    "reasoning-gym-math",
+    "word-problems",
+    "function-stubs",
+];
 
 /// Sets [`load`] turns into prompts.
 pub const PROMPT_SETS: &[&str] = &[

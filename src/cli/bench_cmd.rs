@@ -76,8 +76,8 @@ pub struct BenchArgs {
           value_parser = super::draft_max_arg)]
     draft_max: usize,
     /// Prompt set: gsm8k-100, humaneval, humaneval-edit, mt-bench, math500, or a training set
-    /// (sharegpt, codeio, codeio-completion, reasoning-gym-math, word-problems: with `--skip`, prompts a drafter
-    /// was not trained on); repeatable.
+    /// (sharegpt, codeio, codeio-completion, reasoning-gym-math, word-problems, function-stubs: with
+    /// `--skip`, prompts a drafter was not trained on); repeatable.
     #[arg(long, default_values_t = vec!["humaneval".to_string(), "gsm8k-100".to_string()])]
     dataset: Vec<String>,
     /// Prompts left out at the start of each data set (`--mode spec`).

@@ -293,8 +293,8 @@ pub struct DataArgs {
     /// Target model: key (see `specula fetch --list`) or path to a GGUF file.
     #[arg(long)]
     target: String,
-    /// Prompt sets, comma-separated (sharegpt, fastchat-dummy, codeio, codeio-completion, reasoning-gym-math, word-problems);
-    /// evaluation sets are refused.
+    /// Prompt sets, comma-separated (sharegpt, fastchat-dummy, codeio, codeio-completion,
+    /// reasoning-gym-math, word-problems, function-stubs); evaluation sets are refused.
     #[arg(long, value_delimiter = ',')]
     prompts: Vec<String>,
     /// A local file in a set's format, KEY=PATH (e.g. fastchat-dummy=chats.json); repeatable.

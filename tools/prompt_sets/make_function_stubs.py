@@ -22,8 +22,8 @@ import ast
 import json
 import re
 import sys
-import threading
-import urllib.request
+
+from self_instruct import ask_all, runs_of_8
 
 TOPICS = [
     "palindromes", "vowels and consonants", "prime numbers", "digits of an integer", "sorting a list",
@@ -58,15 +58,6 @@ def instruction(i):
     return topic, text
 
 
-def words(text):
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
-def runs_of_8(text):
-    w = words(text)
-    return {tuple(w[j:j + 8]) for j in range(len(w) - 7)}
-
-
 def stub(answer):
     """(function name, the stub cut after its docstring), or None when the answer is not one."""
     fenced = re.findall(r"```(?:python)?\n(.*?)```", answer, flags=re.DOTALL)
@@ -98,24 +89,6 @@ def stub(answer):
     return function.name, text
 
 
-def ask(server, i, text):
-    body = json.dumps({
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 320,
-        "temperature": 1.0,
-        "top_p": 0.95,
-        "seed": 5000 + i,
-    }).encode()
-    req = urllib.request.Request(f"{server}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        reply = json.load(resp)
-    choice = reply["choices"][0]
-    if choice.get("finish_reason") != "stop":
-        return None
-    return choice["message"]["content"]
-
-
 def main(server, humaneval_path, out_path, n):
     n = int(n)
     eval_runs, eval_names = set(), set()
@@ -124,24 +97,7 @@ def main(server, humaneval_path, out_path, n):
             row = json.loads(line)
             eval_runs |= runs_of_8(row["prompt"])
             eval_names |= set(re.findall(r"def (\w+)\(", row["prompt"]))
-    answers = [None] * n
-    next_index = [0]
-    lock = threading.Lock()
-
-    def worker():
-        while True:
-            with lock:
-                i = next_index[0]
-                next_index[0] += 1
-            if i >= n:
-                return
-            answers[i] = ask(server, i, instruction(i)[1])
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = ask_all(server, n, lambda i: instruction(i)[1], first_seed=5000, max_tokens=320)
 
     kept, seen = [], set()
     dropped = {"not a stub": 0, "near humaneval": 0, "repeat": 0}

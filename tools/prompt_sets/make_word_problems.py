@@ -20,8 +20,8 @@ server build and model write the same file. One JSON object per line: `id` (topi
 import json
 import re
 import sys
-import threading
-import urllib.request
+
+from self_instruct import ask_all, runs_of_8, words
 
 TOPICS = [
     "a bakery", "a school trip", "a vegetable garden", "a basketball season", "saving pocket money",
@@ -57,15 +57,6 @@ def instruction(i):
     return topic, text
 
 
-def words(text):
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
-def runs_of_8(text):
-    w = words(text)
-    return {tuple(w[j:j + 8]) for j in range(len(w) - 7)}
-
-
 def clean(answer):
     """The problem alone, or None when the answer is not one."""
     text = answer.strip().strip('"').strip()
@@ -80,48 +71,13 @@ def clean(answer):
     return text
 
 
-def ask(server, i, text):
-    body = json.dumps({
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 200,
-        "temperature": 1.0,
-        "top_p": 0.95,
-        "seed": 1000 + i,
-    }).encode()
-    req = urllib.request.Request(f"{server}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        reply = json.load(resp)
-    choice = reply["choices"][0]
-    if choice.get("finish_reason") != "stop":
-        return None
-    return choice["message"]["content"]
-
-
 def main(server, gsm8k_path, out_path, n):
     n = int(n)
     eval_runs = set()
     with open(gsm8k_path) as f:
         for line in f:
             eval_runs |= runs_of_8(json.loads(line)["question"])
-    answers = [None] * n
-    next_index = [0]
-    lock = threading.Lock()
-
-    def worker():
-        while True:
-            with lock:
-                i = next_index[0]
-                next_index[0] += 1
-            if i >= n:
-                return
-            answers[i] = ask(server, i, instruction(i)[1])
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = ask_all(server, n, lambda i: instruction(i)[1], first_seed=1000, max_tokens=200)
 
     kept, seen, dropped = [], set(), {"not a problem": 0, "near gsm8k-100": 0, "repeat": 0}
     for i, answer in enumerate(answers):

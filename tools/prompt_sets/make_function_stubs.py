@@ -23,7 +23,7 @@ import json
 import re
 import sys
 
-from self_instruct import ask_all, runs_of_8
+from self_instruct import ask_all, runs_of_8, write_kept
 
 TOPICS = [
     "palindromes", "vowels and consonants", "prime numbers", "digits of an integer", "sorting a list",
@@ -116,10 +116,7 @@ def main(server, humaneval_path, out_path, n):
             continue
         seen.add(name)
         kept.append({"id": f"{topic.replace(' ', '-')}/{i}", "topic": topic, "prompt": text})
-    with open(out_path, "w") as f:
-        for row in kept:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"{len(kept)} of {n} kept; dropped {dropped}", file=sys.stderr)
+    write_kept(out_path, kept, n, dropped)
 
 
 if __name__ == "__main__":

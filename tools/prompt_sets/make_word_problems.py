@@ -21,7 +21,7 @@ import json
 import re
 import sys
 
-from self_instruct import ask_all, runs_of_8, words
+from self_instruct import ask_all, runs_of_8, words, write_kept
 
 TOPICS = [
     "a bakery", "a school trip", "a vegetable garden", "a basketball season", "saving pocket money",
@@ -95,10 +95,7 @@ def main(server, gsm8k_path, out_path, n):
             continue
         seen.add(key)
         kept.append({"id": f"{topic.replace(' ', '-')}/{i}", "topic": topic, "question": text})
-    with open(out_path, "w") as f:
-        for row in kept:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"{len(kept)} of {n} kept; dropped {dropped}", file=sys.stderr)
+    write_kept(out_path, kept, n, dropped)
 
 
 if __name__ == "__main__":

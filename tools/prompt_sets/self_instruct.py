@@ -3,6 +3,7 @@ and the runs of 8 words they compare with an evaluation set."""
 
 import json
 import re
+import sys
 import threading
 import urllib.request
 
@@ -58,3 +59,11 @@ def ask_all(server, n, instruction, first_seed, max_tokens, clients=8):
     for t in threads:
         t.join()
     return answers
+
+
+def write_kept(out_path, kept, n, dropped):
+    """Writes the kept rows as JSON lines and reports what was dropped."""
+    with open(out_path, "w") as f:
+        for row in kept:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    print(f"{len(kept)} of {n} kept; dropped {dropped}", file=sys.stderr)

@@ -710,8 +710,8 @@ mod tests {
             ("codeio", 3_001),
             ("codeio-completion", 2_999),
             ("reasoning-gym-math", 1_820),
-            ("word-problems", 657),
-            ("function-stubs", 275),
+            ("word-problems", 1_095),
+            ("function-stubs", 411),
         ];
         for (key, n) in expected {
             let prompts = load(key, None).unwrap();

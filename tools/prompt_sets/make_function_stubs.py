@@ -11,7 +11,10 @@ prompt or it shares a run of 8 words (case and punctuation ignored) with any Hum
 
     specula serve -m qwen2.5-coder-1.5b --drafter none --port 8093 &
     python3 tools/prompt_sets/make_function_stubs.py http://127.0.0.1:8093 \
-        ~/.cache/specula/data/humaneval/HumanEval.jsonl data/prompts/function-stubs.jsonl 720
+        ~/.cache/specula/data/humaneval/HumanEval.jsonl data/prompts/function-stubs.jsonl 1200
+
+A fifth argument F extends the file a run over instructions 0..F wrote with instructions F..N
+(the file holds a run of 720, then one from 720 to 1,200); the result equals one run over 0..N.
 
 The server's sampling is seeded per request and its batches are row-invariant, so the same
 server build and model write the same file. One JSON object per line: `id` (topic/index),
@@ -23,7 +26,7 @@ import json
 import re
 import sys
 
-from self_instruct import ask_all, runs_of_8, write_kept
+from self_instruct import ask_all, read_kept, runs_of_8, write_kept
 
 TOPICS = [
     "palindromes", "vowels and consonants", "prime numbers", "digits of an integer", "sorting a list",
@@ -89,20 +92,21 @@ def stub(answer):
     return function.name, text
 
 
-def main(server, humaneval_path, out_path, n):
-    n = int(n)
+def main(server, humaneval_path, out_path, n, first="0"):
+    n, first = int(n), int(first)
     eval_runs, eval_names = set(), set()
     with open(humaneval_path) as f:
         for line in f:
             row = json.loads(line)
             eval_runs |= runs_of_8(row["prompt"])
             eval_names |= set(re.findall(r"def (\w+)\(", row["prompt"]))
-    answers = ask_all(server, n, lambda i: instruction(i)[1], first_seed=5000, max_tokens=320)
+    answers = ask_all(server, n, lambda i: instruction(i)[1], first_seed=5000, max_tokens=320, first=first)
 
-    kept, seen = [], set()
+    kept = read_kept(out_path, first)
+    seen = {re.search(r"def (\w+)\(", row["prompt"]).group(1) for row in kept}
     dropped = {"not a stub": 0, "near humaneval": 0, "repeat": 0}
-    for i, answer in enumerate(answers):
-        topic = instruction(i)[0]
+    for i in range(first, n):
+        answer, topic = answers[i], instruction(i)[0]
         found = stub(answer) if answer is not None else None
         if found is None:
             dropped["not a stub"] += 1
@@ -116,7 +120,7 @@ def main(server, humaneval_path, out_path, n):
             continue
         seen.add(name)
         kept.append({"id": f"{topic.replace(' ', '-')}/{i}", "topic": topic, "prompt": text})
-    write_kept(out_path, kept, n, dropped)
+    write_kept(out_path, kept, n - first, dropped)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ single question.
 
     specula serve -m qwen2.5-coder-1.5b --drafter none --port 8093 &
     python3 tools/prompt_sets/make_word_problems.py http://127.0.0.1:8093 \
-        ~/.cache/specula/data/gsm8k-100/gsm8k-100.jsonl data/prompts/word-problems.jsonl 720
+        ~/.cache/specula/data/gsm8k-100/gsm8k-100.jsonl data/prompts/word-problems.jsonl 1200
+
+A fifth argument F extends the file a run over instructions 0..F wrote with instructions F..N
+(the file holds a run of 720, then one from 720 to 1,200); the result equals one run over 0..N.
 
 The server's sampling is seeded per request and its batches are row-invariant, so the same
 server build and model write the same file. One JSON object per line: `id` (topic/index),
@@ -21,7 +24,7 @@ import json
 import re
 import sys
 
-from self_instruct import ask_all, runs_of_8, words, write_kept
+from self_instruct import ask_all, read_kept, runs_of_8, words, write_kept
 
 TOPICS = [
     "a bakery", "a school trip", "a vegetable garden", "a basketball season", "saving pocket money",
@@ -71,17 +74,19 @@ def clean(answer):
     return text
 
 
-def main(server, gsm8k_path, out_path, n):
-    n = int(n)
+def main(server, gsm8k_path, out_path, n, first="0"):
+    n, first = int(n), int(first)
     eval_runs = set()
     with open(gsm8k_path) as f:
         for line in f:
             eval_runs |= runs_of_8(json.loads(line)["question"])
-    answers = ask_all(server, n, lambda i: instruction(i)[1], first_seed=1000, max_tokens=200)
+    answers = ask_all(server, n, lambda i: instruction(i)[1], first_seed=1000, max_tokens=200, first=first)
 
-    kept, seen, dropped = [], set(), {"not a problem": 0, "near gsm8k-100": 0, "repeat": 0}
-    for i, answer in enumerate(answers):
-        topic = instruction(i)[0]
+    kept = read_kept(out_path, first)
+    seen = {" ".join(words(row["question"])) for row in kept}
+    dropped = {"not a problem": 0, "near gsm8k-100": 0, "repeat": 0}
+    for i in range(first, n):
+        answer, topic = answers[i], instruction(i)[0]
         text = clean(answer) if answer is not None else None
         if text is None:
             dropped["not a problem"] += 1
@@ -95,7 +100,7 @@ def main(server, gsm8k_path, out_path, n):
             continue
         seen.add(key)
         kept.append({"id": f"{topic.replace(' ', '-')}/{i}", "topic": topic, "question": text})
-    write_kept(out_path, kept, n, dropped)
+    write_kept(out_path, kept, n - first, dropped)
 
 
 if __name__ == "__main__":

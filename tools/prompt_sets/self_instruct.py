@@ -37,11 +37,11 @@ def ask(server, text, seed, max_tokens):
     return choice["message"]["content"]
 
 
-def ask_all(server, n, instruction, first_seed, max_tokens, clients=8):
-    """The answers to instructions 0..n (`instruction(i)` gives the text), request i seeded
-    `first_seed + i`, `clients` requests at a time."""
+def ask_all(server, n, instruction, first_seed, max_tokens, clients=8, first=0):
+    """The answers to instructions first..n (`instruction(i)` gives the text; answers[i], the
+    ones before `first` None), request i seeded `first_seed + i`, `clients` requests at a time."""
     answers = [None] * n
-    next_index = [0]
+    next_index = [first]
     lock = threading.Lock()
 
     def worker():
@@ -61,9 +61,18 @@ def ask_all(server, n, instruction, first_seed, max_tokens, clients=8):
     return answers
 
 
+def read_kept(out_path, first):
+    """The rows a run over instructions 0..first wrote (none when `first` is 0): a later run
+    over first..n extends the file, and equals one run over 0..n."""
+    if first == 0:
+        return []
+    with open(out_path) as f:
+        return [json.loads(line) for line in f]
+
+
 def write_kept(out_path, kept, n, dropped):
     """Writes the kept rows as JSON lines and reports what was dropped."""
     with open(out_path, "w") as f:
         for row in kept:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"{len(kept)} of {n} kept; dropped {dropped}", file=sys.stderr)
+    print(f"{len(kept)} rows in all; of {n} instructions this run, dropped {dropped}", file=sys.stderr)

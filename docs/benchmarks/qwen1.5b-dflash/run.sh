@@ -17,20 +17,25 @@
 #           stubs it wrote itself, tools/prompt_sets/make_function_stubs.py), with features;
 #   train4  from train3's drafter, 600 steps at peak 3e-4 on the code,
 #           word-problem and stub directories (runs/q15-dflash-4: the drafter measured);
-#   bench   the drafter of train4 (DRAFTER= for another): τ at 7 drafted tokens per step
+#   data5   the 1.5B's answers to the word problems and function stubs it wrote next
+#           (`word-problems` from 658 on, `function-stubs` from 276 on: instructions 720-1,199
+#           of each script), with their features;
+#   train5  from train4's drafter, 600 steps at peak 3e-4 on every code, word-problem and stub
+#           directory (runs/q15-dflash-5: the drafter measured);
+#   bench   the drafter of train5 (DRAFTER= for another): τ at 7 drafted tokens per step
 #           (chains) on the four evaluation sets, `--draft-len auto` speedups beside the 0.5B
 #           draft model, and τ on unseen prompts of the four training kinds, against the
-#           validation estimate; reports in $OUT/run4 (BENCH=).
+#           validation estimate; reports in $OUT/run5 (BENCH=).
 # Every stage resumes: `train data` continues a directory, and with RESUME=1 `train dflash
 # --resume` a run (--stop-after counts from the checkpoint: resuming train1 at step s, give
 # STOP1=$((800 - s))).
-# Usage: run.sh [data1] [train1] [data2] [train2] [data3] [train3] [data4] [train4] [bench]
+# Usage: run.sh [data1] [train1] [data2] [train2] [data3] [train3] [data4] [train4] [data5] [train5] [bench]
 # (default: all, in this order).
 set -euo pipefail
 SPECULA=${SPECULA:-target/release/specula}
 OUT=${OUT:-$(dirname "$0")}
 RUNS=${RUNS:-runs}
-STAGES=${*:-data1 train1 data2 train2 data3 train3 data4 train4 bench}
+STAGES=${*:-data1 train1 data2 train2 data3 train3 data4 train4 data5 train5 bench}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 D="$SPECULA train data --target qwen2.5-coder-1.5b --max-new-tokens 256 --max-prompt-tokens 320 --batch 16 --features dflash --max-tokens 640"
 data() {
@@ -57,10 +62,17 @@ stage data4 && ${D/--max-new-tokens 256/--max-new-tokens 192} --prompts function
 # the steps.
 stage train4 && ${T/--data $DATA/--data data/qwen2.5-coder-1.5b-completion-65,$WP,$FS} \
     --out $RUNS/q15-dflash-4 --init-from $RUNS/q15-dflash-3/drafter --steps 600 --lr 3e-4 ${RESUME:+--resume}
-DRAFTER=${DRAFTER:-$RUNS/q15-dflash-4/drafter}
+WP5=data/qwen2.5-coder-1.5b-wordproblems-657
+FS5=data/qwen2.5-coder-1.5b-stubs-275
+stage data5 && $D --prompts word-problems --skip 657 --out $WP5 &&
+    ${D/--max-new-tokens 256/--max-new-tokens 192} --prompts function-stubs --skip 275 --out $FS5
+stage train5 && ${T/--data $DATA/--data data/qwen2.5-coder-1.5b-completion-65,$WP,$FS,$WP5,$FS5} \
+    --out $RUNS/q15-dflash-5 --init-from $RUNS/q15-dflash-4/drafter --steps 600 --lr 3e-4 ${RESUME:+--resume}
+DRAFTER=${DRAFTER:-$RUNS/q15-dflash-5/drafter}
 stage bench || exit 0
-# Reports of the drafter measured go to $BENCH (run 2's are in $OUT itself, run 3's in run3/).
-BENCH=${BENCH:-$OUT/run4}
+# Reports of the drafter measured go to $BENCH (run 2's are in $OUT itself, runs 3 and 4's in
+# run3/ and run4/).
+BENCH=${BENCH:-$OUT/run5}
 mkdir -p "$BENCH"
 # τ at 7 drafted tokens per step, chains (the goal's measure), 10 prompts per set.
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
@@ -68,22 +80,23 @@ $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",dra
     --max-tokens 128 --temperatures 0 --out-dir "$BENCH/tau-k7"
 # The validation estimate against τ measured on prompts of the training kinds it never saw
 # (the data directories hold reasoning-gym-math 1-1,200, codeio-completion 1-1,265,
-# word-problems 1-600 and function-stubs 1-250; reasoning-gym-math lists its 26 generators in
-# turn, so 26 prompts take one question of each). The estimate: each directory's whole
-# held-out split (one example in 20), in $BENCH/validation.txt.
-for dir in data/qwen2.5-coder-1.5b-{completion-65,rgmath,wordproblems,stubs}; do
+# word-problems 1-600 and 658 on, and function-stubs 1-250 and 276 on; reasoning-gym-math lists
+# its 26 generators in turn, so 26 prompts take one question of each). The estimate: each
+# directory's whole held-out split (one example in 20), in $BENCH/validation.txt.
+for dir in data/qwen2.5-coder-1.5b-{completion-65,rgmath,wordproblems,stubs,wordproblems-657,stubs-275}; do
     echo "$dir" && $SPECULA train validate --target qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER" \
         --data "$dir" --val-examples 200 --max-tokens 640
 done > "$BENCH/validation.txt"
+# Each kind is generated as long as its data's answers were (the stubs' at most 192 tokens).
 unseen() {
     $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
-        --draft-tree off --dataset "$1" --skip "$2" --limit "$3" --max-tokens 256 --temperatures 0 \
+        --draft-tree off --dataset "$1" --skip "$2" --limit "$3" --max-tokens "${4:-256}" --temperatures 0 \
         --out-dir "$BENCH/unseen-k7-$1"
 }
 unseen codeio-completion 1300 10
 unseen reasoning-gym-math 1300 26
 unseen word-problems 600 10
-unseen function-stubs 250 10
+unseen function-stubs 250 10 192
 # Speed at `--draft-len auto` (trees where the drafter has them) beside the 0.5B draft model, all
 # planned with one verify-cost curve measured at the start.
 DM=draft-model:qwen2.5-coder-0.5b,weights=q4_0,vocab=32768

@@ -78,6 +78,12 @@ mkdir -p "$BENCH"
 $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
     --draft-tree off --dataset humaneval --dataset gsm8k-100 --dataset mt-bench --dataset math500 --limit 10 \
     --max-tokens 128 --temperatures 0 --out-dir "$BENCH/tau-k7"
+# Speed at `--draft-len auto` (trees where the drafter has them) beside the 0.5B draft model, all
+# planned with one verify-cost curve measured at the start.
+DM=draft-model:qwen2.5-coder-0.5b,weights=q4_0,vocab=32768
+$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter "$DM" --drafter dflash:"$DRAFTER" \
+    --drafter ngram+dflash:"$DRAFTER" --draft-len auto \
+    --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 --temperatures 0 --out-dir "$BENCH/auto"
 # The validation estimate against τ measured on prompts of the training kinds it never saw
 # (the data directories hold reasoning-gym-math 1-1,200, codeio-completion 1-1,265,
 # word-problems 1-600 and 658 on, and function-stubs 1-250 and 276 on; reasoning-gym-math lists
@@ -97,9 +103,3 @@ unseen codeio-completion 1300 10
 unseen reasoning-gym-math 1300 26
 unseen word-problems 600 10
 unseen function-stubs 250 10 192
-# Speed at `--draft-len auto` (trees where the drafter has them) beside the 0.5B draft model, all
-# planned with one verify-cost curve measured at the start.
-DM=draft-model:qwen2.5-coder-0.5b,weights=q4_0,vocab=32768
-$SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter "$DM" --drafter dflash:"$DRAFTER" \
-    --drafter ngram+dflash:"$DRAFTER" --draft-len auto \
-    --dataset humaneval --dataset gsm8k-100 --limit 10 --max-tokens 128 --temperatures 0 --out-dir "$BENCH/auto"

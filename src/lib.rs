@@ -7,6 +7,7 @@
 //! - [`kv`]: paged KV block pool, per-sequence block tables, rollback, freeing in `Drop`.
 //! - [`tokenize`]: GGUF BPE tokenizers, chat templates, streaming detokenisation.
 //! - [`sample`]: sampling settings and the one sampler used by plain decoding and the verifier.
+//! - [`stats`]: bootstrap intervals, shared by the benchmarks and the trainer's τ estimate.
 //! - [`speculative`]: the `Proposer` trait, one file per drafter, one pure verifier.
 //! - [`engine`]: the step loop (schedule → propose → forward → verify → commit).
 //! - [`train`]: training data for DFlash drafters, made by the target (`specula train data`).
@@ -26,6 +27,7 @@ mod parallel;
 pub mod sample;
 pub mod server;
 pub mod speculative;
+pub mod stats;
 pub mod tokenize;
 pub mod train;
 mod vmath;

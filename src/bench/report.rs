@@ -92,17 +92,19 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
         if !spec.is_empty() {
             let _ = writeln!(
                 s,
-                "| data set | T | mode | nodes/step | accepted by depth 1, 2, … | accepted by sibling rank 0, 1, … |"
+                "| data set | T | mode | τ | its 95% interval over prompts | nodes/step | accepted by depth 1, 2, … | accepted by sibling rank 0, 1, … |"
             );
-            let _ = writeln!(s, "|---|---|---|---:|---|---|");
+            let _ = writeln!(s, "|---|---|---|---:|---:|---:|---|---|");
             let shares = |v: &[f64]| v.iter().map(|a| format!("{:.0}%", a * 100.0)).collect::<Vec<_>>().join(" ");
             for c in spec {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {:.2} | {} | {} |",
+                    "| {} | {} | {} | {:.2} | {} | {:.2} | {} | {} |",
                     c.dataset,
                     fmt_temp(c.temperature),
                     c.mode,
+                    c.tau,
+                    c.tau_interval.map_or("–".to_string(), |(lo, hi)| format!("{lo:.2}–{hi:.2}")),
                     c.mean_draft_len,
                     shares(&c.acceptance_at),
                     shares(&c.acceptance_at_rank)
@@ -121,7 +123,8 @@ pub fn render_markdown(report: &SpecBenchReport) -> String {
          of bound = decode speedup / bound. Greedy mismatches: prompts at T=0 whose speculative output differs \
          from plain decoding (must be 0). Accepted by depth d: of the steps whose draft reached depth d, the share \
          that accepted a token there; by sibling rank r: of the times the verifier tried a drafter's r-th choice \
-         (the better ones rejected), the share accepted."
+         (the better ones rejected), the share accepted. τ's 95% interval: from a bootstrap over the prompts, how \
+         far another sample of prompts of the set could move τ."
     );
     let _ = writeln!(s, "\nGreedy mismatches in total: {}", report.greedy_mismatches);
     s

@@ -218,6 +218,9 @@ pub struct CellSummary {
     pub speedup_interval: Option<(f64, f64)>,
     pub decode_speedup: f64,
     pub tau: f64,
+    /// 95% interval of `tau` from a bootstrap over the prompts (speculative modes with at least
+    /// two prompts): how far another sample of prompts of the set could move it.
+    pub tau_interval: Option<(f64, f64)>,
     pub acceptance_rate: f64,
     pub steps: u64,
     pub spec_steps: u64,
@@ -311,37 +314,34 @@ fn ratio(num: f64, den: f64) -> f64 {
     }
 }
 
-/// Resamples of the paired bootstrap behind [`speedup_interval`].
-const BOOTSTRAP_RESAMPLES: usize = 2000;
-
 /// 95% interval of the end-to-end speedup (Σ tokens / Σ seconds, over plain decoding's) from a
-/// paired bootstrap: the prompts are drawn with replacement, each keeping its plain and its
-/// speculative run together, so prompt-to-prompt differences in length and difficulty cancel and
-/// what is left is the run-to-run noise. Deterministic (fixed seed). None with fewer than two
-/// pairs.
+/// paired bootstrap ([`crate::stats::bootstrap_95`]): the prompts are drawn with replacement,
+/// each keeping its plain and its speculative run together, so prompt-to-prompt differences in
+/// length and difficulty cancel and what is left is the run-to-run noise. None with fewer than
+/// two pairs.
 pub fn speedup_interval(pairs: &[(&PromptRun, &PromptRun)]) -> Option<(f64, f64)> {
-    let n = pairs.len();
-    if n < 2 {
-        return None;
-    }
-    let mut rng = crate::sample::SamplerRng::from_seed(0x5eed);
     let secs = |r: &PromptRun| r.prefill_secs + r.decode_secs;
-    let mut samples: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
-        .map(|_| {
-            let (mut plain_tokens, mut plain_secs, mut spec_tokens, mut spec_secs) = (0.0, 0.0, 0.0, 0.0);
-            for _ in 0..n {
-                let (plain, spec) = pairs[((rng.next_f64() * n as f64) as usize).min(n - 1)];
-                plain_tokens += plain.tokens as f64;
-                plain_secs += secs(plain);
-                spec_tokens += spec.tokens as f64;
-                spec_secs += secs(spec);
-            }
-            ratio(ratio(spec_tokens, spec_secs), ratio(plain_tokens, plain_secs))
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    let at = |q: f64| samples[((q * (BOOTSTRAP_RESAMPLES - 1) as f64).round() as usize).min(BOOTSTRAP_RESAMPLES - 1)];
-    Some((at(0.025), at(0.975)))
+    crate::stats::bootstrap_95(pairs.len(), |drawn| {
+        let (mut plain_tokens, mut plain_secs, mut spec_tokens, mut spec_secs) = (0.0, 0.0, 0.0, 0.0);
+        for &i in drawn {
+            let (plain, spec) = pairs[i];
+            plain_tokens += plain.tokens as f64;
+            plain_secs += secs(plain);
+            spec_tokens += spec.tokens as f64;
+            spec_secs += secs(spec);
+        }
+        ratio(ratio(spec_tokens, spec_secs), ratio(plain_tokens, plain_secs))
+    })
+}
+
+/// 95% interval of τ (tokens committed per verify step, as [`SpecMetrics::tau`]) from a
+/// bootstrap over the prompts: how much another sample of prompts of the same kind could move it
+/// (prompts differ in difficulty; τ itself does not depend on the machine). None with fewer than
+/// two prompts.
+pub fn tau_interval(runs: &[&PromptRun]) -> Option<(f64, f64)> {
+    let items: Vec<(f64, f64)> =
+        runs.iter().map(|r| ((r.metrics.accepted + r.metrics.steps) as f64, r.metrics.steps as f64)).collect();
+    crate::stats::ratio_of_sums_95(&items)
 }
 
 /// Summarises the runs of one cell. `plain` is the plain-decoding summary of the same prompts
@@ -394,6 +394,7 @@ pub fn summarize(
         speedup_interval: None,
         decode_speedup,
         tau: metrics.tau(),
+        tau_interval: if mode.is_plain() { None } else { tau_interval(runs) },
         acceptance_rate: metrics.acceptance_rate(),
         steps: metrics.steps,
         spec_steps: metrics.spec_steps,

@@ -420,11 +420,13 @@ fn run_validate(args: ValidateArgs) -> Result<()> {
     observer.finish();
     let acc: Vec<String> = m.accuracy.iter().take(7).map(|a| a.map_or("-".into(), |a| format!("{:.3}", a))).collect();
     println!(
-        "{what} drafter on {} examples ({}): τ {} (greedy verify steps simulated at {} drafted tokens); \
+        "{what} drafter on {} examples ({}): τ {}{} (greedy verify steps simulated at {} drafted tokens); \
          loss {:.4}; accuracy at positions 1.. [{}]",
         examples.len(),
         if args.all { "every example" } else { "the held-out split" },
         m.serving_tau.map_or("-".into(), |t| format!("{t:.3}")),
+        m.serving_tau_interval
+            .map_or(String::new(), |(lo, hi)| format!(", 95% interval {lo:.2}–{hi:.2} over the examples")),
         m.serving_draft_len.unwrap_or(0),
         m.loss,
         acc.join(" ")

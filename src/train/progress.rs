@@ -21,6 +21,11 @@ pub struct Metrics {
     /// ([`crate::train::validation::simulate_verify_steps`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving_tau: Option<f64>,
+    /// 95% interval of `serving_tau` from a bootstrap over the answers
+    /// ([`crate::stats::ratio_of_sums_95`]): how far another sample of answers of the same kind
+    /// could move it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving_tau_interval: Option<(f64, f64)>,
     /// Drafted positions per verify step in that simulation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving_draft_len: Option<usize>,
@@ -35,6 +40,8 @@ pub struct Tally {
     hits: Vec<usize>,
     accepted: usize,
     drafts: usize,
+    /// (committed tokens, verify steps) of each answer's simulated serving walk.
+    walks: Vec<(usize, usize)>,
 }
 
 impl Tally {
@@ -55,14 +62,25 @@ impl Tally {
         self.drafts += accepted.len();
     }
 
+    /// One answer's simulated serving walk: tokens committed over how many verify steps (an
+    /// answer without a response position takes none and is not counted).
+    pub fn add_serving_walk(&mut self, committed: usize, steps: usize) {
+        if steps > 0 {
+            self.walks.push((committed, steps));
+        }
+    }
+
     pub fn metrics(&self) -> Metrics {
+        let (committed, steps) = self.walks.iter().fold((0, 0), |(c, n), w| (c + w.0, n + w.1));
+        let walks: Vec<(f64, f64)> = self.walks.iter().map(|&(c, n)| (c as f64, n as f64)).collect();
         Metrics {
             loss: if self.loss_weight > 0.0 { self.loss_sum / self.loss_weight } else { 0.0 },
             accuracy: self.scored.iter().zip(&self.hits).map(|(&s, &h)| (s > 0).then(|| h as f64 / s as f64)).collect(),
             tau: 1.0 + self.accepted as f64 / self.drafts.max(1) as f64,
             blocks: self.drafts,
             scored_rows: self.scored.iter().sum(),
-            serving_tau: None,
+            serving_tau: (steps > 0).then(|| committed as f64 / steps as f64),
+            serving_tau_interval: if steps > 0 { crate::stats::ratio_of_sums_95(&walks) } else { None },
             serving_draft_len: None,
         }
     }

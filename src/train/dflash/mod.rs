@@ -913,7 +913,6 @@ pub fn evaluate(
 ) -> Result<Metrics> {
     let mut tally = Tally::default();
     let walk = ObjectiveSettings { block: k + 1, ..objective };
-    let (mut committed, mut steps) = (0usize, 0usize);
     for (i, e) in examples.iter().enumerate() {
         let mut rng = step_rng(anchors.seed, 3, i as u64);
         let drawn = draw_anchors(e, anchors.per_sequence, &mut rng);
@@ -921,15 +920,11 @@ pub fn evaluate(
         let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f, anchors: &drawn };
         let l = sequence_loss(drafter, frozen, &input, objective)?;
         tally.add(l.weighted_hard_ce, l.weight_sum, &l.scored, &l.hits, &l.accepted);
-        let (c, n) = serving_walk(drafter, frozen, e, &f, walk)?;
-        committed += c;
-        steps += n;
+        let (committed, steps) = serving_walk(drafter, frozen, e, &f, walk)?;
+        tally.add_serving_walk(committed, steps);
     }
     let mut m = tally.metrics();
-    if steps > 0 {
-        m.serving_tau = Some(committed as f64 / steps as f64);
-        m.serving_draft_len = Some(k);
-    }
+    m.serving_draft_len = m.serving_tau.map(|_| k);
     Ok(m)
 }
 

@@ -615,7 +615,6 @@ pub fn evaluate(
         }
     }
     let mut tally = Tally::default();
-    let (mut committed, mut verify_steps) = (0usize, 0usize);
     for e in examples {
         let f = features.get(e, drafter.device())?;
         let input = SequenceInput { tokens: &e.tokens, loss_mask: &e.loss_mask, features: &f };
@@ -626,16 +625,13 @@ pub fn evaluate(
             by_row[t] = a;
         }
         if let Some(first) = e.first_response() {
-            let (c, n) = simulate_verify_steps(first, e.tokens.len(), |p| if p == 0 { 0 } else { by_row[p - 1] });
-            committed += c;
-            verify_steps += n;
+            let (committed, verify_steps) =
+                simulate_verify_steps(first, e.tokens.len(), |p| if p == 0 { 0 } else { by_row[p - 1] });
+            tally.add_serving_walk(committed, verify_steps);
         }
     }
     let mut m = tally.metrics();
-    if verify_steps > 0 {
-        m.serving_tau = Some(committed as f64 / verify_steps as f64);
-        m.serving_draft_len = Some(steps);
-    }
+    m.serving_draft_len = m.serving_tau.map(|_| steps);
     Ok(m)
 }
 

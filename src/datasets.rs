@@ -710,8 +710,8 @@ mod tests {
             ("codeio", 3_001),
             ("codeio-completion", 2_999),
             ("reasoning-gym-math", 1_820),
-            ("word-problems", 1_095),
-            ("function-stubs", 411),
+            ("word-problems", 1_544),
+            ("function-stubs", 544),
         ];
         for (key, n) in expected {
             let prompts = load(key, None).unwrap();

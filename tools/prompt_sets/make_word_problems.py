@@ -10,10 +10,11 @@ single question.
 
     specula serve -m qwen2.5-coder-1.5b --drafter none --port 8093 &
     python3 tools/prompt_sets/make_word_problems.py http://127.0.0.1:8093 \
-        ~/.cache/specula/data/gsm8k-100/gsm8k-100.jsonl data/prompts/word-problems.jsonl 1200
+        ~/.cache/specula/data/gsm8k-100/gsm8k-100.jsonl data/prompts/word-problems.jsonl 1680
 
 A fifth argument F extends the file a run over instructions 0..F wrote with instructions F..N
-(the file holds a run of 720, then one from 720 to 1,200); the result equals one run over 0..N.
+(the file holds a run of 720, then runs from 720 to 1,200 and from 1,200 to 1,680); the result
+equals one run over 0..N.
 
 The server's sampling is seeded per request and its batches are row-invariant, so the same
 server build and model write the same file. One JSON object per line: `id` (topic/index),

@@ -22,20 +22,30 @@
 #           of each script), with their features;
 #   train5  from train4's drafter, 600 steps at peak 3e-4 on every code, word-problem and stub
 #           directory (runs/q15-dflash-5: the drafter measured);
+#   data6   the 1.5B's answers to the word problems and function stubs it wrote third
+#           (`word-problems` from 1,096 on, `function-stubs` from 412 on: instructions
+#           1,200-1,679 of each script), with their features;
+#   train6  from train5's drafter, 600 steps at peak 3e-4 on every code, word-problem and stub
+#           directory (runs/q15-dflash-6);
+#   unseen-data  the 1.5B's answers to prompts of the four training kinds that no run reads
+#           (word-problems 601-657, function-stubs 251-275, codeio-completion 1,301-1,330,
+#           reasoning-gym-math 1,301-1,352), with features: the serving simulation on them is
+#           checked against real speculative decoding of the same prompts;
 #   bench   the drafter of train5 (DRAFTER= for another): τ at 7 drafted tokens per step
 #           (chains) on the four evaluation sets, `--draft-len auto` speedups beside the 0.5B
-#           draft model, and τ on unseen prompts of the four training kinds, against the
-#           validation estimate; reports in $OUT/run5 (BENCH=).
+#           draft model, and τ on the unseen prompts, against the validation estimate and the
+#           simulation on their own answers; reports in $OUT/run5 (BENCH=).
 # Every stage resumes: `train data` continues a directory, and with RESUME=1 `train dflash
 # --resume` a run (--stop-after counts from the checkpoint: resuming train1 at step s, give
 # STOP1=$((800 - s))).
-# Usage: run.sh [data1] [train1] [data2] [train2] [data3] [train3] [data4] [train4] [data5] [train5] [bench]
+# Usage: run.sh [data1] [train1] [data2] [train2] [data3] [train3] [data4] [train4] [data5] [train5]
+#     [data6] [train6] [unseen-data] [bench]
 # (default: all, in this order).
 set -euo pipefail
 SPECULA=${SPECULA:-target/release/specula}
 OUT=${OUT:-$(dirname "$0")}
 RUNS=${RUNS:-runs}
-STAGES=${*:-data1 train1 data2 train2 data3 train3 data4 train4 data5 train5 bench}
+STAGES=${*:-data1 train1 data2 train2 data3 train3 data4 train4 data5 train5 data6 train6 unseen-data bench}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 D="$SPECULA train data --target qwen2.5-coder-1.5b --max-new-tokens 256 --max-prompt-tokens 320 --batch 16 --features dflash --max-tokens 640"
 data() {
@@ -68,6 +78,17 @@ stage data5 && $D --prompts word-problems --skip 657 --out $WP5 &&
     ${D/--max-new-tokens 256/--max-new-tokens 192} --prompts function-stubs --skip 275 --out $FS5
 stage train5 && ${T/--data $DATA/--data data/qwen2.5-coder-1.5b-completion-65,$WP,$FS,$WP5,$FS5} \
     --out $RUNS/q15-dflash-5 --init-from $RUNS/q15-dflash-4/drafter --steps 600 --lr 3e-4 ${RESUME:+--resume}
+WP6=data/qwen2.5-coder-1.5b-wordproblems-1095
+FS6=data/qwen2.5-coder-1.5b-stubs-411
+stage data6 && $D --prompts word-problems --skip 1095 --out $WP6 &&
+    ${D/--max-new-tokens 256/--max-new-tokens 192} --prompts function-stubs --skip 411 --out $FS6
+stage train6 && ${T/--data $DATA/--data data/qwen2.5-coder-1.5b-completion-65,$WP,$FS,$WP5,$FS5,$WP6,$FS6} \
+    --out $RUNS/q15-dflash-6 --init-from $RUNS/q15-dflash-5/drafter --steps 600 --lr 3e-4 ${RESUME:+--resume}
+U=data/qwen2.5-coder-1.5b-unseen
+stage unseen-data && $D --prompts word-problems --skip 600 --limit 57 --out $U-wordproblems-600 &&
+    ${D/--max-new-tokens 256/--max-new-tokens 192} --prompts function-stubs --skip 250 --limit 25 --out $U-stubs-250 &&
+    $D --prompts codeio-completion --skip 1300 --limit 30 --out $U-completion-1300 &&
+    $D --prompts reasoning-gym-math --skip 1300 --limit 52 --out $U-rgmath-1300
 DRAFTER=${DRAFTER:-$RUNS/q15-dflash-5/drafter}
 stage bench || exit 0
 # Reports of the drafter measured go to $BENCH (run 2's are in $OUT itself, runs 3 and 4's in
@@ -87,19 +108,26 @@ $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter "$DM" --drafter dflas
 # The validation estimate against τ measured on prompts of the training kinds it never saw
 # (the data directories hold reasoning-gym-math 1-1,200, codeio-completion 1-1,265,
 # word-problems 1-600 and 658 on, and function-stubs 1-250 and 276 on; reasoning-gym-math lists
-# its 26 generators in turn, so 26 prompts take one question of each). The estimate: each
-# directory's whole held-out split (one example in 20), in $BENCH/validation.txt.
-for dir in data/qwen2.5-coder-1.5b-{completion-65,rgmath,wordproblems,stubs,wordproblems-657,stubs-275}; do
+# its 26 generators in turn, so 52 prompts take two questions of each). The estimate: each
+# kind's whole held-out split (one example in 20 of its directories), in $BENCH/validation.txt;
+# the same simulation on the 1.5B's answers to the unseen prompts themselves (stage
+# unseen-data), in $BENCH/validation-unseen.txt.
+Q=data/qwen2.5-coder-1.5b
+for dir in $Q-completion-65 $Q-rgmath $Q-wordproblems,$Q-wordproblems-657 $Q-stubs,$Q-stubs-275; do
     echo "$dir" && $SPECULA train validate --target qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER" \
         --data "$dir" --val-examples 200 --max-tokens 640
 done > "$BENCH/validation.txt"
+for dir in $U-{completion-1300,rgmath-1300,wordproblems-600,stubs-250}; do
+    echo "$dir" && $SPECULA train validate --target qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER" \
+        --data "$dir" --all --val-examples 200 --max-tokens 640
+done > "$BENCH/validation-unseen.txt"
 # Each kind is generated as long as its data's answers were (the stubs' at most 192 tokens).
 unseen() {
     $SPECULA bench --mode spec -m qwen2.5-coder-1.5b --drafter dflash:"$DRAFTER",draft-max=7 --draft-len 7 \
         --draft-tree off --dataset "$1" --skip "$2" --limit "$3" --max-tokens "${4:-256}" --temperatures 0 \
         --out-dir "$BENCH/unseen-k7-$1"
 }
-unseen codeio-completion 1300 10
-unseen reasoning-gym-math 1300 26
-unseen word-problems 600 10
-unseen function-stubs 250 10 192
+unseen codeio-completion 1300 30
+unseen reasoning-gym-math 1300 52
+unseen word-problems 600 57
+unseen function-stubs 250 25 192
